@@ -1,0 +1,47 @@
+"""The `gyre` command line.
+
+Subcommands live beside the code they drive and are found through the `gyre.cli` entry-point group declared in
+pyproject.toml, so that `gyre.runtime` never imports the layers above it. A subcommand whose module cannot be
+imported is reported when it is asked for, not when another one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import entry_points
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    parser = argparse.ArgumentParser(prog="gyre", description="Train long-horizon LLM agents with RL.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(
+        dest="bench", metavar="BENCH", required=True
+    )
+    broken: dict[str, str] = {}
+    for point in sorted(entry_points(group="gyre.cli"), key=lambda p: p.name):
+        target = bench if point.name.startswith("bench.") else commands
+        try:
+            register = point.load()
+        except Exception as error:  # a broken plug-in must not take the other commands down
+            name = point.name.removeprefix("bench.")
+            broken[point.name] = f"{type(error).__name__}: {error}"
+            target.add_parser(name, help=f"(unavailable: {error})")
+            continue
+        register(target)
+    return parser, broken
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, broken = build_parser()
+    args = parser.parse_args(argv)
+    chosen = args.command if args.command != "bench" else f"bench.{args.bench}"
+    if chosen in broken:
+        print(f"gyre: the command {chosen!r} could not be loaded: {broken[chosen]}", file=sys.stderr)
+        return 2
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,8 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
+from gyre.runtime.errors import GyreError
+
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     parser = argparse.ArgumentParser(prog="gyre", description="Train long-horizon LLM agents with RL.")
@@ -33,13 +35,24 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after a bare "--" belongs to the command's target (e.g. a topology file's own flags).
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser, broken = build_parser()
     args = parser.parse_args(argv)
+    args.passthrough = passthrough
     chosen = args.command if args.command != "bench" else f"bench.{args.bench}"
     if chosen in broken:
         print(f"gyre: the command {chosen!r} could not be loaded: {broken[chosen]}", file=sys.stderr)
         return 2
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except (FileNotFoundError, GyreError) as error:
+        print(f"gyre: {error}", file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

@@ -1,0 +1,470 @@
+"""OpenAI chat completions: request validation into Gyre's neutral call form, and answers in OpenAI's shapes.
+
+The neutral form (`ChatRequest`, `ChatOutcome`, `ApiError`) lives here because the chat template speaks
+OpenAI-style messages: the Anthropic translation produces the same form.
+
+What we enforce, and what we only accept:
+- `tool_choice: "none"` removes the tools (they are not rendered, and the output is not parsed for tool calls).
+  `"auto"`, `"required"` and a named function are accepted and the tools are rendered, but nothing constrains the
+  decoding: the answer holds whatever calls the model wrote (none, or other tools). A named function must be one
+  of `tools` (400 otherwise). The policy under training must learn to call tools; the proxy does not fake it.
+- `n` must be 1; `logprobs: true` returns the behaviour log-prob of each output token; `top_logprobs`, non-zero
+  penalties, `logit_bias` and non-text `response_format` are refused with 400 rather than silently ignored.
+- `user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`, `reasoning_effort` and unknown fields are
+  ignored (agents send them by habit; none changes what a local model can do).
+- Message content may be a string or a list of text parts; images, audio and files get 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+import attrs
+
+from gyre.engines.tool_calls import ToolCall
+
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "ChatOutcome",
+    "parse_chat_request",
+    "completion_body",
+    "completion_chunks",
+    "models_body",
+    "error_body",
+    "sse",
+]
+
+MAX_STOP_SEQUENCES = 16
+
+
+class ApiError(Exception):
+    """A request the proxy refuses; each API renders it in its own error shape.
+
+    `kind` is one of: invalid_request (400), context_length (400), authentication (401), not_found (404),
+    too_large (413), overloaded (503), server (500).
+    """
+
+    STATUS = {
+        "invalid_request": 400,
+        "context_length": 400,
+        "authentication": 401,
+        "not_found": 404,
+        "too_large": 413,
+        "overloaded": 503,
+        "server": 500,
+    }
+
+    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+        assert kind in self.STATUS, kind
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return self.STATUS[self.kind]
+
+
+@attrs.frozen
+class ChatRequest:
+    """One chat call, whatever API it came through; messages and tools in the OpenAI-style form of the template."""
+
+    model: str
+    system_text: str | None
+    """The leading system (or developer) message's text; None when there is none."""
+    messages: tuple[dict[str, Any], ...]
+    """The other messages: role user/assistant/tool/system, content str (or None), tool_calls, tool_call_id."""
+    tools: tuple[dict[str, Any], ...] | None
+    """Function tools as {"type": "function", "function": {...}}; None when absent or removed by tool_choice."""
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool = False
+    """OpenAI stream_options.include_usage: a last chunk with usage and no choices."""
+    logprobs: bool = False
+
+
+@attrs.frozen
+class ChatOutcome:
+    """What the proxy answers, whatever API it answers in."""
+
+    response_id: str
+    model: str
+    created_s: int
+    content: str
+    tool_calls: tuple[ToolCall, ...]
+    tool_call_ids: tuple[str, ...]
+    finish: str
+    """"stop", "length", "tool_calls" or "stop_sequence" (a requested stop string matched)."""
+    matched_stop: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    token_logprobs: tuple[tuple[str, float], ...] | None = None
+    """(token text, log-prob) per output token when the call asked for logprobs."""
+
+
+# -- validation helpers (shared with the Anthropic module) -------------------------------------------------------
+
+
+def require_object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ApiError("invalid_request", "the request body must be a JSON object")
+    return body
+
+
+def number_field(body: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError("invalid_request", f"{name} must be a number", name)
+    if value > high or value < low or (low_open and value == low):
+        bound = "(" if low_open else "["
+        raise ApiError("invalid_request", f"{name} must be in {bound}{low}, {high}], got {value}", name)
+    return float(value)
+
+
+def int_field(body: Mapping[str, Any], name: str, low: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError("invalid_request", f"{name} must be an integer", name)
+    if value < low:
+        raise ApiError("invalid_request", f"{name} must be at least {low}, got {value}", name)
+    return value
+
+
+def bool_field(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError("invalid_request", f"{name} must be a boolean", name)
+    return value
+
+
+def model_field(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError("invalid_request", "model must be a non-empty string", "model")
+    return model
+
+
+def stop_field(value: Any, name: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise ApiError("invalid_request", f"{name} must be a non-empty string or a list of them", name)
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise ApiError("invalid_request", f"{name} holds more than {MAX_STOP_SEQUENCES} sequences", name)
+    return tuple(value)
+
+
+def json_object_text(arguments: Any, where: str) -> str:
+    """Tool-call arguments as JSON object text (what the template renders verbatim)."""
+    if isinstance(arguments, Mapping):
+        return json.dumps(arguments, ensure_ascii=False)
+    if not isinstance(arguments, str):
+        raise ApiError("invalid_request", f"{where} must be a JSON string", where)
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        raise ApiError("invalid_request", f"{where} is not valid JSON", where) from None
+    if not isinstance(value, dict):
+        raise ApiError("invalid_request", f"{where} must encode a JSON object", where)
+    return arguments
+
+
+# -- requests --------------------------------------------------------------------------------------------------
+
+
+def _text_content(content: Any, where: str, allow_none: bool) -> str | None:
+    if content is None:
+        if allow_none:
+            return None
+        raise ApiError("invalid_request", f"{where} is required", where)
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ApiError("invalid_request", f"{where}: only text parts are supported, got {kind!r}", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ApiError("invalid_request", f"{where} must be a string or a list of text parts", where)
+
+
+def _message(index: int, raw: Any) -> dict[str, Any]:
+    where = f"messages[{index}]"
+    if not isinstance(raw, Mapping):
+        raise ApiError("invalid_request", f"{where} must be an object", where)
+    role = raw.get("role")
+    if role in ("system", "developer"):
+        return {"role": "system", "content": _text_content(raw.get("content"), f"{where}.content", False)}
+    if role == "user":
+        return {"role": "user", "content": _text_content(raw.get("content"), f"{where}.content", False)}
+    if role == "tool":
+        call_id = raw.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ApiError("invalid_request", f"{where}.tool_call_id must be a non-empty string", where)
+        content = _text_content(raw.get("content"), f"{where}.content", False)
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
+    if role == "assistant":
+        if raw.get("function_call") is not None:
+            raise ApiError("invalid_request", f"{where}.function_call is not supported; use tool_calls", where)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": _text_content(raw.get("content"), f"{where}.content", True) or "",
+        }
+        calls = raw.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise ApiError("invalid_request", f"{where}.tool_calls must be a list", where)
+            checked = []
+            for j, call in enumerate(calls):
+                cwhere = f"{where}.tool_calls[{j}]"
+                function = call.get("function") if isinstance(call, Mapping) else None
+                if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                    raise ApiError("invalid_request", f"{cwhere}.function.name must be a string", cwhere)
+                checked.append(
+                    {
+                        "id": str(call.get("id") or ""),
+                        "type": "function",
+                        "function": {
+                            "name": function["name"],
+                            "arguments": json_object_text(
+                                function.get("arguments", "{}"), f"{cwhere}.function.arguments"
+                            ),
+                        },
+                    }
+                )
+            message["tool_calls"] = checked
+        return message
+    raise ApiError("invalid_request", f"{where}.role {role!r} is not supported", where)
+
+
+def _tools(raw: Any) -> tuple[dict[str, Any], ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ApiError("invalid_request", "tools must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(function, Mapping):
+            raise ApiError("invalid_request", f"{where} must be {{'type': 'function', 'function': {{...}}}}", where)
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError("invalid_request", f"{where}.function.name must be a non-empty string", where)
+        spec: dict[str, Any] = {"name": name}
+        if function.get("description") is not None:
+            if not isinstance(function["description"], str):
+                raise ApiError("invalid_request", f"{where}.function.description must be a string", where)
+            spec["description"] = function["description"]
+        if function.get("parameters") is not None:
+            if not isinstance(function["parameters"], Mapping):
+                raise ApiError("invalid_request", f"{where}.function.parameters must be an object", where)
+            spec["parameters"] = function["parameters"]
+        tools.append({"type": "function", "function": spec})
+    return tuple(tools) or None
+
+
+def _apply_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...] | None) -> tuple[dict[str, Any], ...] | None:
+    if choice is None or choice == "auto":
+        return tools
+    if choice == "none":
+        return None
+    if choice == "required":
+        if not tools:
+            raise ApiError("invalid_request", "tool_choice 'required' needs tools", "tool_choice")
+        return tools
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), Mapping) else None
+        if not tools or name not in {t["function"]["name"] for t in tools}:
+            raise ApiError("invalid_request", f"tool_choice names a function not in tools: {name!r}", "tool_choice")
+        return tools
+    raise ApiError(
+        "invalid_request", "tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice"
+    )
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a POST /v1/chat/completions body. Raises ApiError (invalid_request) on anything malformed."""
+    body = require_object(body)
+    model = model_field(body)
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise ApiError("invalid_request", "messages must be a non-empty list", "messages")
+    messages = [_message(i, m) for i, m in enumerate(raw_messages)]
+    system_text = None
+    if messages[0]["role"] == "system":
+        system_text = messages.pop(0)["content"]
+    tools = _apply_tool_choice(body.get("tool_choice"), _tools(body.get("tools")))
+
+    if int_field(body, "n", 1) not in (None, 1):
+        raise ApiError("invalid_request", "only n=1 is supported", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if number_field(body, name, -2.0, 2.0) not in (None, 0.0):
+            raise ApiError("invalid_request", f"{name} is not supported (must be 0)", name)
+    if body.get("logit_bias"):
+        raise ApiError("invalid_request", "logit_bias is not supported", "logit_bias")
+    if int_field(body, "top_logprobs", 0) not in (None, 0):
+        raise ApiError("invalid_request", "top_logprobs is not supported", "top_logprobs")
+    response_format = body.get("response_format")
+    if response_format is not None and (
+        not isinstance(response_format, Mapping) or response_format.get("type") != "text"
+    ):
+        raise ApiError("invalid_request", "only response_format {'type': 'text'} is supported", "response_format")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, Mapping):
+        raise ApiError("invalid_request", "stream_options must be an object", "stream_options")
+    max_tokens = int_field(body, "max_completion_tokens", 1)
+    legacy_max = int_field(body, "max_tokens", 1)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError("invalid_request", "seed must be an integer", "seed")
+    return ChatRequest(
+        model=model,
+        system_text=system_text,
+        messages=tuple(messages),
+        tools=tools,
+        max_tokens=max_tokens if max_tokens is not None else legacy_max,
+        temperature=number_field(body, "temperature", 0.0, 2.0),
+        top_p=number_field(body, "top_p", 0.0, 1.0, low_open=True),
+        top_k=None,
+        stop=stop_field(body.get("stop"), "stop"),
+        seed=seed,
+        stream=bool_field(body, "stream"),
+        include_usage=bool((stream_options or {}).get("include_usage", False)),
+        logprobs=bool_field(body, "logprobs"),
+    )
+
+
+# -- answers ---------------------------------------------------------------------------------------------------
+
+
+def _finish_reason(outcome: ChatOutcome) -> str:
+    return "stop" if outcome.finish == "stop_sequence" else outcome.finish
+
+
+def _usage(outcome: ChatOutcome) -> dict[str, Any]:
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+    }
+
+
+def _logprobs(outcome: ChatOutcome) -> dict[str, Any] | None:
+    if outcome.token_logprobs is None:
+        return None
+    return {
+        "content": [
+            {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+            for token, logprob in outcome.token_logprobs
+        ],
+        "refusal": None,
+    }
+
+
+def _tool_calls_json(outcome: ChatOutcome) -> list[dict[str, Any]]:
+    return [
+        {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+        for call, call_id in zip(outcome.tool_calls, outcome.tool_call_ids)
+    ]
+
+
+def completion_body(outcome: ChatOutcome) -> dict[str, Any]:
+    """The non-streaming answer (`chat.completion`)."""
+    message: dict[str, Any] = {"role": "assistant", "content": outcome.content, "refusal": None}
+    if outcome.tool_calls:
+        message["tool_calls"] = _tool_calls_json(outcome)
+        if not outcome.content:
+            message["content"] = None
+    return {
+        "id": outcome.response_id,
+        "object": "chat.completion",
+        "created": outcome.created_s,
+        "model": outcome.model,
+        "system_fingerprint": None,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": _logprobs(outcome), "finish_reason": _finish_reason(outcome)}
+        ],
+        "usage": _usage(outcome),
+    }
+
+
+def completion_chunks(outcome: ChatOutcome, include_usage: bool) -> list[dict[str, Any]]:
+    """The streaming answer as `chat.completion.chunk` objects (each sent as `data: {...}`, then `data: [DONE]`).
+
+    Shapes as OpenAI sends them: a first delta with the role, content deltas, one delta per tool call (id, type,
+    name and the whole arguments), a last delta with finish_reason, and with include_usage a final chunk whose
+    choices are empty and usage is set (every earlier chunk then carries usage: null).
+    """
+    head = {"id": outcome.response_id, "object": "chat.completion.chunk", "created": outcome.created_s,
+            "model": outcome.model, "system_fingerprint": None}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    chunks = [chunk({"role": "assistant", "content": "", "refusal": None})]
+    if outcome.content:
+        chunks.append(chunk({"content": outcome.content}, logprobs=_logprobs(outcome)))
+    for index, call in enumerate(_tool_calls_json(outcome)):
+        chunks.append(chunk({"tool_calls": [{"index": index, **call}]}))
+    chunks.append(chunk({}, finish=_finish_reason(outcome)))
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": _usage(outcome)})
+    return chunks
+
+
+def models_body(model_names: Sequence[str], created_s: int, owned_by: str) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": created_s, "owned_by": owned_by} for name in model_names],
+    }
+
+
+_CODES = {
+    "authentication": "invalid_api_key",
+    "not_found": "model_not_found",
+    "context_length": "context_length_exceeded",
+}
+_TYPES = {"overloaded": "server_error", "server": "server_error"}
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": _TYPES.get(error.kind, "invalid_request_error"),
+            "param": error.param,
+            "code": _CODES.get(error.kind),
+        }
+    }
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event: optional `event:` line, one `data:` line of compact JSON (or a literal string)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    prefix = f"event: {event}\n" if event else ""
+    return f"{prefix}data: {text}\n\n".encode("utf-8")

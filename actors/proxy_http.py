@@ -1,0 +1,584 @@
+"""The proxy's HTTP face: OpenAI and Anthropic chat APIs over token-in/token-out generation.
+
+Every call: authenticate the execution's API key -> validate the body -> render the prompt ids (reusing the ids of
+turns this execution generated) -> one `GenerateBackend.generate` -> decode, parse tool calls -> remember the turn
+-> emit `ModelCallCompleted` -> answer in the API's shape (JSON, or server-sent events when `stream` is set).
+
+Streaming sends the whole answer once generation is done: the backend returns whole turns, and token-in/token-out
+needs the finished ids before the turn can be recorded. Agents see the SSE shapes their SDKs expect.
+
+Robustness: every refusal is an `ApiError` rendered in the API's own error shape with its usual status; anything
+unexpected becomes a 500 in that shape and is logged; the number of calls in flight is bounded (503 beyond, which
+the SDKs retry). Isolation: a call reaches only the `ExecutionSession` of its own key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import threading
+from typing import Any, Awaitable, Callable, Protocol
+
+import attrs
+import structlog
+from aiohttp import web
+
+from gyre.actors import anthropic_api, openai_api
+from gyre.actors.openai_api import ApiError, ChatOutcome, ChatRequest, sse
+from gyre.actors.proxy_sessions import ExecutionSession, ProxySessions, RenderedPrompt, turn_key
+from gyre.engines.tool_calls import ToolCall, parse_tool_calls
+from gyre.messages.model_calls import ModelCallCompleted
+
+__all__ = [
+    "ProxyHttpConfig",
+    "BackendRequest",
+    "BackendResult",
+    "BackendRejected",
+    "BackendUnavailable",
+    "GenerateBackend",
+    "ProxyStatistics",
+    "ProxyService",
+    "PROXY_SERVICE",
+    "build_proxy_app",
+    "ServedApp",
+]
+
+log = structlog.get_logger(__name__)
+
+AGENT_HEADER = "X-Gyre-Agent"
+CALL_HEADER = "X-Gyre-Call"
+CALL_KINDS = ("turn", "summary")
+MAX_AGENT_ID_CHARS = 256
+
+
+@attrs.frozen
+class ProxyHttpConfig:
+    model_names: tuple[str, ...] = ("gyre",)
+    """Model ids the proxy serves (GET /v1/models); a call naming another model gets 404."""
+    max_context_tokens: int = 32768
+    """Prompt + output tokens of one call at most. A prompt that leaves no room gets 400; a max_tokens that does
+    not fit is lowered to what fits (agents ask for large budgets by habit)."""
+    default_max_tokens: int = 4096
+    """Output budget of an OpenAI call that names none."""
+    max_body_bytes: int = 64 * 2**20
+    """Request bodies above this get 413."""
+    max_in_flight: int = 1024
+    """Calls being generated at once; more get 503 (which the SDKs retry with backoff)."""
+    owned_by: str = "gyre"
+
+
+@attrs.frozen
+class BackendRequest:
+    """One generation the proxy asks of a rollout engine."""
+
+    rid: str
+    """Request id, unique per call ("<execution_id>/<call_index>"), for aborts."""
+    execution_id: str
+    session_key: str
+    """Sticky-routing key: calls with the same key share a prefix and should go to the same cell."""
+    prompt_ids: tuple[int, ...]
+    sampling_params: dict[str, Any]
+    """SGLang's sampling_params form: max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
+    sampling_seed."""
+
+
+@attrs.frozen
+class BackendResult:
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    output_versions: tuple[int, ...]
+    finish_reason: str
+    """"stop", "length" or "abort"."""
+    cached_tokens: int
+    cell: str
+    matched_stop: int | str | None = None
+    """The stop token id or stop string that ended the output, when the engine says."""
+
+
+class BackendRejected(ValueError):
+    """The engine refused the request as invalid (the proxy answers 400)."""
+
+
+class BackendUnavailable(RuntimeError):
+    """No engine can take the request now (the proxy answers 503; the SDKs retry)."""
+
+
+class GenerateBackend(Protocol):
+    async def generate(self, request: BackendRequest) -> BackendResult: ...
+
+
+@attrs.frozen
+class ProxyStatistics:
+    calls_completed: int
+    calls_rejected: int
+    """Calls answered with a 4xx."""
+    calls_failed: int
+    """Calls answered with a 5xx."""
+    emit_failures: int
+    """ModelCallCompleted messages that `on_call_completed` failed to take (logged each time)."""
+    in_flight: int
+    in_flight_peak: int
+
+
+OnCallCompleted = Callable[[ModelCallCompleted], "Awaitable[None] | None"]
+
+
+def _short_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+class ProxyService:
+    """The request handlers and their counters; `build_proxy_app` mounts them on an aiohttp application."""
+
+    def __init__(
+        self,
+        config: ProxyHttpConfig,
+        sessions: ProxySessions,
+        backend: GenerateBackend,
+        on_call_completed: OnCallCompleted,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.sessions = sessions
+        self.backend = backend
+        self.on_call_completed = on_call_completed
+        self.clock = clock
+        self.template = sessions.template
+        self._completed = self._rejected = self._failed = self._emit_failures = 0
+        self._in_flight = self._in_flight_peak = 0
+
+    def statistics(self) -> ProxyStatistics:
+        return ProxyStatistics(
+            calls_completed=self._completed,
+            calls_rejected=self._rejected,
+            calls_failed=self._failed,
+            emit_failures=self._emit_failures,
+            in_flight=self._in_flight,
+            in_flight_peak=self._in_flight_peak,
+        )
+
+    # -- request plumbing ----------------------------------------------------------------------------------------
+
+    def _authenticate(self, request: web.Request) -> ExecutionSession:
+        key = request.headers.get("x-api-key")
+        authorization = request.headers.get("Authorization", "")
+        if not key and authorization[:7].lower() == "bearer ":
+            key = authorization[7:].strip()
+        session = self.sessions.authenticate(key)
+        if session is None:
+            raise ApiError("authentication", "missing or invalid API key" if key else "no API key was presented")
+        return session
+
+    async def _read_json(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError("too_large", f"the request body exceeds {self.config.max_body_bytes} bytes") from None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ApiError("invalid_request", f"the request body is not valid JSON: {error}") from None
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.config.model_names:
+            served = ", ".join(self.config.model_names)
+            raise ApiError("not_found", f"model {model!r} does not exist; served: {served}", "model")
+
+    @staticmethod
+    def _labels(request: web.Request) -> tuple[str, str]:
+        agent = request.headers.get(AGENT_HEADER, "")
+        if len(agent) > MAX_AGENT_ID_CHARS:
+            raise ApiError("invalid_request", f"{AGENT_HEADER} is longer than {MAX_AGENT_ID_CHARS} characters")
+        kind = request.headers.get(CALL_HEADER, "").strip().lower()
+        if kind and kind not in CALL_KINDS:
+            raise ApiError("invalid_request", f"{CALL_HEADER} must be one of {CALL_KINDS}, got {kind!r}")
+        return agent, kind
+
+    def _render(self, session: ExecutionSession, chat: ChatRequest) -> RenderedPrompt:
+        try:
+            rendered = session.render(chat.messages, chat.tools, chat.system_text)
+        except ValueError as error:  # the template's ChatTemplateError, or bad tool-call arguments
+            raise ApiError("invalid_request", f"cannot render the conversation: {error}", "messages") from None
+        if len(rendered.prompt_ids) >= self.config.max_context_tokens:
+            raise ApiError(
+                "context_length",
+                f"the prompt has {len(rendered.prompt_ids)} tokens; this model's context holds "
+                f"{self.config.max_context_tokens} (prompt + output)",
+                "messages",
+            )
+        return rendered
+
+    def _sampling_params(self, chat: ChatRequest, prompt_tokens: int) -> dict[str, Any]:
+        room = self.config.max_context_tokens - prompt_tokens
+        wanted = chat.max_tokens if chat.max_tokens is not None else self.config.default_max_tokens
+        params: dict[str, Any] = {
+            "max_new_tokens": min(wanted, room),
+            "temperature": 1.0 if chat.temperature is None else chat.temperature,
+            "top_p": 1.0 if chat.top_p is None else chat.top_p,
+            "stop_token_ids": list(self.template.stop_token_ids),
+        }
+        if chat.top_k is not None:
+            params["top_k"] = chat.top_k
+        if chat.stop:
+            params["stop"] = list(chat.stop)
+        if chat.seed is not None:
+            params["sampling_seed"] = chat.seed
+        return params
+
+    # -- the call ------------------------------------------------------------------------------------------------
+
+    async def _complete(
+        self, request: web.Request, chat: ChatRequest, session: ExecutionSession, api: str, started_s: float
+    ) -> ChatOutcome:
+        """Generate one turn, record it, emit ModelCallCompleted; return what to answer."""
+        agent_id, call_kind = self._labels(request)
+        self._check_model(chat.model)
+        rendered = self._render(session, chat)
+        prompt_ids = rendered.prompt_ids
+        if self._in_flight >= self.config.max_in_flight:
+            raise ApiError("overloaded", f"{self._in_flight} calls are in flight; retry later")
+        call_index = session.next_call_index()
+        params = self._sampling_params(chat, len(prompt_ids))
+        backend_request = BackendRequest(
+            rid=f"{session.execution_id}/{call_index}",
+            execution_id=session.execution_id,
+            session_key=f"{session.execution_id}/{agent_id}",
+            prompt_ids=prompt_ids,
+            sampling_params=params,
+        )
+        self._in_flight += 1
+        self._in_flight_peak = max(self._in_flight_peak, self._in_flight)
+        try:
+            result = await self.backend.generate(backend_request)
+        except BackendRejected as error:
+            raise ApiError("invalid_request", f"the engine refused the request: {error}") from None
+        except BackendUnavailable as error:
+            raise ApiError("overloaded", f"no engine is available: {error}") from None
+        finally:
+            self._in_flight -= 1
+        if result.finish_reason == "abort":
+            # The agent never sees an aborted turn, so it is neither recorded nor emitted; the SDK retries the 503.
+            raise ApiError("overloaded", "the generation was aborted (engine paused or drained); retry")
+        if not (len(result.output_ids) == len(result.output_logprobs) == len(result.output_versions)):
+            raise RuntimeError(
+                f"backend returned {len(result.output_ids)} ids, {len(result.output_logprobs)} log-probs and "
+                f"{len(result.output_versions)} versions"
+            )
+
+        content, calls, finish, matched_stop = self._decode(chat, result)
+        tag = _short_digest(session.execution_id)
+        if api == "openai":
+            response_id = f"chatcmpl-{tag}-{call_index}"
+            call_ids = tuple(f"call_{tag}_{call_index}_{i}" for i in range(len(calls)))
+        else:
+            response_id = f"msg_{tag}_{call_index}"
+            call_ids = tuple(f"toolu_{tag}_{call_index}_{i}" for i in range(len(calls)))
+        session.record_turn(
+            turn_key(content, [(call.name, call.arguments_json) for call in calls]),
+            rendered.prompt_digest,
+            result.output_ids,
+        )
+        token_logprobs = None
+        if chat.logprobs:
+            token_logprobs = tuple(
+                (self.template.decode([token]), float(lp))
+                for token, lp in zip(result.output_ids, result.output_logprobs)
+            )
+        finished_s = self.clock()
+        await self._emit(
+            ModelCallCompleted(
+                execution_id=session.execution_id,
+                group_id=session.group_id,
+                call_index=call_index,
+                agent_id=agent_id,
+                call_kind=call_kind,
+                prompt_ids=prompt_ids,
+                output_ids=tuple(result.output_ids),
+                output_logprobs=tuple(float(x) for x in result.output_logprobs),
+                output_versions=tuple(int(v) for v in result.output_versions),
+                finish_reason=result.finish_reason,
+                cached_tokens=int(result.cached_tokens),
+                cell=result.cell,
+                started_s=started_s,
+                finished_s=finished_s,
+            )
+        )
+        return ChatOutcome(
+            response_id=response_id,
+            model=chat.model,
+            created_s=int(finished_s),
+            content=content,
+            tool_calls=calls,
+            tool_call_ids=call_ids,
+            finish=finish,
+            matched_stop=matched_stop,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(result.output_ids),
+            cached_tokens=int(result.cached_tokens),
+            token_logprobs=token_logprobs,
+        )
+
+    def _decode(self, chat: ChatRequest, result: BackendResult) -> tuple[str, tuple[ToolCall, ...], str, str | None]:
+        """Output ids -> (content, tool calls, finish, matched stop string)."""
+        ids = list(result.output_ids)
+        if ids and ids[-1] in self.template.stop_token_ids:
+            ids.pop()
+        text = self.template.decode(ids)
+        matched: str | None = None
+        if result.finish_reason == "stop" and chat.stop:
+            # A stop string ends the text before it (OpenAI and Anthropic both leave it out); the ids keep it, since
+            # the policy did emit those tokens.
+            candidates = [result.matched_stop] if isinstance(result.matched_stop, str) else list(chat.stop)
+            found = [(text.find(s), s) for s in candidates if s in chat.stop and s in text]
+            if found:
+                position, matched = min(found)
+                text = text[:position]
+        if chat.tools:
+            parsed = parse_tool_calls(text)
+            content, calls = parsed.content, parsed.tool_calls
+        else:
+            content, calls = text, ()
+        if matched is not None:
+            finish = "stop_sequence"
+        elif result.finish_reason == "length":
+            finish = "length"
+        elif calls:
+            finish = "tool_calls"
+        else:
+            finish = "stop"
+        return content, calls, finish, matched
+
+    async def _emit(self, message: ModelCallCompleted) -> None:
+        try:
+            outcome = self.on_call_completed(message)
+            if inspect.isawaitable(outcome):
+                await outcome
+        except Exception:
+            # The agent still gets its answer; the lost record is counted and logged, never silent.
+            self._emit_failures += 1
+            log.exception("model_call_emit_failed", execution_id=message.execution_id, call_index=message.call_index)
+
+    # -- handlers ------------------------------------------------------------------------------------------------
+
+    def _error_response(self, error: ApiError, api: str) -> web.Response:
+        if error.status >= 500:
+            self._failed += 1
+        else:
+            self._rejected += 1
+        body = openai_api.error_body(error) if api == "openai" else anthropic_api.error_body(error)
+        return web.json_response(body, status=error.status)
+
+    async def _guarded(
+        self, request: web.Request, api: str, handler: Callable[[], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler()
+        except ApiError as error:
+            log.info("proxy_call_refused", path=request.path, kind=error.kind, reason=error.message)
+            return self._error_response(error, api)
+        except ConnectionResetError:
+            log.info("proxy_client_gone", path=request.path)
+            raise
+        except Exception as error:
+            log.exception("proxy_call_failed", path=request.path)
+            return self._error_response(ApiError("server", f"internal error: {type(error).__name__}"), api)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        started_s = self.clock()
+
+        async def handle() -> web.StreamResponse:
+            session = self._authenticate(request)
+            chat = openai_api.parse_chat_request(await self._read_json(request))
+            outcome = await self._complete(request, chat, session, "openai", started_s)
+            self._completed += 1
+            if not chat.stream:
+                return web.json_response(openai_api.completion_body(outcome))
+            events = [sse(chunk) for chunk in openai_api.completion_chunks(outcome, chat.include_usage)]
+            return await self._stream(request, [*events, sse("[DONE]")])
+
+        return await self._guarded(request, "openai", handle)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        started_s = self.clock()
+
+        async def handle() -> web.StreamResponse:
+            session = self._authenticate(request)
+            chat = anthropic_api.parse_messages_request(await self._read_json(request))
+            outcome = await self._complete(request, chat, session, "anthropic", started_s)
+            self._completed += 1
+            if not chat.stream:
+                return web.json_response(anthropic_api.message_body(outcome))
+            events = [sse(data, event=name) for name, data in anthropic_api.message_events(outcome)]
+            return await self._stream(request, events)
+
+        return await self._guarded(request, "anthropic", handle)
+
+    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
+        async def handle() -> web.StreamResponse:
+            session = self._authenticate(request)
+            chat = anthropic_api.parse_count_tokens_request(await self._read_json(request))
+            self._check_model(chat.model)
+            try:
+                rendered = session.render(chat.messages, chat.tools, chat.system_text)
+            except ValueError as error:
+                raise ApiError("invalid_request", f"cannot render the conversation: {error}", "messages") from None
+            return web.json_response({"input_tokens": len(rendered.prompt_ids)})
+
+        return await self._guarded(request, "anthropic", handle)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        async def handle() -> web.StreamResponse:
+            self._authenticate(request)
+            created = int(self.clock())
+            body = openai_api.models_body(self.config.model_names, created, self.config.owned_by)
+            name = request.match_info.get("model")
+            if name is None:
+                return web.json_response(body)
+            self._check_model(name)
+            return web.json_response(next(m for m in body["data"] if m["id"] == name))
+
+        return await self._guarded(request, "openai", handle)
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"status": "ok"})
+
+    async def _stream(self, request: web.Request, events: list[bytes]) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+        await response.write_eof()
+        return response
+
+
+PROXY_SERVICE: web.AppKey[ProxyService] = web.AppKey("gyre_proxy_service", ProxyService)
+
+
+def _route_api(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+@web.middleware
+async def _http_errors_in_api_shape(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Unknown routes and wrong methods answer in the API's error shape instead of aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        kind = {401: "authentication", 404: "not_found", 413: "too_large"}.get(error.status, "invalid_request")
+        api_error = ApiError(kind, f"{request.method} {request.path}: {error.reason}")
+        if _route_api(request.path) == "openai":
+            body = openai_api.error_body(api_error)
+        else:
+            body = anthropic_api.error_body(api_error)
+        return web.json_response(body, status=error.status)
+
+
+def build_proxy_app(
+    config: ProxyHttpConfig,
+    sessions: ProxySessions,
+    backend: GenerateBackend,
+    on_call_completed: OnCallCompleted,
+    *,
+    clock: Callable[[], float],
+) -> web.Application:
+    """The proxy's aiohttp application. `clock` is the runtime clock (timings in ModelCallCompleted, `created`);
+    `on_call_completed` may be a plain or an async function. `app[PROXY_SERVICE].statistics()` reads the counters."""
+    service = ProxyService(config, sessions, backend, on_call_completed, clock)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_http_errors_in_api_shape])
+    app[PROXY_SERVICE] = service
+    app.router.add_post("/v1/chat/completions", service.chat_completions)
+    app.router.add_get("/v1/models", service.models)
+    app.router.add_get("/v1/models/{model}", service.models)
+    app.router.add_post("/v1/messages", service.messages)
+    app.router.add_post("/v1/messages/count_tokens", service.count_tokens)
+    app.router.add_get("/health", service.health)
+    return app
+
+
+class ServedApp:
+    """An aiohttp application served from a background thread with its own event loop.
+
+    For synchronous programs that embed the proxy (tests with the real SDKs' sync clients, notebooks): `make_app`
+    runs inside that loop, so engines and sessions it creates belong to it. Use as a context manager.
+    """
+
+    def __init__(
+        self,
+        make_app: Callable[[], "web.Application | Awaitable[web.Application]"],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        self._make_app = make_app
+        self._host = host
+        self._port = port
+        self._start_timeout_s = start_timeout_s
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.app: web.Application | None = None
+        self.base_url = ""
+
+    def __enter__(self) -> "ServedApp":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        async def serve() -> None:
+            app = self._make_app()
+            if inspect.isawaitable(app):
+                app = await app
+            self.app = app
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self._host, self._port)
+            await site.start()
+            port = self._runner.addresses[0][1]
+            self.base_url = f"http://{self._host}:{port}"
+
+        def run() -> None:
+            self.loop = asyncio.new_event_loop()
+            try:
+                self.loop.run_until_complete(serve())
+            except BaseException as error:  # reported to the starting thread below
+                failure.append(error)
+                started.set()
+                return
+            started.set()
+            self.loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="gyre-served-app", daemon=True)
+        self._thread.start()
+        if not started.wait(self._start_timeout_s):
+            raise TimeoutError(f"the app did not start within {self._start_timeout_s} s")
+        if failure:
+            raise failure[0]
+
+    def call(self, coroutine: Awaitable[Any], timeout_s: float = 300.0) -> Any:
+        """Run a coroutine on the app's loop and wait for its result."""
+        assert self.loop is not None, "start() first"
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self.loop is None or self._thread is None:
+            return
+        if self._runner is not None:
+            self.call(self._runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self.loop.close()
+        self.loop = None

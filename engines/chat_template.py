@@ -1,0 +1,278 @@
+"""The chat template of Gyre's models, and a per-message renderer that agrees with it token for token.
+
+The proxy never re-tokenizes a conversation: it keeps the ids of every message it has already seen or generated
+and appends only the new messages' ids. That only works if rendering the whole conversation equals concatenating
+per-message renderings. This template guarantees it by construction: every turn begins with the special token
+`<|im_start|>` and ends with `<|im_end|>\\n`, and the tokenizer splits on special tokens before it applies BPE, so
+no BPE merge can cross a turn boundary. `ChatTemplate` renders single turns through the very same Jinja template
+(with the same environment settings as transformers' `apply_chat_template`), so there is one source of truth for
+the markup; the tests compare the two paths against transformers on varied conversations.
+
+Layout (Qwen style):
+
+    <|im_start|>system\\n{system text}[\\n\\n]{tools section}<|im_end|>\\n      (only if a system text or tools)
+    <|im_start|>user\\n{content}<|im_end|>\\n
+    <|im_start|>assistant\\n{content}[\\n]<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call><|im_end|>\\n
+    <|im_start|>tool\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n
+
+Several tool calls are separated by "\\n"; a "\\n" separates non-empty content from the first call. A tool call's
+`arguments` string is inserted verbatim (it is what the model emitted); a dict is rendered with json.dumps's
+default separators and ensure_ascii=False, the same text `gyre.engines.tool_calls` parses. Each tool result is its
+own turn (unlike Qwen, which groups consecutive tool results into one user turn) so that a message's ids never
+depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = ["CHAT_TEMPLATE", "ChatTemplate", "ChatTemplateError", "compile_template"]
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+END_OF_TEXT = "<|endoftext|>"
+
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_EPILOGUE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
+
+# Whitespace matters: transformers compiles templates with trim_blocks and lstrip_blocks, and every piece of
+# output below is an explicit `{{- ... }}` string so that the layout of this source never leaks into the text.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(start=0) %}\n"
+    "{%- if messages and messages[0].role == 'system' %}{%- set ns.start = 1 %}{%- endif %}\n"
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if ns.start == 1 and messages[0].content %}{{- messages[0].content + '\\n\\n' }}{%- endif %}\n"
+    "    {{- " + json.dumps(TOOLS_PREAMBLE) + " }}\n"
+    "    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}\n"
+    "    {{- " + json.dumps(TOOLS_EPILOGUE) + " + '<|im_end|>\\n' }}\n"
+    "{%- elif ns.start == 1 %}\n"
+    "    {{- '<|im_start|>system\\n' + (messages[0].content or '') + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if loop.index0 < ns.start %}\n"
+    "    {%- elif message.role == 'user' or message.role == 'system' %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == 'assistant' %}\n"
+    "        {{- '<|im_start|>assistant\\n' + (message.content or '') }}\n"
+    "        {%- for tool_call in (message.tool_calls or []) %}\n"
+    "            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}\n"
+    "            {%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}\n"
+    "            {{- '<tool_call>\\n{\"name\": ' + (tool_call.name | tojson) + ', \"arguments\": ' }}\n"
+    "            {%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == 'tool' %}\n"
+    "        {{- '<|im_start|>tool\\n<tool_response>\\n' + (message.content or '')"
+    " + '\\n</tool_response><|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- raise_exception('unknown message role: ' + (message.role | string)) }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+)
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplateError(ValueError):
+    """A conversation the template cannot render (unknown role, non-text content, malformed tool call), or a model
+    directory without a tokenizer."""
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+    # Same filter as transformers installs: Jinja's own tojson escapes HTML characters.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template with the settings transformers uses, so that both render the same text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _check_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one OpenAI-style message and return a plain copy the template can read."""
+    if not isinstance(message, Mapping):
+        raise ChatTemplateError(f"a message must be a mapping, got {type(message).__name__}")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise ChatTemplateError(f"unknown message role {role!r}; expected one of {_ROLES}")
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        raise ChatTemplateError(f"{role} message content must be a string or None, got {type(content).__name__}")
+    plain = dict(message)
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        if role != "assistant":
+            raise ChatTemplateError(f"only assistant messages carry tool_calls, not {role}")
+        for call in tool_calls:
+            function = call.get("function", call) if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise ChatTemplateError(f"a tool call needs function.name as a string, got {call!r}")
+            arguments = function.get("arguments")
+            if not isinstance(arguments, (str, Mapping)):
+                raise ChatTemplateError(f"tool call arguments must be a JSON string or a dict, got {arguments!r}")
+    return plain
+
+
+class ChatTemplate:
+    """Renders conversations to token ids, whole or one message at a time, with identical results.
+
+    `tokenizer` is a `tokenizers.Tokenizer` (the fast Rust one; no transformers import on the proxy's hot path).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, source: str = CHAT_TEMPLATE) -> None:
+        self.tokenizer = tokenizer
+        self.source = source
+        self._template = compile_template(source)
+        ids = {}
+        for token in (IM_START, IM_END, END_OF_TEXT):
+            token_id = tokenizer.token_to_id(token)
+            if token_id is None:
+                raise ChatTemplateError(f"the tokenizer has no {token} token")
+            ids[token] = token_id
+        self.im_start_id = ids[IM_START]
+        self.im_end_id = ids[IM_END]
+        self.end_of_text_id = ids[END_OF_TEXT]
+        self.stop_token_ids: tuple[int, ...] = (self.im_end_id, self.end_of_text_id)
+        """Tokens that end an assistant turn: the turn end, and the end-of-text token as a fallback."""
+        self._header = tuple(self.encode(f"{IM_START}assistant\n"))
+        self._trailer = tuple(self.encode("\n"))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ChatTemplate":
+        """Load tokenizer.json and the template (tokenizer_config.json's chat_template, or chat_template.jinja)."""
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ChatTemplateError(f"{model_dir} has no tokenizer.json")
+        source = None
+        jinja_file = model_dir / "chat_template.jinja"
+        config_file = model_dir / "tokenizer_config.json"
+        if jinja_file.is_file():
+            source = jinja_file.read_text(encoding="utf-8")
+        elif config_file.is_file():
+            source = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+        if not isinstance(source, str):
+            raise ChatTemplateError(f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)")
+        return cls(Tokenizer.from_file(str(tokenizer_file)), source)
+
+    # -- text ------------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, special-token strings included, no BOS/EOS added (as apply_chat_template does)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        checked = [_check_message(m) for m in messages]
+        try:
+            return self._template.render(
+                messages=checked, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.exceptions.TemplateError as error:
+            raise ChatTemplateError(str(error)) from error
+
+    # -- ids -------------------------------------------------------------------------------------------------
+
+    def render_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The whole conversation's ids; equals transformers' apply_chat_template on the same model directory."""
+        return self.encode(self.render_text(messages, tools, add_generation_prompt))
+
+    def system_ids(self, tools: Sequence[Mapping[str, Any]] | None = None, system_text: str | None = None) -> list[int]:
+        """The system turn (empty when there is neither a system text nor tools)."""
+        messages = [] if system_text is None else [{"role": "system", "content": system_text}]
+        return self.render_ids(messages, tools, add_generation_prompt=False)
+
+    def message_ids(self, message: Mapping[str, Any]) -> list[int]:
+        """One user, assistant or tool turn (a system message here renders as a plain system turn, without tools)."""
+        return self.render_ids([message], None, add_generation_prompt=False)
+
+    def conversation_ids(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[list[int]]:
+        """The per-piece ids whose concatenation is `render_ids(...)`: system part, one list per non-system
+        message, then the generation prompt (empty lists are kept so indices stay predictable)."""
+        messages = list(messages)
+        system_text = None
+        if messages and messages[0].get("role") == "system":
+            system_text = messages[0].get("content") or ""
+            messages = messages[1:]
+        pieces = [self.system_ids(tools, system_text)]
+        pieces.extend(self.message_ids(m) for m in messages)
+        pieces.append(self.generation_prompt_ids() if add_generation_prompt else [])
+        return pieces
+
+    def assistant_header_ids(self) -> list[int]:
+        """`<|im_start|>assistant\\n`: what precedes the model's output in an assistant turn."""
+        return list(self._header)
+
+    def assistant_trailer_ids(self) -> list[int]:
+        """What follows `<|im_end|>` in a rendered assistant turn ("\\n")."""
+        return list(self._trailer)
+
+    def generation_prompt_ids(self) -> list[int]:
+        return list(self._header)
+
+    def assistant_turn_ids(self, output_ids: Sequence[int]) -> list[int]:
+        """The ids of an assistant turn whose body the model generated: header + output + trailer, reusing the
+        output verbatim. An output cut short (no final `<|im_end|>`) gets one, as rendering its text would; an
+        output ending with `<|endoftext|>` has it replaced, because the rendered turn always ends `<|im_end|>`."""
+        body = list(output_ids)
+        if body and body[-1] == self.end_of_text_id:
+            body = body[:-1]
+        if not body or body[-1] != self.im_end_id:
+            body.append(self.im_end_id)
+        return [*self._header, *body, *self._trailer]
+
+    def assistant_body_ids(self, turn_ids: Sequence[int]) -> list[int]:
+        """The inverse of `assistant_turn_ids`: the ids between header and trailer (ending with `<|im_end|>`).
+
+        A turn rendered from text whose content starts with whitespace up to a newline does not split at the
+        header (BPE merges the header's "\n" into the content's newlines) and raises ChatTemplateError; a
+        generated turn always splits, which is why the proxy keeps generated ids instead of re-rendering."""
+        header, trailer = self._header, self._trailer
+        turn = list(turn_ids)
+        if tuple(turn[: len(header)]) != header or tuple(turn[len(turn) - len(trailer) :]) != trailer:
+            raise ChatTemplateError("not an assistant turn: header or trailer missing")
+        return turn[len(header) : len(turn) - len(trailer)]

@@ -1,0 +1,665 @@
+"""HTTP face of the embedded engine: the subset of SGLang's server API that RL frameworks use, plus /gyre/kv/*.
+
+Routes (SGLang shapes; see shared/reference/sglang.md):
+- POST /generate: {input_ids, sampling_params, rid, return_logprob, logprob_start_len, stream} ->
+  {text, output_ids, meta_info{id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version,
+  output_token_logprobs [[logprob, id, null], ...], output_token_versions, e2e_latency}}. `output_token_versions`
+  (the weight version of every output token) is Gyre's addition. With `logprob_start_len >= 0` the prompt's
+  log-probs come back as `input_token_logprobs` (first entry null). `stream: true` answers with server-sent events,
+  `data: {...}` per step with cumulative text/output_ids/log-probs, then `data: [DONE]`.
+- POST /abort_request, /pause_generation, /continue_generation, /flush_cache (400 while requests are in flight and
+  generation is not paused), /update_weights_from_disk, /update_weights_from_tensor, /release_memory_occupation,
+  /resume_memory_occupation; GET /model_info, /health, /get_load (engine statistics).
+- POST /gyre/kv/export, /gyre/kv/import, /gyre/kv/release: move one prefix's KV blocks between two embedded
+  engines through Mooncake (the importer reads the exporter's pinned blocks directly).
+
+/update_weights_from_tensor payload (Gyre's own, SGLang's pickled format is not accepted): `serialized_named_tensors`
+is the base64 text of a safetensors file holding Hugging Face named tensors (or a one-element list of it, as
+SGLang sends one entry per TP rank); `load_format` must be null or "safetensors_base64". Tensors may be a subset
+(bucketed updates); `weight_version` (int, or a string of one) tags the tokens generated afterwards.
+
+Errors: malformed JSON, unknown fields, bad values -> 400 {"error": {"message", "type"}}; a full queue -> 503; a
+broken engine -> 500. Handlers never let an exception escape to aiohttp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import json
+import time
+from typing import Any, Awaitable, Callable
+
+import attrs
+import structlog
+from aiohttp import web
+
+from gyre.engines.async_engine import AsyncEngine, EngineClosed, EngineFailed
+from gyre.engines.embedded_engine import (
+    EmbeddedEngine,
+    EngineConfig,
+    EngineError,
+    EngineOverloaded,
+    GenerateOutput,
+    KVLayout,
+    SamplingParams,
+)
+
+log = structlog.get_logger(__name__)
+
+SAMPLING_FIELDS = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "seed", "sampling_seed",
+     "ignore_eos", "skip_special_tokens", "no_stop_trim"}
+)
+GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "stream"})
+MAX_BODY_BYTES = 2 << 30  # weight updates arrive as one body
+SERVER_KEY: web.AppKey = web.AppKey("gyre_server")
+
+
+class BadRequest(Exception):
+    """A request the server refuses before it reaches the engine."""
+
+    def __init__(self, message: str, type_: str = "invalid_request_error", status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.type = type_
+        self.status = status
+
+
+def _error(status: int, message: str, type_: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": type_}}, status=status)
+
+
+async def _body(request: web.Request, allowed: frozenset[str], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON object body, with no fields outside `allowed` and every field in `required`."""
+    raw = await request.read()
+    if not raw.strip():
+        body: Any = {}
+    else:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise BadRequest(f"body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown fields {unknown}; allowed: {sorted(allowed)}")
+    missing = [name for name in required if name not in body]
+    if missing:
+        raise BadRequest(f"missing fields {missing}")
+    return body
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be a boolean")
+    return value
+
+
+def _version(value: Any, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        raise BadRequest("weight_version must be an int or a string of an int")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise BadRequest(f"weight_version must be an int or a string of an int, got {value!r}")
+
+
+def _token_ids(value: Any, name: str = "input_ids") -> list[int]:
+    if not isinstance(value, list):
+        raise BadRequest(f"{name} must be a list of token ids (one request per call)")
+    if not value:
+        raise BadRequest(f"{name} is empty")
+    if any(isinstance(v, list) for v in value):
+        raise BadRequest(f"batched {name} are not supported: send one request per call")
+    if not all(type(v) is int for v in value):
+        raise BadRequest(f"{name} must hold ints only")
+    return value
+
+
+def sampling_params_from_json(raw: Any) -> tuple[SamplingParams, dict[str, bool]]:
+    """SamplingParams from SGLang's sampling_params object, plus the text-only options (skip_special_tokens,
+    no_stop_trim). BadRequest for unknown fields or bad values."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("sampling_params must be an object")
+    unknown = sorted(set(raw) - SAMPLING_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown sampling_params {unknown}; supported: {sorted(SAMPLING_FIELDS)}")
+    if "seed" in raw and "sampling_seed" in raw:
+        raise BadRequest("give seed or sampling_seed, not both")
+    fields: dict[str, Any] = {}
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos"):
+        if raw.get(name) is not None:
+            fields[name] = raw[name]
+    seed = raw.get("seed", raw.get("sampling_seed"))
+    if seed is not None:
+        fields["seed"] = seed
+    if isinstance(fields.get("stop"), list) and not fields["stop"]:
+        del fields["stop"]
+    text_options = {}
+    for name, default in (("skip_special_tokens", True), ("no_stop_trim", False)):
+        text_options[name] = _bool(raw, name, default)
+    try:
+        return SamplingParams(**fields), text_options
+    except (ValueError, TypeError) as error:
+        raise BadRequest(f"bad sampling_params: {error}") from None
+
+
+class EngineServer:
+    """The route handlers, bound to one AsyncEngine and an optional TransferAgent."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        transfer_agent: Any | None = None,
+        model_path: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.agent = transfer_agent
+        self.model_path = model_path or engine.engine.model_dir
+        self.clock = clock
+        self.tokenizer = engine.engine.tokenizer
+        self._registered: Any = None  # the pool tensor registered with the agent
+
+    # ---- transfer-agent registration ----------------------------------------------------------------------
+
+    async def register_pool(self) -> None:
+        if self.agent is None or self._registered is not None:
+            return
+        agent = self.agent
+
+        def register(engine: EmbeddedEngine) -> Any:
+            if engine.pool is None:
+                return None
+            agent.register_tensor(engine.pool.tensor)
+            return engine.pool.tensor
+
+        self._registered = await self.engine.call(register)
+
+    async def unregister_pool(self) -> None:
+        if self.agent is None or self._registered is None:
+            return
+        tensor, self._registered = self._registered, None
+        self.agent.unregister_tensor(tensor)
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+
+    def _text(self, output_ids: list[int], matched: Any, options: dict[str, bool]) -> str:
+        if self.tokenizer is None or not output_ids:
+            return ""
+        text = self.tokenizer.decode(list(output_ids), skip_special_tokens=options["skip_special_tokens"])
+        if isinstance(matched, str) and not options["no_stop_trim"]:
+            cut = text.find(matched)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    @staticmethod
+    def _finish_reason(output: GenerateOutput) -> dict[str, Any]:
+        if output.finish_reason == "stop":
+            return {"type": "stop", "matched": output.matched_stop}
+        if output.finish_reason == "length":
+            return {"type": "length", "length": len(output.output_ids)}
+        return {"type": "abort", "message": "request aborted"}
+
+    # ---- /generate ----------------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        started = self.clock()
+        body = await _body(request, GENERATE_FIELDS, required=("input_ids",))
+        input_ids = _token_ids(body["input_ids"])
+        params, options = sampling_params_from_json(body.get("sampling_params"))
+        rid = body.get("rid")
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise BadRequest("rid must be a non-empty string (one request per call)")
+        return_logprob = _bool(body, "return_logprob", False)
+        stream = _bool(body, "stream", False)
+        start_len = body.get("logprob_start_len")
+        if start_len is not None and (type(start_len) is not int or start_len < -1 or start_len >= len(input_ids)):
+            raise BadRequest("logprob_start_len must be -1 or an index into input_ids")
+        input_logprobs = None
+        if return_logprob and start_len is not None and start_len >= 0:
+            prompt = await self.engine.prompt_logprobs(input_ids)
+            pairs = [[None, input_ids[0], None]] + [[lp, t, None] for lp, t in zip(prompt, input_ids[1:])]
+            input_logprobs = pairs[start_len:]
+        if stream:
+            return await self._generate_stream(request, rid, input_ids, params, options, return_logprob, started,
+                                               input_logprobs)
+        output = await self.engine.generate(rid, input_ids, params, return_logprob)
+        return web.json_response(self._response(output, options, return_logprob, started, input_logprobs))
+
+    def _response(
+        self,
+        output: GenerateOutput,
+        options: dict[str, bool],
+        return_logprob: bool,
+        started: float,
+        input_logprobs: list | None,
+    ) -> dict[str, Any]:
+        ids = list(output.output_ids)
+        meta: dict[str, Any] = {
+            "id": output.rid,
+            "finish_reason": self._finish_reason(output),
+            "prompt_tokens": output.prompt_tokens,
+            "completion_tokens": len(ids),
+            "cached_tokens": output.cached_tokens,
+            "weight_version": output.output_versions[-1] if output.output_versions else self.engine.engine.weight_version,
+            "output_token_versions": list(output.output_versions),
+            "e2e_latency": self.clock() - started,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(output.output_logprobs, ids)]
+            if input_logprobs is not None:
+                meta["input_token_logprobs"] = input_logprobs
+        return {"text": self._text(ids, output.matched_stop, options), "output_ids": ids, "meta_info": meta}
+
+    async def _generate_stream(
+        self,
+        request: web.Request,
+        rid: str | None,
+        input_ids: list[int],
+        params: SamplingParams,
+        options: dict[str, bool],
+        return_logprob: bool,
+        started: float,
+        input_logprobs: list | None,
+    ) -> web.StreamResponse:
+        events = self.engine.stream(rid, input_ids, params, return_logprob)
+        # The first event (or an error) comes before the 200 header, so a refused request still gets a 4xx.
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:  # pragma: no cover - stream always ends with a finished event
+            raise BadRequest("request produced no output", "internal_error", 500) from None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        event = first
+        try:
+            while True:
+                ids.extend(event.token_ids)
+                logprobs.extend(event.logprobs)
+                versions.extend(event.versions)
+                if event.finished is not None:
+                    chunk = self._response(event.finished, options, return_logprob, started, input_logprobs)
+                else:
+                    meta: dict[str, Any] = {
+                        "id": event.rid,
+                        "finish_reason": None,
+                        "prompt_tokens": len(input_ids),
+                        "completion_tokens": len(ids),
+                        "weight_version": versions[-1] if versions else self.engine.engine.weight_version,
+                        "output_token_versions": list(versions),
+                        "e2e_latency": self.clock() - started,
+                    }
+                    if return_logprob:
+                        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids)]
+                    chunk = {"text": self._text(ids, None, options), "output_ids": list(ids), "meta_info": meta}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if event.finished is not None:
+                    break
+                event = await events.__anext__()
+        except (EngineFailed, EngineClosed, EngineError) as error:
+            payload = {"error": {"message": str(error), "type": type(error).__name__}}
+            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        finally:
+            await events.aclose()  # aborts the request if the client went away
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    # ---- control ------------------------------------------------------------------------------------------
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"rid", "abort_all"}))
+        if _bool(body, "abort_all", False):
+            count = await self.engine.abort_all()
+            return web.json_response({"success": True, "aborted": count})
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise BadRequest("give rid (a non-empty string) or abort_all: true")
+        found = await self.engine.abort(rid)
+        return web.json_response({"success": True, "aborted": int(found)})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"mode"}))
+        mode = body.get("mode") or "abort"
+        affected = await self.engine.pause(mode)
+        return web.json_response({"message": f"generation paused ({mode})", "status": "ok", "requests": affected})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _body(request, frozenset())
+        await self.engine.continue_generation()
+        return web.json_response({"message": "generation continued", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if request.method == "POST":
+            await _body(request, frozenset())
+        if not await self.engine.flush_cache():
+            raise BadRequest("cache not flushed: requests are in flight (pause generation first)", "engine_busy")
+        return web.json_response({"success": True, "message": "cache flushed"})
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _body(
+            request,
+            frozenset({"model_path", "load_format", "weight_version", "abort_all_requests", "flush_cache"}),
+            required=("model_path",),
+        )
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported (auto or safetensors)")
+        model_path = body["model_path"]
+        if not isinstance(model_path, str) or not model_path:
+            raise BadRequest("model_path must be a non-empty string")
+        current = self.engine.engine.weight_version
+        version = _version(body.get("weight_version"), current + 1)
+        if _bool(body, "abort_all_requests", False):
+            await self.engine.abort_all()
+        await self.engine.load_weights_from_disk(model_path, version)
+        self.model_path = model_path
+        return web.json_response(
+            {"success": True, "message": f"loaded {model_path}", "weight_version": version, "num_paused_requests": 0}
+        )
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        body = await _body(
+            request,
+            frozenset({"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                       "weight_version"}),
+            required=("serialized_named_tensors",),
+        )
+        if body.get("load_format") not in (None, "safetensors_base64"):
+            raise BadRequest("load_format must be null or 'safetensors_base64' (see the server's docstring)")
+        payload = body["serialized_named_tensors"]
+        if isinstance(payload, list):
+            if len(payload) != 1:
+                raise BadRequest("serialized_named_tensors: one entry expected (this engine has one rank)")
+            payload = payload[0]
+        if not isinstance(payload, str):
+            raise BadRequest("serialized_named_tensors must be base64 text of a safetensors file")
+        try:
+            from safetensors.torch import load as load_safetensors
+
+            state = load_safetensors(base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError) as error:
+            raise BadRequest(f"serialized_named_tensors is not base64 safetensors: {error}") from None
+        except Exception as error:  # safetensors raises its own error types for corrupt headers
+            raise BadRequest(f"serialized_named_tensors is not a safetensors file: {error}") from None
+        if not state:
+            raise BadRequest("serialized_named_tensors holds no tensors")
+        version = _version(body.get("weight_version"), self.engine.engine.weight_version + 1)
+        if _bool(body, "abort_all_requests", False):
+            await self.engine.abort_all()
+        await self.engine.load_weights(state, version)
+        return web.json_response({"success": True, "message": f"loaded {len(state)} tensors", "weight_version": version})
+
+    @staticmethod
+    def _memory_tags(body: dict) -> list[str] | None:
+        tags = body.get("tags")
+        if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+            raise BadRequest("tags must be null or a list of strings")
+        return tags
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"tags"}))
+        tags = self._memory_tags(body)
+        await self.engine.release_memory(tags)
+        if tags is None or "kv_cache" in tags:
+            # The agent's registration keeps the old pool tensor alive until now: peers never read freed memory.
+            await self.unregister_pool()
+        return web.json_response({"success": True, "message": "memory released"})
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"tags"}))
+        await self.engine.resume_memory(self._memory_tags(body))
+        await self.register_pool()
+        return web.json_response({"success": True, "message": "memory resumed"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        engine = self.engine.engine
+        spec = engine.spec
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "weight_version": engine.weight_version,
+                "is_generation": True,
+                "engine": "gyre-embedded",
+                "vocab_size": spec.vocab_size,
+                "num_layers": spec.num_layers,
+                "max_context_tokens": engine.config.max_context_tokens,
+                "block_size_tokens": engine.config.block_size_tokens,
+                "kv_transfer": self.agent is not None,
+            }
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.failure is not None:
+            return _error(503, f"engine broken: {self.engine.failure}", "engine_failed")
+        return web.json_response({"status": "ok"})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        stats = await self.engine.stats()
+        return web.json_response(attrs.asdict(stats))
+
+    # ---- KV export / import -------------------------------------------------------------------------------
+
+    async def kv_export(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"input_ids"}), required=("input_ids",))
+        input_ids = _token_ids(body["input_ids"])
+
+        def export(engine: EmbeddedEngine) -> tuple[Any, KVLayout]:
+            return engine.export_prefix(input_ids), engine.kv_layout()
+
+        exported, layout = await self.engine.call(export)
+        return web.json_response(
+            {
+                "handle": exported.handle,
+                "num_tokens": exported.num_tokens,
+                "block_ids": list(exported.block_ids),
+                "transfer_peer": self.agent.peer if self.agent is not None else None,
+                "layout": attrs.asdict(layout),
+            }
+        )
+
+    async def kv_release(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"handle"}), required=("handle",))
+        if not isinstance(body["handle"], str):
+            raise BadRequest("handle must be a string")
+        await self.engine.release_export(body["handle"])
+        return web.json_response({"success": True})
+
+    async def kv_import(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"input_ids", "export"}), required=("input_ids", "export"))
+        if self.agent is None:
+            raise BadRequest("this server runs without --kv-transfer: it cannot import KV", "capability_missing")
+        input_ids = _token_ids(body["input_ids"])
+        export = body["export"]
+        if not isinstance(export, dict):
+            raise BadRequest("export must be the object /gyre/kv/export answered")
+        try:
+            peer = export["transfer_peer"]
+            num_tokens = export["num_tokens"]
+            block_ids = export["block_ids"]
+            remote = KVLayout(**export["layout"])
+        except (KeyError, TypeError) as error:
+            raise BadRequest(f"export is missing or mangles a field: {error}") from None
+        if not isinstance(peer, str) or not peer:
+            raise BadRequest("the exporting server has no transfer agent (transfer_peer is null)")
+        if type(num_tokens) is not int or num_tokens < 0 or num_tokens > len(input_ids):
+            raise BadRequest("export.num_tokens must be an int in [0, len(input_ids)]")
+        if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
+            raise BadRequest("export.block_ids must be a list of ints")
+        tokens = input_ids[:num_tokens]
+        agent = self.agent
+        moved = {"bytes": 0}
+
+        def run(engine: EmbeddedEngine) -> int:
+            local = engine.kv_layout()
+            if not local.compatible_with(remote):
+                raise EngineError(f"incompatible KV layouts: local {local}, exported {remote}")
+            if len(block_ids) * local.block_size_tokens != num_tokens:
+                raise EngineError("export.block_ids do not cover export.num_tokens")
+
+            def fill(dest: list[int]) -> None:
+                source = block_ids[: len(dest)]
+                remote_addrs = remote.block_addrs(source)
+                local_addrs = local.block_addrs(dest)
+                moved["bytes"] += agent.read(peer, local_addrs, remote_addrs, [local.block_nbytes] * len(local_addrs))
+
+            return engine.import_prefix(tokens, fill)
+
+        started = self.clock()
+        try:
+            imported = await self.engine.call(run)
+        except ValueError as error:  # block ids outside the remote layout, ...
+            if isinstance(error, EngineError):
+                raise
+            raise BadRequest(f"bad export: {error}") from None
+        return web.json_response(
+            {"imported_tokens": imported, "bytes": moved["bytes"], "seconds": self.clock() - started}
+        )
+
+
+def _wrap(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Callable:
+    """Map every failure of a handler to a JSON error response: the server never crashes on a request."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except BadRequest as error:
+            return _error(error.status, error.message, error.type)
+        except EngineOverloaded as error:
+            return _error(503, str(error), "engine_overloaded")
+        except EngineError as error:
+            return _error(400, str(error), "invalid_request_error")
+        except (EngineFailed, EngineClosed) as error:
+            return _error(500, str(error), "engine_failed")
+        except web.HTTPException:
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as error:
+            if type(error).__name__ == "TransferError":
+                log.warning("kv transfer failed", error=str(error))
+                return _error(502, str(error), "transfer_failed")
+            log.exception("request handler failed", path=request.path)
+            return _error(500, f"{type(error).__name__}: {error}", "internal_error")
+
+    return wrapped
+
+
+def build_engine_app(
+    async_engine: AsyncEngine,
+    transfer_agent: Any | None = None,
+    *,
+    model_path: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> web.Application:
+    """The aiohttp application. With a `transfer_agent` (gyre.engines.transfer.TransferAgent) the KV pool is
+    registered with it at startup, so peers can read exported blocks."""
+    server = EngineServer(async_engine, transfer_agent, model_path, clock)
+    app = web.Application(client_max_size=max_body_bytes)
+    app[SERVER_KEY] = server
+    post = {
+        "/generate": server.generate,
+        "/abort_request": server.abort_request,
+        "/pause_generation": server.pause_generation,
+        "/continue_generation": server.continue_generation,
+        "/flush_cache": server.flush_cache,
+        "/update_weights_from_disk": server.update_weights_from_disk,
+        "/update_weights_from_tensor": server.update_weights_from_tensor,
+        "/release_memory_occupation": server.release_memory,
+        "/resume_memory_occupation": server.resume_memory,
+        "/gyre/kv/export": server.kv_export,
+        "/gyre/kv/import": server.kv_import,
+        "/gyre/kv/release": server.kv_release,
+    }
+    for path, handler in post.items():
+        app.router.add_post(path, _wrap(handler))
+    for path, handler in {
+        "/model_info": server.model_info,
+        "/get_model_info": server.model_info,
+        "/health": server.health,
+        "/get_load": server.get_load,
+        "/flush_cache": server.flush_cache,
+    }.items():
+        app.router.add_get(path, _wrap(handler))
+
+    async def on_startup(app: web.Application) -> None:
+        await server.register_pool()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await server.unregister_pool()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Gyre's embedded inference engine behind SGLang's HTTP API")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--kv-transfer", action="store_true", help="register the KV pool with Mooncake")
+    defaults = EngineConfig()
+    parser.add_argument("--block-size", type=int, default=defaults.block_size_tokens)
+    parser.add_argument("--num-blocks", type=int, default=defaults.num_blocks)
+    parser.add_argument("--max-running", type=int, default=defaults.max_running_requests)
+    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting_requests)
+    parser.add_argument("--max-context", type=int, default=defaults.max_context_tokens)
+    parser.add_argument("--max-prefill", type=int, default=defaults.max_prefill_tokens)
+    parser.add_argument("--dtype", default=defaults.dtype)
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    config = EngineConfig(
+        block_size_tokens=args.block_size,
+        num_blocks=args.num_blocks,
+        max_running_requests=args.max_running,
+        max_waiting_requests=args.max_waiting,
+        max_context_tokens=args.max_context,
+        max_prefill_tokens=args.max_prefill,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        seed=args.seed,
+    )
+    engine = AsyncEngine(EmbeddedEngine(args.model_dir, config))
+    agent = None
+    if args.kv_transfer:
+        from gyre.engines.transfer import TransferAgent
+
+        agent = TransferAgent()
+    app = build_engine_app(engine, agent, model_path=args.model_dir)
+
+    async def close_engine(app: web.Application) -> None:
+        await engine.close()
+
+    app.on_cleanup.append(close_engine)
+    log.info("engine server starting", host=args.host, port=args.port, kv_transfer=args.kv_transfer)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None)
+    finally:
+        if agent is not None:
+            agent.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

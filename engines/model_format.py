@@ -1,0 +1,258 @@
+"""Gyre's model directory: a Qwen3-architecture causal LM in Hugging Face format, built from a seed.
+
+A model directory holds config.json (Qwen3Config, untied embeddings, fp32), model.safetensors (HF tensor names),
+generation_config.json, tokenizer.json and tokenizer_config.json (with the chat template). Every engine reads this
+one format: the embedded engine, the Megatron trainer (through weight_convert), transformers, and SGLang at scale.
+Nothing is downloaded: `init_model_dir` writes a freshly initialised model whose bytes depend only on the preset and
+the seed, so tests, examples and benchmarks can build the same model anywhere.
+
+Engines that only need token ids must work on a directory with only config.json + model.safetensors;
+`ModelSpec.from_model_dir` reads just config.json for that reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Mapping
+
+import attrs
+import safetensors.torch
+import torch
+
+from gyre.engines.chat_template import END_OF_TEXT, IM_END
+from gyre.engines.tokenizer import MODEL_MAX_LENGTH, VOCAB_SIZE, build_tokenizer, write_tokenizer_files
+
+__all__ = [
+    "PRESETS", "ModelFormatError", "ModelSpec", "check_state_dict", "hf_param_shapes", "init_model_dir",
+    "init_state_dict", "load_hf_state_dict", "save_hf_state_dict",
+]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+class ModelFormatError(ValueError):
+    """A model directory or config that Gyre cannot read (missing file, unsupported architecture or option)."""
+
+
+@attrs.frozen
+class ModelSpec:
+    """The shape of a Qwen3 dense model: everything an engine needs to build it (read from config.json)."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Number of transformer blocks."""
+    num_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (grouped-query attention: num_heads is a multiple)."""
+    head_dim: int
+    """Channels per attention head (Qwen3 sets it explicitly; it need not be hidden_size / num_heads)."""
+    ffn_size: int
+    """Width of the gated MLP (gate and up projections)."""
+    vocab_size: int = VOCAB_SIZE
+    """Rows of the embedding and output matrices (may exceed the tokenizer's size)."""
+    max_position_embeddings: int = MODEL_MAX_LENGTH
+    """Longest sequence the model is meant for."""
+    rope_theta: float = 1_000_000.0
+    """Base of the rotary position embedding."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelFormatError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ModelFormatError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(shape) for shape in hf_param_shapes(self).values())
+
+    def config_dict(self, eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict:
+        """config.json contents (Qwen3Config). Both the new (`dtype`, `rope_parameters`) and the legacy
+        (`torch_dtype`, `rope_theta`) keys are written so that older readers and SGLang find what they expect."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.ffn_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": 0.02,
+            "rms_norm_eps": self.rms_norm_eps,
+            "use_cache": True,
+            "tie_word_embeddings": False,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_layers,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "bos_token_id": None,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+            "dtype": "float32",
+            "torch_dtype": "float32",
+        }
+
+    @classmethod
+    def from_config_dict(cls, config: Mapping) -> "ModelSpec":
+        if config.get("model_type") != "qwen3":
+            raise ModelFormatError(f"model_type must be 'qwen3', got {config.get('model_type')!r}")
+        if config.get("tie_word_embeddings", False):
+            raise ModelFormatError("tied embeddings are not supported (Gyre's models keep lm_head separate)")
+        if config.get("attention_bias", False):
+            raise ModelFormatError("attention_bias=True is not supported by Gyre's Qwen3 layout")
+        if config.get("use_sliding_window", False):
+            raise ModelFormatError("sliding-window attention is not supported")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ModelFormatError(f"only default RoPE is supported, got {rope!r}")
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        try:
+            return cls(
+                hidden_size=hidden,
+                num_layers=config["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=config.get("num_key_value_heads", heads),
+                head_dim=config.get("head_dim") or hidden // heads,
+                ffn_size=config["intermediate_size"],
+                vocab_size=config["vocab_size"],
+                max_position_embeddings=config.get("max_position_embeddings", MODEL_MAX_LENGTH),
+                rope_theta=float(theta),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            )
+        except KeyError as missing:
+            raise ModelFormatError(f"config.json lacks {missing}") from None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelSpec":
+        path = Path(model_dir) / CONFIG_FILE
+        if not path.is_file():
+            raise ModelFormatError(f"{model_dir} has no {CONFIG_FILE}")
+        return cls.from_config_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+PRESETS: dict[str, ModelSpec] = {
+    # 1.3M parameters, 0.5M of them the two 2048x128 embedding matrices; fast enough that SFT and RL of a
+    # tool-using agent run in minutes on two CPU cores, deep enough (4 layers) for copying and induction.
+    "tiny": ModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=384),
+    # 5.8M parameters: the layer shape whose Megatron-on-CPU timings are in the reference notes (hidden 256,
+    # head_dim 64, FFN 768), two layers deeper.
+    "small": ModelSpec(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64, ffn_size=768),
+}
+
+
+def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor of Qwen3ForCausalLM by its HF name, in a fixed order."""
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (spec.head_dim,),
+                p + "self_attn.k_norm.weight": (spec.head_dim,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "mlp.gate_proj.weight": (spec.ffn_size, h),
+                p + "mlp.up_proj.weight": (spec.ffn_size, h),
+                p + "mlp.down_proj.weight": (h, spec.ffn_size),
+            }
+        )
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    # One generator per tensor, seeded from (seed, name): a tensor's values never depend on the others' order.
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def init_state_dict(spec: ModelSpec, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Fresh fp32 weights: norms at one, matrices N(0, std), residual-branch outputs (o_proj, down_proj) scaled by
+    1/sqrt(2 * layers) as in GPT-2 so that the residual stream's scale does not grow with depth."""
+    state: dict[str, torch.Tensor] = {}
+    residual_std = std / math.sqrt(2 * spec.num_layers)
+    for name, shape in hf_param_shapes(spec).items():
+        if len(shape) == 1:
+            state[name] = torch.ones(shape, dtype=torch.float32)
+            continue
+        generator = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        scale = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+        state[name] = torch.randn(shape, generator=generator, dtype=torch.float32) * scale
+    return state
+
+
+def check_state_dict(spec: ModelSpec, state: Mapping[str, torch.Tensor]) -> None:
+    """Raise ModelFormatError unless `state` has exactly the HF tensors of `spec` with the right shapes."""
+    expected = hf_param_shapes(spec)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ModelFormatError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ModelFormatError(f"{name} has shape {tuple(state[name].shape)}, expected {shape}")
+
+
+def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(model_dir) / WEIGHTS_FILE
+    if not path.is_file():
+        raise ModelFormatError(f"{model_dir} has no {WEIGHTS_FILE}")
+    return safetensors.torch.load_file(str(path))
+
+
+def save_hf_state_dict(model_dir: str | Path, state: Mapping[str, torch.Tensor]) -> None:
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
+    safetensors.torch.save_file(tensors, str(Path(model_dir) / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def write_config(model_dir: str | Path, spec: ModelSpec) -> None:
+    """config.json and generation_config.json, with the token ids of this tokenizer."""
+    tokenizer = build_tokenizer()
+    eos, pad = tokenizer.token_to_id(IM_END), tokenizer.token_to_id(END_OF_TEXT)
+    model_dir = Path(model_dir)
+    (model_dir / CONFIG_FILE).write_text(json.dumps(spec.config_dict(eos, pad), indent=2) + "\n", encoding="utf-8")
+    generation = {"bos_token_id": None, "eos_token_id": [eos, pad], "pad_token_id": pad, "do_sample": True,
+                  "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    (model_dir / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+
+
+def init_model_dir(path: str | Path, preset: str | ModelSpec = "tiny", seed: int = 0) -> Path:
+    """Create (or overwrite the files of) a model directory with fresh weights; bytes depend only on preset+seed."""
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ModelFormatError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+        spec = PRESETS[preset]
+    else:
+        spec = preset
+    if spec.vocab_size < VOCAB_SIZE:
+        raise ModelFormatError(f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {VOCAB_SIZE}")
+    model_dir = Path(path)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_config(model_dir, spec)
+    write_tokenizer_files(model_dir)
+    save_hf_state_dict(model_dir, init_state_dict(spec, seed))
+    return model_dir

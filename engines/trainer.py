@@ -1,0 +1,412 @@
+"""The trainer a cell hosts: a megatron-core GPTModel in the Qwen3 layout, with flat gradients and parameters.
+
+Cells that train claim micro-steps, run `forward_backward` on each (gradients accumulate), and send
+`grads_to_flat()` to the core, which `add_flat_grads` them and calls `optimizer_step()`. New weights leave as an HF
+state dict (`hf_state_dict`, for rollout engines) or as one flat tensor (`flat_params`, for other trainers), so the
+bulk of a move is one contiguous buffer that a transfer engine can register.
+
+Layout in memory: every parameter is a view into one flat fp32 buffer, and every gradient a view into a second
+one. Autograd accumulates into the existing gradient views in place, so the flat gradient is always current and
+import/export is a single copy; the optimizer runs on two flat tensors (matrices with weight decay, vectors
+without) instead of one small tensor at a time. The order of the buffer is `param_layout()`.
+
+On a machine without CUDA, megatron-core runs on the CPU through the shims of `gyre.engines.megatron_cpu`, over a
+gloo process group; plain `torch.optim.AdamW` replaces Megatron's optimizer (which hard-codes CUDA) and gives the
+same updates. Any number of trainers may live in one process: the process group and megatron's parallel state are
+set up once (a group of one unless the caller set up another) and shared. Tensor and pipeline parallelism are not
+used by this trainer: data parallelism goes through the flat gradients instead.
+
+Core attention is torch's scaled_dot_product_attention by default (memory linear in sequence length, so long
+agent trajectories fit); megatron's own DotProductAttention stays available as `core_attention="local"`. With
+CUDA present the model and buffers live on the GPU and megatron runs unpatched; that path has not been run yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import attrs
+import structlog
+import torch
+import torch.nn.functional as F
+
+from gyre.engines import megatron_cpu
+from gyre.engines.model_format import (
+    CONFIG_FILE,
+    ModelSpec,
+    load_hf_state_dict,
+    save_hf_state_dict,
+)
+from gyre.engines.weight_convert import hf_to_megatron, megatron_to_hf
+
+__all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "build_gpt_model", "ensure_parallel_state",
+           "token_logprobs"]
+
+log = structlog.get_logger(__name__)
+
+CORE_ATTENTION = ("sdpa", "local")
+
+LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, Mapping[str, Any]]"]
+
+# Files copied next to the weights by save_hf, so that a saved directory is a complete model directory.
+_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+class TrainerError(ValueError):
+    """Bad input to the trainer: wrong shapes or ids, a loss that is not a differentiable scalar, a flat tensor of
+    the wrong size, or a process set up with model parallelism this trainer does not use."""
+
+
+@attrs.frozen
+class TrainerConfig:
+    lr: float = 1e-4
+    """AdamW learning rate (optimizer_step can override it for one step, for schedules)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment decay rates."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to matrices only (never to norm weights)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value before each step; 0 disables clipping."""
+    num_threads: int | None = None
+    """torch intra-op threads for this process (None leaves torch's setting alone)."""
+    seed: int = 0
+    """Seeds megatron's parameter initialisation (overwritten by the loaded weights, but kept deterministic)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    core_attention: str = "sdpa"
+    """"sdpa": torch's scaled_dot_product_attention (never materialises the [tokens x tokens] score matrix, so
+    long agent trajectories fit in memory); "local": megatron's own DotProductAttention (the reference path)."""
+    device: str | None = None
+    """"cpu" or "cuda"; None picks cuda when available. The CPU path is the tested one."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.core_attention not in CORE_ATTENTION:
+            raise TrainerError(f"core_attention must be one of {sorted(CORE_ATTENTION)}, got {self.core_attention!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise TrainerError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
+        if self.grad_clip < 0 or self.lr < 0 or self.weight_decay < 0:
+            raise TrainerError("lr, weight_decay and grad_clip must be >= 0")
+
+
+@attrs.frozen
+class ParamSlot:
+    """Where one Megatron parameter lives in the flat buffers."""
+
+    name: str
+    """Megatron parameter name."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+    offset: int
+    """First element in the flat buffer."""
+    numel: int
+    """Number of elements."""
+
+
+_setup_lock = threading.Lock()
+
+
+def ensure_parallel_state() -> None:
+    """Make sure torch.distributed and megatron's parallel state exist (a gloo group of one if nobody set up
+    one); refuse a process that uses tensor or pipeline parallelism, which this trainer does not implement."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with _setup_lock:
+        if not dist.is_initialized():
+            # An in-process store: no port to pick, nothing that another process could join by accident.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            log.info("process_group_started", backend="gloo", world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if tp != 1 or pp != 1:
+        raise TrainerError(f"MegatronTrainer needs tensor and pipeline parallel size 1, found tp={tp} pp={pp}")
+
+
+def _sdpa_core_attention():
+    """A megatron core-attention module that runs torch's scaled_dot_product_attention.
+
+    Megatron's local DotProductAttention materialises the [batch*heads, tokens, tokens] scores and keeps the
+    probabilities for backward: a 4k-token trajectory costs 256 MiB per layer for the tiny model. SDPA's kernels
+    (CPU flash attention included) keep only per-row statistics and repeat KV heads internally (GQA). Same inputs
+    and outputs as DotProductAttention ([s, b, heads, head_dim] in, [s, b, heads*head_dim] out); the parity tests
+    run both. Defined lazily because importing megatron takes seconds.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPACoreAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None:
+                raise TrainerError("SDPACoreAttention supports neither packed sequences nor attention bias")
+            sq, b, heads, head_dim = query.shape
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, head_dim]
+            dropout = self.attention_dropout.p if self.training else 0.0
+            out = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=None if attention_mask is None else ~attention_mask,  # megatron: True = masked out
+                is_causal=attention_mask is None,
+                dropout_p=dropout,
+                scale=self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1),
+                enable_gqa=True,
+            )
+            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+    return SDPACoreAttention
+
+
+def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa", device: str = "cpu"):
+    """A megatron-core GPTModel with the Qwen3 layout of `spec` (fp32, CPU initialisation, no fusions)."""
+    megatron_cpu.apply()
+    ensure_parallel_state()
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    if core_attention == "sdpa":
+        layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention()
+    elif core_attention != "local":
+        raise TrainerError(f"core_attention must be one of {CORE_ATTENTION}, got {core_attention!r}")
+    if device == "cuda":
+        # Megatron's CUDA RNG tracker needs its states registered before any forward (dropout forks it).
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        # Fused kernels are CUDA-only; the unfused paths are exact.
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            share_embeddings_and_output_weights=False,
+        )
+    return model.to(device)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[b, t] = log p(ids[b, t] | ids[b, :t]) for 1 <= t < lengths[b], 0 elsewhere, from logits [B, T, V]."""
+    logits = logits.float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    shifted = logits[:, :-1]
+    picked = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
+    out = F.pad(picked, (1, 0))
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    valid = (positions[None, :] >= 1) & (positions[None, :] < lengths[:, None])
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
+class MegatronTrainer:
+    """Train one model: log-probs, forward/backward with a caller's loss, flat gradients, AdamW steps."""
+
+    def __init__(self, model_dir: str | Path, config: TrainerConfig = TrainerConfig()) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.spec = ModelSpec.from_model_dir(self.model_dir)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = build_gpt_model(self.spec, config.seed, config.core_attention, self.device.type)
+        self.version = 0
+        """Weight version: bumped by each applied optimizer step, or set by the loads."""
+        self._layout, self._params, self._grads, groups = self._flatten()
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
+                                           weight_decay=config.weight_decay)
+        self.load_hf_state_dict(load_hf_state_dict(self.model_dir), version=0)
+        log.info("trainer_ready", model_dir=str(self.model_dir), params=self._params.numel())
+
+    # -- layout ------------------------------------------------------------------------------------------------
+
+    def _flatten(self):
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        # Matrices first, then vectors: two contiguous runs, one optimizer group each (decay / no decay).
+        ordered = [x for x in named if x[1].dim() >= 2] + [x for x in named if x[1].dim() < 2]
+        total = sum(p.numel() for _, p in ordered)
+        params = torch.zeros(total, dtype=torch.float32, device=self.device)
+        grads = torch.zeros(total, dtype=torch.float32, device=self.device)
+        layout, offset = [], 0
+        for name, p in ordered:
+            n = p.numel()
+            view = params[offset : offset + n].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+            p.grad = grads[offset : offset + n].view_as(p)
+            layout.append(ParamSlot(name, tuple(p.shape), offset, n))
+            offset += n
+        split = sum(p.numel() for _, p in ordered if p.dim() >= 2)
+        matrices = torch.nn.Parameter(params[:split])
+        vectors = torch.nn.Parameter(params[split:])
+        matrices.grad, vectors.grad = grads[:split], grads[split:]
+        groups = [{"params": [matrices]}, {"params": [vectors], "weight_decay": 0.0}]
+        self._group_params = (matrices, vectors)
+        return tuple(layout), params, grads, groups
+
+    def param_layout(self) -> tuple[ParamSlot, ...]:
+        """The order of `flat_params` / `grads_to_flat` (Megatron names)."""
+        return self._layout
+
+    @property
+    def num_params(self) -> int:
+        return self._params.numel()
+
+    # -- compute -----------------------------------------------------------------------------------------------
+
+    def _check_batch(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise TrainerError("input_ids must be a LongTensor [batch, tokens]")
+        if not isinstance(lengths, torch.Tensor) or lengths.shape != (input_ids.shape[0],):
+            raise TrainerError(f"lengths must be a tensor [batch={input_ids.shape[0]}]")
+        if input_ids.numel() == 0:
+            raise TrainerError("empty batch")
+        lengths = lengths.to(torch.long)
+        if int(lengths.min()) < 1 or int(lengths.max()) > input_ids.shape[1]:
+            raise TrainerError(f"lengths must lie in [1, {input_ids.shape[1]}]")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.spec.vocab_size:
+            raise TrainerError(f"token ids must lie in [0, {self.spec.vocab_size})")
+        return input_ids.to(self.device), lengths.to(self.device)
+
+    def _logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        # Right padding needs no mask beyond causality: a real token never attends to a later (padding) one.
+        # With attention_mask=None megatron builds the causal mask itself (the CPU shim makes it on the CPU).
+        logits = self.model(input_ids, position_ids=None, attention_mask=None)
+        return token_logprobs(logits, input_ids, lengths)
+
+    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[b, t] = log p(ids[b, t] | ids[b, :t]) for 1 <= t < lengths[b], 0 elsewhere; no gradients."""
+        source_device = input_ids.device if isinstance(input_ids, torch.Tensor) else None
+        input_ids, lengths = self._check_batch(input_ids, lengths)
+        self.model.eval()
+        with torch.no_grad():
+            return self._logprobs(input_ids, lengths).to(source_device)
+
+    def forward_backward(self, input_ids: torch.Tensor, lengths: torch.Tensor, loss_fn: LossFn) -> dict:
+        """Compute log-probs, `loss, metrics = loss_fn(logprobs)`, and accumulate d loss / d params into the
+        gradients. Returns the metrics as floats plus `loss` and `num_tokens` (sum of lengths)."""
+        input_ids, lengths = self._check_batch(input_ids, lengths)
+        self.model.train()
+        logprobs = self._logprobs(input_ids, lengths)
+        result = loss_fn(logprobs)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TrainerError("loss_fn must return (loss, metrics)")
+        loss, metrics = result
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise TrainerError("loss_fn must return a scalar tensor that depends on the log-probs")
+        loss.backward()
+        out = {k: (float(v.detach()) if isinstance(v, torch.Tensor) else v) for k, v in dict(metrics).items()}
+        out["loss"] = float(loss.detach())
+        out["num_tokens"] = int(lengths.sum())
+        return out
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+
+    def grads_to_flat(self) -> torch.Tensor:
+        """A copy of the accumulated gradients, fp32, 1-D, in `param_layout()` order."""
+        return self._grads.clone()
+
+    def add_flat_grads(self, flat: torch.Tensor, scale: float = 1.0) -> None:
+        """grads += scale * flat (gradients another trainer computed on its micro-steps)."""
+        if not isinstance(flat, torch.Tensor) or flat.shape != self._grads.shape:
+            raise TrainerError(f"flat gradients must be a 1-D tensor of {self._grads.numel()} elements")
+        self._grads.add_(flat.to(self.device, self._grads.dtype), alpha=scale)
+
+    def zero_grads(self) -> None:
+        self._grads.zero_()
+
+    def optimizer_step(self, lr: float | None = None) -> dict:
+        """Clip, apply AdamW, zero the gradients and bump the version. `lr` applies to this step only (a schedule
+        passes it every step); without it the config's lr is used. A step whose gradient norm is not finite is
+        skipped (weights and version unchanged) and reported with skipped=True."""
+        grad_norm = float(torch.linalg.vector_norm(self._grads))
+        if not math.isfinite(grad_norm):
+            self.zero_grads()
+            log.warning("optimizer_step_skipped", grad_norm=grad_norm, version=self.version)
+            return {"grad_norm": grad_norm, "skipped": True, "version": self.version}
+        clip = self.config.grad_clip
+        if clip > 0 and grad_norm > clip:
+            self._grads.mul_(clip / (grad_norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr if lr is None else lr
+        self.optimizer.step()
+        self.zero_grads()
+        self.version += 1
+        return {"grad_norm": grad_norm, "skipped": False, "version": self.version,
+                "lr": self.optimizer.param_groups[0]["lr"]}
+
+    # -- weights -----------------------------------------------------------------------------------------------
+
+    def flat_params(self) -> torch.Tensor:
+        """A copy of all parameters, fp32, 1-D, in `param_layout()` order."""
+        return self._params.detach().clone()
+
+    def param_buffer(self) -> torch.Tensor:
+        """The live flat parameter buffer (for registering with a transfer engine); write it only through
+        `load_flat_params`, which also keeps the version right."""
+        return self._params
+
+    def load_flat_params(self, flat: torch.Tensor, version: int | None = None) -> None:
+        if not isinstance(flat, torch.Tensor) or flat.shape != self._params.shape:
+            raise TrainerError(f"flat parameters must be a 1-D tensor of {self._params.numel()} elements")
+        with torch.no_grad():
+            self._params.copy_(flat.to(self.device))
+        if version is not None:
+            self.version = version
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF Qwen3 names (copies)."""
+        return {k: v.cpu() for k, v in megatron_to_hf(self.model.state_dict(), self.spec).items()}
+
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Load HF-named weights (optimizer moments are kept)."""
+        converted = hf_to_megatron(state, self.spec)
+        with torch.no_grad():
+            result = self.model.load_state_dict(converted, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+        if missing or result.unexpected_keys:
+            raise TrainerError(f"weights do not fit the model: missing {missing}, unexpected {result.unexpected_keys}")
+        if version is not None:
+            self.version = version
+
+    def save_hf(self, model_dir: str | Path) -> Path:
+        """Write a complete model directory: config and side files of the source directory, plus the weights."""
+        target = Path(model_dir)
+        target.mkdir(parents=True, exist_ok=True)
+        config = json.loads((self.model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+        (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for name in _SIDE_FILES:
+            source = self.model_dir / name
+            if source.is_file() and source.resolve() != (target / name).resolve():
+                shutil.copyfile(source, target / name)
+        save_hf_state_dict(target, self.hf_state_dict())
+        return target

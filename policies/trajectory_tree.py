@@ -1,0 +1,494 @@
+"""One prefix-shared token tree per execution, built from the proxy's `ModelCallCompleted` messages.
+
+Why a tree: an agent that compresses its context, spawns sub-agents and retries turns one execution into many
+calls whose token sequences share long prefixes. Stored as a radix tree, each shared prefix is kept once, and a
+token is identified by its *position in the tree* (the exact prefix that precedes it), which is what lets the
+trajectory processor train every shared token once.
+
+Tokens
+------
+Every call inserts the path `prompt_ids + output_ids` from the root. A token is *policy-emitted* if some call
+generated it at that position (it was in that call's `output_ids`); otherwise it is a prompt token (system text,
+user text, tool results, chat-template glue). Policy tokens of an earlier call re-appear inside the prompts of later
+calls that extend it: they sit at the same tree position, so they stay policy-emitted with their original
+behaviour log-prob and weight version. If several calls emitted the token at the same position (e.g. a retry that
+sampled the same text), the call with the lowest `call_index` supplies the log-prob and version. The tree does not
+depend on the order in which calls are added.
+
+Chains
+------
+Calls are grouped into chains, processed in `call_index` order. A call *extends* an earlier call when its prompt
+starts with the earlier call's whole prompt + output.
+
+* A call is *labelled* if its `agent_id` or `call_kind` is non-empty; its label is
+  (`agent_id` or "main", `call_kind` or "turn"); `call_kind` must be "turn" or "summary".
+* A labelled call continues the chain with the same label whose last call it extends (the deepest such call;
+  ties go to the latest); otherwise it starts a new chain with that label.
+* An unlabelled call continues any chain whose last call it extends (deepest, then latest); otherwise it starts a
+  new chain.
+* A new chain whose first prompt starts with the whole prompt of an earlier call is a *branch*: a retry from an
+  earlier prefix, or a resample of that very call. `Chain.branched_from` names the chain of the earlier call whose
+  prompt (or prompt + output) reaches deepest into the new prompt.
+
+Kinds
+-----
+* labelled chains: agent "main" -> "main" (turns) or "main-summary" (summaries); any other agent ->
+  "sub-agent" or "sub-agent-summary".
+* unlabelled chains: a branch takes the kind of the chain it branches from; a fresh chain (not a branch) is
+  "main" if the execution has no "main" chain yet (the first chain is the main one), else "sub-agent". Without
+  labels a summary call simply continues the chain it summarises, and the chain that resumes after a compression
+  (a fresh context) counts as a sub-agent: agents should label their calls to get the intended ranking.
+
+Trajectories
+------------
+A trajectory is a root-to-leaf path: the prompt + output of the last call of a chain. A chain whose last call is a
+prefix of another chain's last call (e.g. the main chain just before a summary call that extends it) is carried by
+that longer trajectory rather than standing alone; identical paths become one trajectory (represented by the
+latest call). A trajectory's `kind` for ranking is the best kind among the chains it carries, in the order
+main > main-summary > sub-agent > sub-agent-summary; `leaf_kind` is the kind of the chain that ends at its leaf.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Sequence
+
+import attrs
+import numpy as np
+
+from gyre.messages.model_calls import ModelCallCompleted
+
+MAIN = "main"
+MAIN_SUMMARY = "main-summary"
+SUB_AGENT = "sub-agent"
+SUB_AGENT_SUMMARY = "sub-agent-summary"
+KINDS: tuple[str, ...] = (MAIN, MAIN_SUMMARY, SUB_AGENT, SUB_AGENT_SUMMARY)
+"""Trajectory kinds, most important first."""
+KIND_RANK: dict[str, int] = {kind: rank for rank, kind in enumerate(KINDS)}
+"""Kind -> rank (0 = most important)."""
+CALL_KINDS: tuple[str, ...] = ("turn", "summary")
+"""Values a labelled call's `call_kind` may take."""
+MAIN_AGENT = "main"
+"""The agent id of the top-level agent."""
+
+
+class TrajectoryError(ValueError):
+    """A call that cannot enter the tree: wrong execution, inconsistent lengths, empty prompt, bad label."""
+
+
+class TreeFull(TrajectoryError):
+    """The tree hit a bound of its `TreeConfig`; the call was not added. The builder should drop the execution rather
+    than let its tree grow without end."""
+
+
+@attrs.frozen
+class TreeConfig:
+    """Bounds of one execution's tree."""
+
+    max_calls: int = attrs.field(default=8192, validator=attrs.validators.gt(0))
+    """Calls one execution may make."""
+    max_stored_tokens: int = attrs.field(default=8_000_000, validator=attrs.validators.gt(0))
+    """Distinct tree positions (tokens stored once) one execution may hold."""
+
+
+@attrs.frozen
+class Chain:
+    """A sequence of calls each of which extends the previous one (see the module docstring)."""
+
+    chain_id: int
+    """0-based, in order of the chain's first call."""
+    kind: str
+    """One of KINDS."""
+    agent_id: str
+    """The label's agent ("main" or a sub-agent id); "" for a chain started by an unlabelled call."""
+    call_indices: tuple[int, ...]
+    """Its calls, in call_index order; the last one ends the chain's trajectory."""
+    branched_from: int | None
+    """Chain this one branches from (a retry from an earlier prefix); None for a fresh context."""
+
+
+@attrs.frozen
+class Trajectory:
+    """A root-to-leaf path of the tree: the prompt + output of one chain's last call."""
+
+    leaf_call_index: int
+    """The call whose prompt + output is this path."""
+    kind: str
+    """Best kind among `chain_ids`: what the trajectory ranks as."""
+    leaf_kind: str
+    """Kind of the chain that ends at the leaf."""
+    chain_ids: tuple[int, ...]
+    """Chains whose last call lies on this path (the leaf's own chain included)."""
+    num_tokens: int
+    """Length of the path."""
+
+
+@attrs.frozen
+class TreePath:
+    """Per-token view of one root-to-leaf path, plus where each stretch of it is stored in the tree."""
+
+    token_ids: tuple[int, ...]
+    """Token ids from the root."""
+    policy_mask: tuple[bool, ...]
+    """True where the policy emitted the token at this position."""
+    logprobs: tuple[float, ...]
+    """Behaviour log-prob of policy tokens; 0.0 elsewhere."""
+    versions: tuple[int, ...]
+    """Weight version of policy tokens; -1 elsewhere."""
+    segments: tuple[tuple[int, int, int], ...]
+    """(node_id, start, length): path positions start..start+length-1 are that node's tokens 0..length-1. Two paths
+    share a token exactly when they cover the same node offset, which is how the processor trains it once. Node ids
+    are stable only while no call is added."""
+
+
+@attrs.frozen
+class TreeStatistics:
+    """Sizes of one tree."""
+
+    num_calls: int
+    """Calls added."""
+    num_nodes: int
+    """Radix-tree nodes (the root excluded)."""
+    stored_tokens: int
+    """Distinct positions stored: shared prefixes counted once."""
+    call_tokens: int
+    """Sum over calls of len(prompt + output): what storing every call separately would cost."""
+    policy_tokens: int
+    """Distinct positions the policy emitted."""
+
+
+class _Node:
+    """A stretch of tokens without a branch. Per-token arrays are aligned with `tokens`."""
+
+    __slots__ = (
+        "node_id", "depth", "parent", "tokens", "emitter", "logprobs", "versions", "children", "ends", "prompt_ends"
+    )
+
+    def __init__(self, node_id: int, depth: int, parent: _Node | None, length: int) -> None:
+        self.node_id = node_id
+        self.depth = depth  # path position of tokens[0]
+        self.parent = parent
+        self.tokens = array("q")
+        self.emitter = array("q", [-1]) * length  # call_index of the call that emitted the token; -1: prompt token
+        self.logprobs = array("d", [0.0]) * length
+        self.versions = array("q", [-1]) * length
+        self.children: dict[int, _Node] = {}
+        self.ends: dict[int, list[int]] = {}  # offset -> call indices whose prompt + output ends at that token
+        self.prompt_ends: dict[int, list[int]] = {}  # offset -> call indices whose prompt ends at that token
+
+
+@attrs.frozen
+class _Call:
+    index: int
+    prompt_len: int
+    total_len: int
+    label: tuple[str, str] | None
+    digest: int
+
+
+class TrajectoryTree:
+    """The token tree of one execution. Add calls with `add_call`; read chains, trajectories and paths."""
+
+    def __init__(self, execution_id: str, group_id: str, config: TreeConfig = TreeConfig()) -> None:
+        self.execution_id = execution_id
+        self.group_id = group_id
+        self.config = config
+        self._root = _Node(0, 0, None, 0)
+        self._next_node_id = 1
+        self._calls: dict[int, _Call] = {}
+        self._end_node: dict[int, _Node] = {}
+        self._stored_tokens = 0
+        self._call_tokens = 0
+        self._chains: tuple[Chain, ...] | None = None
+
+    # -- building -----------------------------------------------------------------------------------------------
+
+    def add_call(self, call: ModelCallCompleted) -> None:
+        """Insert one call. Re-adding an identical call (a redelivered message) is a no-op."""
+        label = self._validate(call)
+        digest = hash((call.prompt_ids, call.output_ids, call.output_logprobs, call.output_versions, label))
+        known = self._calls.get(call.call_index)
+        if known is not None:
+            if known.digest != digest:
+                raise TrajectoryError(
+                    f"execution {self.execution_id}: call_index {call.call_index} was already added with other content"
+                )
+            return
+        if len(self._calls) >= self.config.max_calls:
+            raise TreeFull(f"execution {self.execution_id}: more than {self.config.max_calls} calls")
+        seq = array("q", call.prompt_ids)
+        seq.extend(call.output_ids)
+        node = self._insert(seq, len(call.prompt_ids), call.output_logprobs, call.output_versions, call.call_index)
+        node.ends.setdefault(len(seq) - 1 - node.depth, []).append(call.call_index)
+        self._end_node[call.call_index] = node
+        prompt_last = len(call.prompt_ids) - 1
+        while node.depth > prompt_last:
+            node = node.parent
+        node.prompt_ends.setdefault(prompt_last - node.depth, []).append(call.call_index)
+        self._calls[call.call_index] = _Call(call.call_index, len(call.prompt_ids), len(seq), label, digest)
+        self._call_tokens += len(seq)
+        self._chains = None
+
+    def _validate(self, call: ModelCallCompleted) -> tuple[str, str] | None:
+        where = f"execution {self.execution_id}, call {call.call_index}"
+        if call.execution_id != self.execution_id:
+            raise TrajectoryError(f"{where}: the call belongs to execution {call.execution_id!r}")
+        if call.group_id != self.group_id:
+            raise TrajectoryError(f"{where}: group {call.group_id!r} differs from the tree's {self.group_id!r}")
+        if call.call_index < 0:
+            raise TrajectoryError(f"{where}: negative call_index")
+        if not call.prompt_ids:
+            raise TrajectoryError(f"{where}: empty prompt (the first token of a path can carry no log-prob)")
+        n = len(call.output_ids)
+        if len(call.output_logprobs) != n or len(call.output_versions) != n:
+            raise TrajectoryError(
+                f"{where}: {n} output ids but {len(call.output_logprobs)} log-probs and "
+                f"{len(call.output_versions)} versions"
+            )
+        if not call.agent_id and not call.call_kind:
+            return None
+        kind = call.call_kind or "turn"
+        if kind not in CALL_KINDS:
+            raise TrajectoryError(f"{where}: call_kind {call.call_kind!r} is not one of {CALL_KINDS}")
+        return (call.agent_id or MAIN_AGENT, kind)
+
+    def _new_node(self, parent: _Node, depth: int, length: int) -> _Node:
+        if self._stored_tokens + length > self.config.max_stored_tokens:
+            raise TreeFull(f"execution {self.execution_id}: more than {self.config.max_stored_tokens} stored tokens")
+        node = _Node(self._next_node_id, depth, parent, length)
+        self._next_node_id += 1
+        self._stored_tokens += length
+        return node
+
+    def _insert(
+        self, seq: array, prompt_len: int, logprobs: Sequence[float], versions: Sequence[int], call_index: int
+    ) -> _Node:
+        """Walk/extend the tree along `seq`; return the node that holds its last token.
+
+        Policy flags are written only once the walk has succeeded, so that a TreeFull leaves the tree's content as it
+        was (a split that happened on the way changes the layout, not the content)."""
+        node, i, n = self._root, 0, len(seq)
+        walked: list[tuple[_Node, int, int]] = []  # (node, its first `stop` tokens lie on seq, path position of token 0)
+        while True:
+            child = node.children.get(seq[i])
+            if child is None:
+                fresh = self._new_node(node, i, n - i)
+                fresh.tokens = seq[i:]
+                node.children[seq[i]] = fresh
+                walked.append((fresh, n - i, i))
+                break
+            matched = _common_prefix(child.tokens, seq, i, min(len(child.tokens), n - i))
+            walked.append((child, matched, i))  # a split at `matched` keeps these tokens in `child`
+            if i + matched == n:
+                break
+            if matched < len(child.tokens):
+                self._split(child, matched)
+            node, i = child, i + matched
+        for stretch, stop, seq_start in walked:
+            self._mark_emitted(stretch, stop, seq_start, prompt_len, logprobs, versions, call_index)
+        return walked[-1][0]
+
+    @staticmethod
+    def _mark_emitted(
+        node: _Node,
+        stop: int,
+        seq_start: int,
+        prompt_len: int,
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        call_index: int,
+    ) -> None:
+        """Record that `call_index` emitted those of node tokens 0..stop-1 that lie in its output (seq_start = the
+        path position of node token 0). The lowest call_index wins, so the result does not depend on arrival order."""
+        for k in range(max(0, prompt_len - seq_start), stop):
+            current = node.emitter[k]
+            if current < 0 or current > call_index:
+                out = seq_start + k - prompt_len
+                node.emitter[k] = call_index
+                node.logprobs[k] = logprobs[out]
+                node.versions[k] = versions[out]
+
+    def _split(self, node: _Node, at: int) -> None:
+        """Cut `node` after `at` tokens; the tail becomes its only child. Ids of existing nodes do not change."""
+        tail = _Node(self._next_node_id, node.depth + at, node, 0)
+        self._next_node_id += 1
+        tail.tokens, node.tokens = node.tokens[at:], node.tokens[:at]
+        tail.emitter, node.emitter = node.emitter[at:], node.emitter[:at]
+        tail.logprobs, node.logprobs = node.logprobs[at:], node.logprobs[:at]
+        tail.versions, node.versions = node.versions[at:], node.versions[:at]
+        tail.children, node.children = node.children, {tail.tokens[0]: tail}
+        for grandchild in tail.children.values():
+            grandchild.parent = tail
+        ends, node.ends = node.ends, {}
+        for offset, calls in ends.items():
+            if offset < at:
+                node.ends[offset] = calls
+            else:
+                tail.ends[offset - at] = calls
+                for c in calls:
+                    self._end_node[c] = tail
+        prompt_ends, node.prompt_ends = node.prompt_ends, {}
+        for offset, calls in prompt_ends.items():
+            if offset < at:
+                node.prompt_ends[offset] = calls
+            else:
+                tail.prompt_ends[offset - at] = calls
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._calls)
+
+    def call_indices(self) -> tuple[int, ...]:
+        """The calls added, in call_index order."""
+        return tuple(sorted(self._calls))
+
+    def statistics(self) -> TreeStatistics:
+        nodes, policy = 0, 0
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes += 1
+            policy += sum(1 for e in node.emitter if e >= 0)
+            stack.extend(node.children.values())
+        return TreeStatistics(len(self._calls), nodes, self._stored_tokens, self._call_tokens, policy)
+
+    def _ends_on_path(self, call_index: int, limit: int, prompts: bool = False) -> list[tuple[int, int]]:
+        """(depth of last token, call) for every call whose prompt + output (or, with `prompts`, whose prompt) is a
+        prefix of `call_index`'s path and no longer than limit + 1 tokens."""
+        node: _Node | None = self._end_node[call_index]
+        limit = min(limit, self._calls[call_index].total_len - 1)
+        found = []
+        while node is not None and node is not self._root:
+            for offset, calls in (node.prompt_ends if prompts else node.ends).items():
+                depth = node.depth + offset
+                if depth <= limit:
+                    found.extend((depth, c) for c in calls)
+            node = node.parent
+        return found
+
+    def chains(self) -> tuple[Chain, ...]:
+        """Chains of the calls added so far (rules in the module docstring), in order of their first call."""
+        if self._chains is None:
+            self._chains = self._assign_chains()
+        return self._chains
+
+    def _assign_chains(self) -> tuple[Chain, ...]:
+        kinds: list[str] = []
+        labels: list[tuple[str, str] | None] = []
+        members: list[list[int]] = []
+        branched: list[int | None] = []
+        chain_of: dict[int, int] = {}
+        for index in sorted(self._calls):
+            call = self._calls[index]
+            extended = [(d, c) for d, c in self._ends_on_path(index, call.prompt_len - 1) if c < index]
+            best: tuple[int, int] | None = None
+            for depth, c in extended:
+                chain = chain_of[c]
+                if members[chain][-1] != c:
+                    continue
+                if call.label is not None and labels[chain] != call.label:
+                    continue
+                if best is None or (depth, c) > best:
+                    best = (depth, c)
+            if best is not None:
+                chain = chain_of[best[1]]
+                members[chain].append(index)
+                chain_of[index] = chain
+                continue
+            reached = extended + [(d, c) for d, c in self._ends_on_path(index, call.prompt_len - 1, True) if c < index]
+            source = chain_of[max(reached)[1]] if reached else None
+            if call.label is not None:
+                agent, call_kind = call.label
+                if agent == MAIN_AGENT:
+                    kind = MAIN if call_kind == "turn" else MAIN_SUMMARY
+                else:
+                    kind = SUB_AGENT if call_kind == "turn" else SUB_AGENT_SUMMARY
+            elif source is not None:
+                kind = kinds[source]
+            else:
+                kind = SUB_AGENT if MAIN in kinds else MAIN
+            chain_of[index] = len(members)
+            kinds.append(kind)
+            labels.append(call.label)
+            members.append([index])
+            branched.append(source)
+        return tuple(
+            Chain(i, kinds[i], labels[i][0] if labels[i] else "", tuple(members[i]), branched[i])
+            for i in range(len(members))
+        )
+
+    def trajectories(self) -> tuple[Trajectory, ...]:
+        """Root-to-leaf trajectories (one per chain end not carried by a longer one), in leaf call_index order."""
+        chains = self.chains()
+        chain_of_end = {chain.call_indices[-1]: chain for chain in chains}
+        on_path: dict[int, list[int]] = {}
+        carried: set[int] = set()
+        for end in chain_of_end:
+            total = self._calls[end].total_len
+            ends = [(d, c) for d, c in self._ends_on_path(end, total - 1) if c in chain_of_end]
+            on_path[end] = [c for _, c in ends]
+            for depth, c in ends:
+                # c lies on end's path: end carries it if end is longer, or equally long and later.
+                if c != end and (depth < total - 1 or c < end):
+                    carried.add(c)
+        result = []
+        for end in sorted(chain_of_end):
+            if end in carried:
+                continue
+            chain_ids = tuple(sorted(chain_of_end[c].chain_id for c in on_path[end]))
+            kind = min((chain_of_end[c].kind for c in on_path[end]), key=KIND_RANK.__getitem__)
+            result.append(
+                Trajectory(end, kind, chain_of_end[end].kind, chain_ids, self._calls[end].total_len)
+            )
+        return tuple(result)
+
+    def path(self, call_index: int) -> TreePath:
+        """The path of one call's prompt + output, with each token's policy flag, log-prob and version."""
+        if call_index not in self._calls:
+            raise KeyError(f"execution {self.execution_id} has no call {call_index}")
+        total = self._calls[call_index].total_len
+        node: _Node | None = self._end_node[call_index]
+        pieces: list[tuple[_Node, int]] = []
+        stop = total - node.depth  # tokens of the end node on the path
+        while node is not None and node is not self._root:
+            pieces.append((node, stop))
+            node = node.parent
+            if node is not None:
+                stop = len(node.tokens)
+        pieces.reverse()
+        tokens, emitter, logprobs, versions = array("q"), array("q"), array("d"), array("q")
+        segments = []
+        for node, length in pieces:
+            segments.append((node.node_id, node.depth, length))
+            tokens.extend(node.tokens[:length])
+            emitter.extend(node.emitter[:length])
+            logprobs.extend(node.logprobs[:length])
+            versions.extend(node.versions[:length])
+        assert len(tokens) == total, "a call's path must be as long as its prompt + output"
+        return TreePath(
+            tuple(tokens), tuple(e >= 0 for e in emitter), tuple(logprobs), tuple(versions), tuple(segments)
+        )
+
+
+def build_tree(
+    calls: Iterable[ModelCallCompleted], config: TreeConfig = TreeConfig()
+) -> TrajectoryTree:
+    """A tree from one execution's calls (at least one), in any order."""
+    calls = list(calls)
+    if not calls:
+        raise TrajectoryError("build_tree needs at least one call")
+    tree = TrajectoryTree(calls[0].execution_id, calls[0].group_id, config)
+    for call in calls:
+        tree.add_call(call)
+    return tree
+
+
+def _common_prefix(stored: array, seq: array, start: int, limit: int) -> int:
+    """How many of stored[:limit] equal seq[start:start+limit]. Slices compare in C; on a mismatch numpy finds it."""
+    if stored[:limit] == seq[start : start + limit]:
+        return limit
+    a = np.asarray(stored[:limit], dtype=np.int64)
+    b = np.asarray(seq[start : start + limit], dtype=np.int64)
+    return int(np.flatnonzero(a != b)[0])

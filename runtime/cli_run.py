@@ -1,0 +1,36 @@
+"""`gyre run FILE [--virtual --seed N] [--log PATH] [-- ARGS]`: start a topology file; ARGS go to its topology()."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gyre.runtime.launch import LocalProcessLauncher, RunOptions, VirtualLauncher
+from gyre.runtime.logs import configure_logging
+from gyre.runtime.topology import load_topology_file
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("run", help="run a topology file")
+    parser.add_argument("file", help="a Python file defining topology(argv) -> Topology")
+    parser.add_argument("--virtual", action="store_true", help="deterministic runner: one process, virtual time")
+    parser.add_argument("--seed", type=int, default=None, help="override the topology's seed")
+    parser.add_argument("--log", dest="log_path", default=None, help="write the event log here")
+    parser.add_argument("--until-s", type=float, default=None, help="stop after this many (virtual) seconds")
+    parser.add_argument("--log-level", default=None, help="debug shows one line per handled message")
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    argv = list(args.passthrough)  # gyre run FILE [options] -- ARGS: ARGS go to topology(argv)
+    topology = load_topology_file(args.file, argv)
+    if args.seed is not None:
+        topology.seed = args.seed
+    options = RunOptions(log_path=args.log_path, until_s=args.until_s)
+    if args.virtual:
+        result = VirtualLauncher().run(topology, options)
+    else:
+        result = LocalProcessLauncher(args.file, tuple(argv), args.seed).run(topology, options)
+    print(f"gyre run: {result.reason} (exit {result.exit_code})", file=sys.stderr)
+    return result.exit_code

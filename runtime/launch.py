@@ -1,0 +1,277 @@
+"""Launchers: put a Topology's actors somewhere and run them until the supervisor ends the run.
+
+`Launcher` is the interface (`run(topology, options) -> exit status`); actors never know which one placed them.
+- `InProcessLauncher`: every actor on one node in this process, real time (tests, small tools).
+- `VirtualLauncher`: the deterministic runner: one process, virtual time, seeded delivery order; the same topology
+  and seed give a byte-identical event log.
+- `LocalProcessLauncher`: one OS process per `process` group, ZeroMQ over ipc:// between them, a supervisor in
+  the launcher's own process; clean shutdown on Ctrl-C or SIGTERM, no orphans (children die with the parent).
+A Ray launcher places the same process groups as Ray actors and fits the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+import attrs
+import structlog
+
+from gyre.runtime.clock import RealClock, VirtualClock
+from gyre.runtime.codec import Codec
+from gyre.runtime.event_log import EventLogWriter, merge_segments
+from gyre.runtime.node import Node, NodeConfig
+from gyre.runtime.supervisor import Supervisor, SupervisorConfig
+from gyre.runtime.topology import SUPERVISOR, ActorSpec, Directory, RestartPolicy, Topology, load_topology_file
+from gyre.runtime.virtual_loop import Quiescent, VirtualEventLoop
+from gyre.runtime.zmq_transport import ZmqTransport
+
+log = structlog.get_logger("gyre.launch")
+
+LAUNCHER_NODE = "launcher"
+
+
+@attrs.frozen
+class RunOptions:
+    """How to run a topology."""
+
+    log_path: str | None = None
+    """Event log to write; None records nothing."""
+    until_s: float | None = None
+    """Stop after this much runtime-clock time (virtual seconds under the deterministic runner)."""
+    node: NodeConfig = NodeConfig()
+    """Bounds of every node."""
+
+
+@attrs.frozen
+class RunResult:
+    """How a run ended."""
+
+    exit_code: int
+    reason: str
+
+
+class Launcher(Protocol):
+    def run(self, topology: Topology, options: RunOptions) -> RunResult: ...
+
+
+def supervisor_spec() -> ActorSpec:
+    return ActorSpec(SUPERVISOR, Supervisor, SupervisorConfig(), LAUNCHER_NODE, RestartPolicy("restart", 1000), 0)
+
+
+def _single_node(topology: Topology, clock, options: RunOptions, node_config: NodeConfig) -> Node:
+    codec = Codec()
+    placement = {spec.name: LAUNCHER_NODE for spec in topology.specs}
+    directory = Directory.build(topology, placement, {}, codec.type_name_of, LAUNCHER_NODE)
+    recorder = EventLogWriter(options.log_path) if options.log_path else None
+    node = Node(LAUNCHER_NODE, directory, clock=clock, codec=codec, recorder=recorder, config=node_config)
+    node.add_actor(supervisor_spec(), topology.actor_seed(SUPERVISOR))
+    for spec in topology.specs:
+        node.add_actor(spec, topology.actor_seed(spec.name))
+    return node
+
+
+async def _run_node(node: Node, until_s: float | None) -> tuple[str, int]:
+    await node.start()
+    assert node.stop_requested is not None
+    if until_s is not None:
+        asyncio.get_running_loop().call_later(until_s, node.resolve_stop, f"time limit of {until_s}s reached", 0)
+    return await node.stop_requested
+
+
+class InProcessLauncher:
+    """All actors on one node in this process, in real time."""
+
+    def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
+        node = _single_node(topology, RealClock(), options, options.node)
+
+        async def main() -> tuple[str, int]:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.add_signal_handler(signum, node.resolve_stop, f"signal {signum}", 128 + signum)
+                except (RuntimeError, ValueError):  # not the main thread
+                    pass
+            try:
+                return await _run_node(node, options.until_s)
+            finally:
+                await node.stop()
+
+        reason, code = asyncio.run(main())
+        return RunResult(code, reason)
+
+
+class VirtualLauncher:
+    """The deterministic runner: one process, virtual time, seeded delivery order, compute inline."""
+
+    def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
+        clock = VirtualClock(0.0)
+        node_config = attrs.evolve(options.node, shuffle_seed=topology.seed, offload_inline=True)
+        node = _single_node(topology, clock, options, node_config)
+        loop = VirtualEventLoop(clock)
+        asyncio.set_event_loop(loop)
+        try:
+            try:
+                reason, code = loop.run_until_complete(_run_node(node, options.until_s))
+            except Quiescent:
+                reason, code = "quiescent: no actor has anything left to do", 0
+            loop.run_until_complete(node.stop())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+        return RunResult(code, reason)
+
+
+# ---- local processes ----------------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: deliver SIGTERM to this process when its parent dies, so a killed launcher leaves no orphans."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _child_main(
+    topology_file: str, argv: list[str], seed: int | None, process: str, endpoints: dict[str, str],
+    log_dir: str | None, node_config: NodeConfig,
+) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us in order
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging()
+    topology = load_topology_file(topology_file, argv)
+    if seed is not None:
+        topology.seed = seed
+    codec = Codec()
+    placement = {spec.name: spec.process for spec in topology.specs}
+    directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
+    transport = ZmqTransport(endpoints[process], endpoints)
+    recorder = EventLogWriter(Path(log_dir) / f"{process}.glog") if log_dir else None
+    node = Node(process, directory, clock=RealClock(), codec=codec, transport=transport, recorder=recorder,
+                config=node_config)
+    for spec in topology.processes()[process]:
+        node.add_actor(spec, topology.actor_seed(spec.name))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await node.start()
+        flusher = asyncio.get_running_loop().create_task(_flush_periodically(node))
+        await stop.wait()
+        flusher.cancel()
+        await node.stop()
+
+    asyncio.run(main())
+
+
+async def _flush_periodically(node: Node, every_s: float = 0.5) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        if node.recorder is not None:
+            node.recorder.flush()
+
+
+@attrs.frozen
+class LocalProcessLauncher:
+    """One OS process per process group of the topology; the topology file is re-imported in each child."""
+
+    topology_file: str
+    argv: tuple[str, ...] = ()
+    seed: int | None = None
+    stop_timeout_s: float = 10.0
+
+    def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
+        run_dir = Path(tempfile.mkdtemp(prefix="gyre-run-"))
+        groups = topology.processes()
+        endpoints = {name: f"ipc://{run_dir}/{index}.sock" for index, name in enumerate(sorted(groups))}
+        endpoints[LAUNCHER_NODE] = f"ipc://{run_dir}/launcher.sock"
+        parts_dir = Path(options.log_path + ".parts") if options.log_path else None
+        if parts_dir is not None:
+            shutil.rmtree(parts_dir, ignore_errors=True)
+            parts_dir.mkdir(parents=True)
+        context = multiprocessing.get_context("spawn")
+        children = {
+            name: context.Process(
+                target=_child_main,
+                args=(self.topology_file, list(self.argv), self.seed, name, endpoints,
+                      str(parts_dir) if parts_dir else None, options.node),
+                name=f"gyre:{name}",
+                daemon=False,
+            )
+            for name in sorted(groups)
+        }
+        codec = Codec()
+        placement = {spec.name: spec.process for spec in topology.specs}
+        directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
+        transport = ZmqTransport(endpoints[LAUNCHER_NODE], endpoints)
+        recorder = EventLogWriter(parts_dir / f"{LAUNCHER_NODE}.glog") if parts_dir else None
+        node = Node(LAUNCHER_NODE, directory, clock=RealClock(), codec=codec, transport=transport,
+                    recorder=recorder, config=options.node)
+        node.add_actor(supervisor_spec(), topology.actor_seed(SUPERVISOR))
+
+        async def main() -> tuple[str, int]:
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, node.resolve_stop, f"signal {signal.Signals(signum).name}", 128 + signum)
+            await node.start()
+            for child in children.values():
+                child.start()
+            watcher = loop.create_task(self._watch_children(node, children))
+            if options.until_s is not None:
+                loop.call_later(options.until_s, node.resolve_stop, f"time limit of {options.until_s}s reached", 0)
+            assert node.stop_requested is not None
+            try:
+                return await node.stop_requested
+            finally:
+                watcher.cancel()
+                await self._stop_children(children)
+                await node.stop()
+
+        try:
+            reason, code = asyncio.run(main())
+        finally:
+            for child in children.values():
+                if child.is_alive():
+                    child.kill()
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if parts_dir is not None and options.log_path:
+            report = merge_segments(sorted(parts_dir.glob("*.glog")), Path(options.log_path))
+            if report.torn_tail_bytes:
+                log.warning("a process left a torn record; it was skipped", bytes=report.torn_tail_bytes)
+            shutil.rmtree(parts_dir, ignore_errors=True)
+        return RunResult(code, reason)
+
+    @staticmethod
+    async def _watch_children(node: Node, children: dict[str, multiprocessing.Process]) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            for name, child in children.items():
+                if child.exitcode is not None:
+                    node.resolve_stop(f"process {name} exited with status {child.exitcode}", 1)
+                    return
+
+    async def _stop_children(self, children: dict[str, multiprocessing.Process]) -> None:
+        for child in children.values():
+            if child.is_alive():
+                os.kill(child.pid, signal.SIGTERM)
+        deadline = asyncio.get_running_loop().time() + self.stop_timeout_s
+        while any(child.is_alive() for child in children.values()):
+            if asyncio.get_running_loop().time() > deadline:
+                for child in children.values():
+                    if child.is_alive():
+                        log.error("process did not stop in time; killing it", process=child.name)
+                        child.kill()
+                break
+            await asyncio.sleep(0.05)
+        for child in children.values():
+            child.join(timeout=1.0)

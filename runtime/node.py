@@ -1,0 +1,583 @@
+"""A node: the actors of one process, their mailboxes, and the routing of every message they send.
+
+The message path, from `tell` to handler:
+1. `Actor.tell` -> `Node.send_from`: the node stamps an Envelope (id = sender index * 2**40 + sequence, sender,
+   receiver, time, causation = the message being handled) and looks the receiver up in the Directory
+   (UnknownAddress if absent).
+2. Same node: the (envelope, message) pair goes straight into the receiver's bounded mailbox (Backpressure if full).
+   Other node: the codec encodes two frames (header, body) and the transport pushes them without blocking
+   (Backpressure if the peer's queue is full); the peer's reader decodes and waits for mailbox room, so a slow
+   receiver slows its senders down instead of dropping anything.
+3. The receiver's mailbox task takes the pair, appends it to the event log (if recording), binds the log context,
+   and calls the handler for the message's type. An ask's return value goes back as a REPLY that resolves the
+   asker's future directly (replies never queue behind other messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import random
+from typing import Any, Callable, Coroutine, Protocol
+
+import attrs
+import structlog
+
+from gyre.messages.runtime_control import ActorFailed, ActorStarted, AskFailed, StopTopology
+from gyre.runtime.actor import Actor
+from gyre.runtime.clock import Clock
+from gyre.runtime.codec import Codec
+from gyre.runtime.config_codec import _source_file, encode_config
+from gyre.runtime.envelope import ID_STRIDE, Envelope, Kind
+from gyre.runtime.errors import (
+    ActorDead,
+    AskTimeout,
+    Backpressure,
+    CodecError,
+    NoHandler,
+    RemoteError,
+    UnknownAddress,
+)
+from gyre.runtime.event_log import EventLogWriter
+from gyre.runtime.topology import SUPERVISOR, ActorSpec, Directory, RestartPolicy, client_name
+
+log = structlog.get_logger("gyre.runtime")
+
+_ERRORS_BY_NAME = {"ActorDead": ActorDead, "NoHandler": NoHandler}
+
+
+class Transport(Protocol):
+    """Moves encoded frames between nodes."""
+
+    def send_nowait(self, node: str, frames: tuple[bytes, bytes]) -> None:
+        """Queue the frames for `node` or raise Backpressure; never blocks."""
+        ...
+
+    def start(self, on_frames: Callable[[list[bytes]], Coroutine[Any, Any, None]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@attrs.frozen
+class NodeConfig:
+    """Bounds and modes of one node."""
+
+    mailbox_size: int = 4096
+    """Messages an actor's mailbox holds before senders see Backpressure."""
+    ask_timeout_s: float = 30.0
+    """Default time an ask waits for its reply."""
+    send_wait_s: float = 10.0
+    """How long `Actor.send` waits for room before raising Backpressure."""
+    shuffle_seed: int | None = None
+    """If set, local messages that become ready together are delivered in a seeded random interleaving (per-sender
+    order kept), so hidden order assumptions fail early and one seed always gives one order."""
+    offload_inline: bool = False
+    """Run offloaded compute inline (virtual time, where threads would break determinism)."""
+    offload_threads: int = 2
+    """Worker threads for offloaded compute."""
+
+
+class ActorSlot:
+    """The runtime's side of one actor: its mailbox, sequence counter, status and the current instance."""
+
+    def __init__(self, node: "Node", spec: ActorSpec, seed: int) -> None:
+        self.node = node
+        self.spec = spec
+        self.name = spec.name
+        self.index = spec.index
+        self.config = spec.config
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.mailbox: asyncio.Queue[tuple[Envelope, Any, tuple[bytes, bytes] | None]] = asyncio.Queue(
+            node.config.mailbox_size
+        )
+        self.sequence = 0
+        self.current_msg_id = 0
+        self.status = "new"  # new -> running -> (stopped | dead)
+        self.incarnation = 0
+        self.restarts = 0
+        self.actor: Actor | None = None
+        self.task: asyncio.Task | None = None
+        self.children: set[asyncio.Task] = set()
+        self.handled = 0
+
+    def next_id(self) -> int:
+        self.sequence += 1
+        return self.index * ID_STRIDE + self.sequence
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro, name=name or f"{self.name}.child")
+        self.children.add(task)
+        task.add_done_callback(self._child_done)
+        return task
+
+    def _child_done(self, task: asyncio.Task) -> None:
+        self.children.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        self.node._fail_actor(self, task.exception())
+
+    @property
+    def alive(self) -> bool:
+        return self.status in ("new", "running")
+
+
+class Node:
+    """Hosts actors and routes their messages; see the module docstring for the path of a message."""
+
+    def __init__(
+        self,
+        name: str,
+        directory: Directory,
+        *,
+        clock: Clock,
+        codec: Codec | None = None,
+        transport: Transport | None = None,
+        recorder: EventLogWriter | None = None,
+        config: NodeConfig = NodeConfig(),
+    ) -> None:
+        self.name = name
+        self.directory = directory
+        self.clock = clock
+        self.codec = codec or Codec()
+        self.transport = transport
+        self.recorder = recorder
+        self.config = config
+        self.slots: dict[str, ActorSlot] = {}
+        self.stop_requested: asyncio.Future[tuple[str, int]] | None = None
+        self.statistics = collections.Counter()
+        self._pending: dict[int, tuple[asyncio.Future, str]] = {}
+        self._client = _ClientIdentity(client_name(name), directory.actor_index[client_name(name)])
+        self._shuffle = random.Random(config.shuffle_seed) if config.shuffle_seed is not None else None
+        self._batch: list[tuple[Envelope, Any]] = []
+        self._batched_for: collections.Counter[str] = collections.Counter()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._capture: list[tuple[Envelope, Any]] | None = None
+        self._flush_scheduled = False
+
+    # ---- set-up ---------------------------------------------------------------------------------------------------
+    def add_actor(self, spec: ActorSpec, seed: int) -> ActorSlot:
+        slot = ActorSlot(self, spec, seed)
+        self.slots[spec.name] = slot
+        return slot
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.stop_requested = loop.create_future()
+        if self.transport is not None:
+            self.transport.start(self._on_frames)
+        for slot in sorted(self.slots.values(), key=lambda s: s.index):
+            await self._start_actor(slot)
+
+    async def _start_actor(self, slot: ActorSlot) -> None:
+        slot.actor = slot.spec.actor_cls(slot)
+        self._record_start(slot)
+        slot.status = "running"
+        try:
+            await slot.actor.on_start()
+        except Exception as error:
+            self._fail_actor(slot, error)
+            return
+        if slot.task is None or slot.task.done():
+            slot.task = asyncio.get_running_loop().create_task(self._run_mailbox(slot), name=f"{slot.name}.mailbox")
+
+    def _record_start(self, slot: ActorSlot) -> None:
+        if self.recorder is None:
+            return
+        started = ActorStarted(
+            actor=slot.name,
+            class_path=slot.spec.class_path,
+            source_path=_source_file(slot.spec.actor_cls),
+            config_blob=encode_config(slot.config),
+            seed=slot.seed,
+            index=slot.index,
+            subscriptions=slot.spec.subscription_names(self.codec.type_name_of),
+            incarnation=slot.incarnation,
+        )
+        envelope = Envelope(self._client.next_id(), self._client.name, slot.name, "", self.clock.now(), 0, 0, Kind.TELL)
+        header, body = self.codec.encode(envelope, started)
+        self.recorder.append(self.clock.now(), header, body)
+
+    async def stop(self) -> None:
+        """Stop every actor (on_stop hooks run), fail the asks still waiting here, close the transport and log."""
+        for slot in sorted(self.slots.values(), key=lambda s: -s.index):
+            await self._stop_actor(slot)
+        for future, target in self._pending.values():
+            if not future.done():
+                future.set_exception(ActorDead(f"{target}: the node {self.name} stopped before the reply came"))
+        self._pending.clear()
+        if self.transport is not None:
+            self.transport.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.recorder is not None:
+            self.recorder.close()
+
+    async def _stop_actor(self, slot: ActorSlot) -> None:
+        was_running = slot.status == "running"
+        slot.status = "stopped"
+        for task in list(slot.children) + ([slot.task] if slot.task else []):
+            task.cancel()
+        for task in list(slot.children) + ([slot.task] if slot.task else []):
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if was_running and slot.actor is not None:
+            try:
+                await slot.actor.on_stop()
+            except Exception as error:
+                log.error("on_stop raised", actor=slot.name, error=repr(error))
+        self._refuse_mailbox(slot, "stopped")
+
+    # ---- sending --------------------------------------------------------------------------------------------------
+    def _envelope(self, sender: Any, to: str, topic: str, kind: Kind, correlation: int = 0) -> Envelope:
+        return Envelope(
+            sender.next_id(), sender.name, to, topic, self.clock.now(), correlation,
+            getattr(sender, "current_msg_id", 0), kind,
+        )
+
+    def _route(self, envelope: Envelope, msg: Any) -> None:
+        if self._capture is not None:  # replay: outputs are compared, not delivered
+            self._capture.append((envelope, msg))
+            return
+        node = self.directory.actor_node.get(envelope.receiver)
+        if node is None:
+            raise UnknownAddress(f"no actor named {envelope.receiver!r} in this topology")
+        if node == self.name:
+            self._deliver_local_nowait(envelope, msg)
+        else:
+            if self.transport is None:
+                raise UnknownAddress(f"{envelope.receiver!r} lives on node {node!r}, which this node cannot reach")
+            self.transport.send_nowait(node, self.codec.encode(envelope, msg))
+        self.statistics["sent"] += 1
+
+    def send_from(self, slot: Any, to: str, msg: Any, kind: Kind = Kind.TELL) -> Envelope:
+        envelope = self._envelope(slot, to, "", kind)
+        self._route(envelope, msg)
+        return envelope
+
+    async def send_waiting(self, slot: Any, to: str, msg: Any, timeout_s: float | None) -> None:
+        deadline = self.clock_loop_time() + (self.config.send_wait_s if timeout_s is None else timeout_s)
+        delay = 0.0005
+        while True:
+            try:
+                self.send_from(slot, to, msg)
+                return
+            except Backpressure:
+                if self.clock_loop_time() >= deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def publish_from(self, slot: Any, msg: Any) -> None:
+        topic = self.codec.type_name_of(type(msg))
+        subscribers = self.directory.subscribers.get(topic, ())
+        if self._capture is not None:
+            self._capture.append((self._envelope(slot, "", topic, Kind.EVENT), msg))
+            return
+        # One id for all copies: the log shows one published message delivered to several subscribers.
+        base = self._envelope(slot, "", topic, Kind.EVENT)
+        for subscriber in subscribers:
+            self._route(attrs.evolve(base, receiver=subscriber), msg)
+
+    async def ask_from(self, slot: Any, to: str, msg: Any, timeout_s: float | None) -> Any:
+        envelope = self._envelope(slot, to, "", Kind.ASK)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[envelope.msg_id] = (future, to)
+        try:
+            self._route(envelope, msg)
+            timeout = self.config.ask_timeout_s if timeout_s is None else timeout_s
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise AskTimeout(f"{to} did not answer {type(msg).__qualname__} within {timeout}s") from None
+        finally:
+            self._pending.pop(envelope.msg_id, None)
+
+    def schedule_self(self, slot: ActorSlot, delay_s: float, msg: Any) -> asyncio.TimerHandle:
+        causation = slot.current_msg_id
+        # The id is taken now, not when the timer fires, so ids do not depend on how firing interleaves with other
+        # messages (replay and virtual runs rely on that).
+        msg_id = slot.next_id()
+
+        def fire() -> None:
+            if not slot.alive:
+                return
+            envelope = Envelope(msg_id, slot.name, slot.name, "", self.clock.now(), 0, causation, Kind.TELL)
+            try:
+                self._route(envelope, msg)
+            except Backpressure:
+                # A timer must not vanish: try again shortly (the mailbox is the actor's own, so it drains).
+                asyncio.get_running_loop().call_later(0.001, fire)
+
+        return asyncio.get_running_loop().call_later(max(0.0, delay_s), fire)
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.config.offload_inline:
+            return fn(*args)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(self.config.offload_threads, f"{self.name}-compute")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def request_topology_stop(self, slot: Any, reason: str, exit_code: int) -> None:
+        self.send_from(slot, SUPERVISOR, StopTopology(reason, exit_code))
+
+    def resolve_stop(self, reason: str, exit_code: int) -> None:
+        """Called by the supervisor: the launcher waiting on `stop_requested` ends the run."""
+        if self.stop_requested is not None and not self.stop_requested.done():
+            self.stop_requested.set_result((reason, exit_code))
+
+    # ---- clients (code outside the topology) ---------------------------------------------------------------------
+    def tell(self, to: str, msg: Any) -> None:
+        self.send_from(self._client, to, msg)
+
+    def publish(self, msg: Any) -> None:
+        self.publish_from(self._client, msg)
+
+    async def ask(self, to: str, msg: Any, timeout_s: float | None = None) -> Any:
+        return await self.ask_from(self._client, to, msg, timeout_s)
+
+    def clock_loop_time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ---- receiving ------------------------------------------------------------------------------------------------
+    def _deliver_local_nowait(self, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None = None) -> None:
+        if envelope.kind == Kind.REPLY:
+            self._resolve(envelope, msg, frames)
+            return
+        slot = self.slots.get(envelope.receiver)
+        if slot is None:
+            raise UnknownAddress(f"{envelope.receiver!r} is not hosted on node {self.name}")
+        if not slot.alive:
+            self._refuse(slot, envelope, msg)
+            return
+        if self._shuffle is not None and frames is None:
+            pending = self._batched_for[slot.name]
+            if slot.mailbox.qsize() + pending >= slot.mailbox.maxsize:
+                raise Backpressure(f"mailbox of {slot.name} is full ({slot.mailbox.maxsize})")
+            self._batch.append((envelope, msg))
+            self._batched_for[slot.name] += 1
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush_batch)
+            return
+        try:
+            slot.mailbox.put_nowait((envelope, msg, frames))
+        except asyncio.QueueFull:
+            raise Backpressure(f"mailbox of {slot.name} is full ({slot.mailbox.maxsize})") from None
+
+    def _flush_batch(self) -> None:
+        """Deliver the messages that became ready together in a seeded interleaving that keeps each sender's order."""
+        self._flush_scheduled = False
+        by_sender: dict[str, collections.deque] = {}
+        for envelope, msg in self._batch:
+            by_sender.setdefault(envelope.sender, collections.deque()).append((envelope, msg))
+        self._batch.clear()
+        self._batched_for.clear()
+        queues = [by_sender[name] for name in sorted(by_sender)]
+        while queues:
+            queue = queues[self._shuffle.randrange(len(queues))]
+            envelope, msg = queue.popleft()
+            if not queue:
+                queues.remove(queue)
+            slot = self.slots[envelope.receiver]
+            if slot.alive:
+                slot.mailbox.put_nowait((envelope, msg, None))
+            else:
+                self._refuse(slot, envelope, msg)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        """A frame pair from another node. Bad frames are logged and counted; an ask still gets an error reply."""
+        self.statistics["received"] += 1
+        if len(frames) != 2:
+            self.statistics["bad_frames"] += 1
+            log.error("dropped a frame set of the wrong shape", node=self.name, parts=len(frames))
+            return
+        header, body = frames
+        try:
+            envelope, type_name, version = self.codec.decode_header(header)
+        except CodecError as error:
+            self.statistics["bad_frames"] += 1
+            log.error("dropped an undecodable header", node=self.name, error=str(error))
+            return
+        try:
+            msg = self.codec.decode_body(type_name, version, body)
+        except CodecError as error:
+            self.statistics["bad_frames"] += 1
+            log.error("dropped an undecodable body", node=self.name, type=type_name, error=str(error))
+            if envelope.kind == Kind.ASK:
+                self._reply_error(envelope, type(error).__name__, str(error))
+            elif envelope.kind == Kind.REPLY:
+                self._fail_pending(envelope.correlation_id, RemoteError(envelope.sender, type(error).__name__, str(error)))
+            return
+        if envelope.kind == Kind.REPLY:
+            self._resolve(envelope, msg, (header, body))
+            return
+        slot = self.slots.get(envelope.receiver)
+        if slot is None:
+            self.statistics["misrouted"] += 1
+            log.error("message for an actor this node does not host", node=self.name, receiver=envelope.receiver)
+            if envelope.kind == Kind.ASK:
+                self._reply_error(envelope, "UnknownAddress", f"{envelope.receiver} is not on node {self.name}")
+            return
+        if not slot.alive:
+            self._refuse(slot, envelope, msg)
+            return
+        await slot.mailbox.put((envelope, msg, (header, body)))  # waits for room: backpressure reaches the sender
+
+    def _resolve(self, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
+        self._record(envelope, msg, frames)
+        entry = self._pending.get(envelope.correlation_id)
+        if entry is None:
+            self.statistics["late_replies"] += 1
+            return
+        future, target = entry
+        if future.done():
+            return
+        if isinstance(msg, AskFailed):
+            error_cls = _ERRORS_BY_NAME.get(msg.error_type)
+            error = error_cls(msg.message) if error_cls else RemoteError(msg.actor, msg.error_type, msg.message)
+            future.set_exception(error)
+        else:
+            future.set_result(msg)
+
+    def _fail_pending(self, correlation_id: int, error: Exception) -> None:
+        entry = self._pending.get(correlation_id)
+        if entry is not None and not entry[0].done():
+            entry[0].set_exception(error)
+
+    def _reply(self, slot: Any, ask: Envelope, msg: Any) -> None:
+        envelope = Envelope(
+            slot.next_id(), slot.name, ask.sender, "", self.clock.now(), ask.msg_id, ask.msg_id, Kind.REPLY
+        )
+        try:
+            self._route(envelope, msg)
+        except (UnknownAddress, Backpressure) as error:
+            log.error("could not deliver a reply", actor=slot.name, to=ask.sender, error=str(error))
+
+    def _reply_error(self, ask: Envelope, error_type: str, message: str) -> None:
+        replier = self.slots.get(ask.receiver) or self._client
+        self._reply(replier, ask, AskFailed(ask.receiver, error_type, message))
+
+    def _refuse(self, slot: ActorSlot, envelope: Envelope, msg: Any) -> None:
+        """A message for a stopped or dead actor: asks fail at once; tells are logged and counted."""
+        if envelope.kind == Kind.ASK:
+            self._reply_error(envelope, "ActorDead", f"{slot.name} is {slot.status}")
+        else:
+            self.statistics["refused"] += 1
+            log.warning("message for a dead actor", actor=slot.name, status=slot.status, type=type(msg).__name__)
+
+    def _refuse_mailbox(self, slot: ActorSlot, why: str) -> None:
+        while not slot.mailbox.empty():
+            envelope, msg, _ = slot.mailbox.get_nowait()
+            self._refuse(slot, envelope, msg)
+
+    def _record(self, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
+        if self.recorder is None:
+            return
+        header, body = frames if frames is not None else self.codec.encode(envelope, msg)
+        self.recorder.append(self.clock.now(), header, body)
+
+    # ---- the mailbox loop -----------------------------------------------------------------------------------------
+    async def _run_mailbox(self, slot: ActorSlot) -> None:
+        table = type(slot.actor).handler_table
+        debug = _debug_enabled()
+        while True:
+            envelope, msg, frames = await slot.mailbox.get()
+            actor = slot.actor
+            self._record(envelope, msg, frames)
+            slot.current_msg_id = envelope.msg_id
+            slot.handled += 1
+            method_name = table.get(type(msg))
+            if method_name is None:
+                self.statistics["no_handler"] += 1
+                if envelope.kind == Kind.ASK:
+                    self._reply_error(envelope, "NoHandler", f"{slot.name} has no handler for {type(msg).__qualname__}")
+                else:
+                    log.error("no handler", actor=slot.name, type=type(msg).__qualname__, seq=envelope.msg_id)
+                continue
+            if debug:
+                log.debug("handle", actor=slot.name, type=type(msg).__name__, seq=envelope.msg_id, sender=envelope.sender)
+            try:
+                result = getattr(actor, method_name)(msg)
+                if asyncio.iscoroutine(result):
+                    result = await result
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                if envelope.kind == Kind.ASK:
+                    self._reply_error(envelope, type(error).__name__, str(error))
+                    continue
+                self._fail_actor(slot, error)
+                if not slot.alive:
+                    return
+                table = type(slot.actor).handler_table
+                continue
+            finally:
+                slot.current_msg_id = 0
+            if envelope.kind == Kind.ASK:
+                if result is None or not hasattr(type(result), "__gyre_type__"):
+                    self._reply_error(envelope, "TypeError", f"handler returned {type(result).__name__}, not a message")
+                else:
+                    self._reply(slot, envelope, result)
+
+    def _fail_actor(self, slot: ActorSlot, error: BaseException) -> None:
+        """Supervision: restart, stop, or escalate, by the actor's RestartPolicy."""
+        policy: RestartPolicy = slot.spec.restart
+        log.error("actor failed", actor=slot.name, error=repr(error), restarts=slot.restarts, policy=policy.mode)
+        self.statistics["failures"] += 1
+        if policy.mode == "restart" and slot.restarts < policy.max_restarts:
+            slot.restarts += 1
+            slot.incarnation += 1
+            action = "restarted"
+            for task in list(slot.children):
+                task.cancel()
+            slot.actor = slot.spec.actor_cls(slot)
+            self._record_start(slot)
+            restart = asyncio.get_running_loop().create_task(self._restart_hook(slot), name=f"{slot.name}.restart")
+            slot.children.add(restart)
+            restart.add_done_callback(slot.children.discard)
+        else:
+            action = "stopped" if policy.mode == "stop_actor" else "escalated"
+            slot.status = "dead"
+            for task in list(slot.children):
+                task.cancel()
+            self._refuse_mailbox(slot, "dead")
+            for entry_id, (future, target) in list(self._pending.items()):
+                if target == slot.name and not future.done():
+                    future.set_exception(ActorDead(f"{slot.name} died before answering"))
+        notice = ActorFailed(slot.name, type(error).__name__, str(error), slot.restarts, action)
+        if slot.name != SUPERVISOR:
+            try:
+                self.send_from(self._client, SUPERVISOR, notice)
+            except Exception as send_error:  # the supervisor unreachable must not hide the failure
+                log.error("could not tell the supervisor", actor=slot.name, error=repr(send_error))
+
+    async def _restart_hook(self, slot: ActorSlot) -> None:
+        try:
+            await slot.actor.on_start()
+        except Exception as error:
+            self._fail_actor(slot, error)
+
+
+def _debug_enabled() -> bool:
+    """Whether per-message lines are on (checked once per mailbox loop, not per message)."""
+    try:
+        return bool(structlog.get_logger("gyre.runtime").is_enabled_for(10))
+    except AttributeError:  # a logger without level filtering: say nothing per message
+        return False
+
+
+class _ClientIdentity:
+    """The sender identity of code outside the topology (tests, CLIs) that talks through a node."""
+
+    def __init__(self, name: str, index: int) -> None:
+        self.name = name
+        self.index = index
+        self.sequence = 0
+        self.current_msg_id = 0
+
+    def next_id(self) -> int:
+        self.sequence += 1
+        return self.index * ID_STRIDE + self.sequence

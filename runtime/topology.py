@@ -1,0 +1,174 @@
+"""Topologies: which actors run, with which configs and policies, grouped into which processes.
+
+A topology file is plain Python that defines `topology(argv: list[str]) -> Topology`; `gyre run FILE -- ARGS` calls
+it with ARGS. The same Topology object drives every launcher (local processes, the deterministic runner, Ray), so
+actors never know how they were placed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from gyre.runtime.actor import Actor
+from gyre.runtime.errors import TopologyError
+
+#: The built-in supervisor's name and index; user actors get indices 1, 2, ...
+SUPERVISOR = "supervisor"
+#: Indices from here on belong to clients (code outside the topology that tells or asks), one per node.
+CLIENT_INDEX_BASE = 1 << 20
+
+
+@attrs.frozen
+class RestartPolicy:
+    """What a node does when a handler of a tell raises."""
+
+    mode: str = "restart"
+    """"restart" the actor (up to max_restarts), "stop_actor" (it stays dead), or "stop_topology" (end the run)."""
+    max_restarts: int = 3
+    """Restarts allowed before the failure escalates to stopping the topology."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.mode not in ("restart", "stop_actor", "stop_topology"):
+            raise TopologyError(f"unknown restart mode {self.mode!r}")
+
+
+@attrs.frozen
+class ActorSpec:
+    """One actor of a topology."""
+
+    name: str
+    actor_cls: type
+    config: Any
+    process: str
+    """Actors with the same process name share one OS process under the local-process launcher."""
+    restart: RestartPolicy
+    index: int
+    """Position in the topology (1-based); message ids are derived from it."""
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.actor_cls.__module__}:{self.actor_cls.__qualname__}"
+
+    def subscription_names(self, type_name_of: Callable[[type], str]) -> tuple[str, ...]:
+        return tuple(type_name_of(t) for t in self.actor_cls.subscriptions)
+
+
+class Topology:
+    """An ordered set of actor specs plus the run's seed."""
+
+    def __init__(self, name: str, seed: int = 0) -> None:
+        self.name = name
+        self.seed = seed
+        self._specs: dict[str, ActorSpec] = {}
+
+    def add(
+        self,
+        name: str,
+        actor_cls: type,
+        config: Any = None,
+        *,
+        process: str | None = None,
+        restart: RestartPolicy = RestartPolicy(),
+    ) -> ActorSpec:
+        if not (isinstance(actor_cls, type) and issubclass(actor_cls, Actor)):
+            raise TopologyError(f"{name}: {actor_cls!r} is not an Actor subclass")
+        if name in self._specs or name == SUPERVISOR or not name or name.startswith("~"):
+            raise TopologyError(f"actor name {name!r} is taken or reserved")
+        if config is None:
+            config = actor_cls.config_cls()
+        if not isinstance(config, actor_cls.config_cls):
+            raise TopologyError(
+                f"{name}: config is a {type(config).__qualname__}, {actor_cls.__qualname__} takes "
+                f"{actor_cls.config_cls.__qualname__}"
+            )
+        spec = ActorSpec(name, actor_cls, config, process or name, restart, len(self._specs) + 1)
+        self._specs[name] = spec
+        return spec
+
+    @property
+    def specs(self) -> tuple[ActorSpec, ...]:
+        return tuple(self._specs.values())
+
+    def spec(self, name: str) -> ActorSpec:
+        return self._specs[name]
+
+    def processes(self) -> dict[str, list[ActorSpec]]:
+        groups: dict[str, list[ActorSpec]] = {}
+        for spec in self._specs.values():
+            groups.setdefault(spec.process, []).append(spec)
+        return groups
+
+    def actor_seed(self, name: str) -> int:
+        """A per-actor seed derived from the run's seed and the name (stable across Python versions and runs)."""
+        digest = hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+
+@attrs.frozen
+class Directory:
+    """Where every actor lives and who listens to which published type; the same in every process of a run."""
+
+    actor_node: dict[str, str]
+    """Actor name -> name of the node (process) that hosts it."""
+    actor_index: dict[str, int]
+    """Actor name -> index (message id prefix)."""
+    subscribers: dict[str, tuple[str, ...]]
+    """Wire type name -> actors that receive it when published."""
+    node_endpoint: dict[str, str]
+    """Node name -> ZeroMQ endpoint it binds (empty for in-process runs)."""
+
+    @staticmethod
+    def build(
+        topology: Topology,
+        placement: dict[str, str],
+        endpoints: dict[str, str],
+        type_name_of: Callable[[type], str],
+        supervisor_node: str,
+    ) -> "Directory":
+        actor_node = {SUPERVISOR: supervisor_node}
+        actor_index = {SUPERVISOR: 0}
+        subscribers: dict[str, list[str]] = {}
+        for spec in topology.specs:
+            actor_node[spec.name] = placement[spec.name]
+            actor_index[spec.name] = spec.index
+            for type_name in spec.subscription_names(type_name_of):
+                subscribers.setdefault(type_name, []).append(spec.name)
+        nodes = sorted(set(actor_node.values()))
+        for number, node in enumerate(nodes):
+            actor_node[client_name(node)] = node
+            actor_index[client_name(node)] = CLIENT_INDEX_BASE + number
+        return Directory(actor_node, actor_index, {k: tuple(v) for k, v in subscribers.items()}, dict(endpoints))
+
+
+def client_name(node: str) -> str:
+    """The address of code outside the topology that tells or asks through `node`."""
+    return f"~client.{node}"
+
+
+def load_topology_file(path: str | Path, argv: list[str]) -> Topology:
+    """Import a topology file and call its `topology(argv)`; the file's folder is importable from it."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise TopologyError(f"no topology file at {path}")
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module_name = f"gyre_topology_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    build = getattr(module, "topology", None)
+    if not callable(build):
+        raise TopologyError(f"{path} defines no function topology(argv) -> Topology")
+    result = build(list(argv))
+    if not isinstance(result, Topology):
+        raise TopologyError(f"{path}: topology(argv) returned {type(result).__qualname__}, not a Topology")
+    return result

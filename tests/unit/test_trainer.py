@@ -1,0 +1,246 @@
+"""MegatronTrainer on CPU: learning, gradient algebra for data parallelism, weight import/export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gyre.engines.model_format import load_hf_state_dict
+from gyre.engines.trainer import MegatronTrainer, TrainerConfig, TrainerError, ensure_parallel_state
+
+VOCAB = 2041  # ordinary (non-added) token ids of the tiny tokenizer
+
+
+def batch(seed: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded random ids (padding id 0 past each length)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)), generator=g)
+    for row, n in enumerate(lengths):
+        ids[row, n:] = 0
+    return ids, torch.tensor(lengths)
+
+
+def union(*parts):
+    width = max(ids.shape[1] for ids, _ in parts)
+    ids = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[1])) for i, _ in parts])
+    return ids, torch.cat([n for _, n in parts])
+
+
+def summed_nll(logprobs: torch.Tensor):
+    loss = -logprobs.sum()
+    return loss, {"nll_sum": loss}
+
+
+@pytest.fixture(scope="module")
+def trainers(tiny_model_dir):
+    """Two trainers of the same model in one process (as a core and a satellite would be in a test)."""
+    torch.set_num_threads(2)
+    return MegatronTrainer(tiny_model_dir), MegatronTrainer(tiny_model_dir)
+
+
+@pytest.fixture
+def fresh(trainers, tiny_model_dir):
+    """The two trainers reset to the initial weights, zero gradients and fresh optimizer state."""
+    state = load_hf_state_dict(tiny_model_dir)
+    for t in trainers:
+        t.load_hf_state_dict(state, version=0)
+        t.zero_grads()
+        t.optimizer.state.clear()
+    return trainers
+
+
+def test_logprobs_shape_and_padding(fresh):
+    a, _ = fresh
+    ids, lengths = batch(0, [9, 5, 1])
+    lp = a.logprobs(ids, lengths)
+    assert lp.shape == ids.shape and lp.dtype == torch.float32
+    assert torch.all(lp[:, 0] == 0)
+    assert torch.all(lp[1, 5:] == 0) and torch.all(lp[2] == 0)
+    assert torch.all(lp[0, 1:] < 0)
+    # A row's log-probs do not depend on what else is in the batch (right padding plus causality).
+    alone = a.logprobs(ids[1:2, :5], lengths[1:2])
+    torch.testing.assert_close(alone[0], lp[1, :5], atol=1e-5, rtol=0)
+
+
+def test_loss_goes_down_on_a_tiny_batch(fresh):
+    a, _ = fresh
+    a_ids, a_len = batch(1, [24, 16, 20, 9])
+
+    def mean_nll(lp):
+        loss = -lp.sum() / (a_len - 1).sum()
+        return loss, {}
+
+    losses = []
+    for _ in range(12):
+        losses.append(a.forward_backward(a_ids, a_len, mean_nll)["loss"])
+        a.optimizer_step(lr=3e-3)
+    assert a.version == 12
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert max(losses[-3:]) < min(losses[:3]), losses
+
+
+def test_flat_grads_of_two_trainers_sum_to_the_union_batch(fresh):
+    a, b = fresh
+    part1, part2 = batch(2, [12, 7]), batch(3, [15, 4, 10])
+    a.forward_backward(*part1, summed_nll)
+    b.forward_backward(*part2, summed_nll)
+    g1, g2 = a.grads_to_flat(), b.grads_to_flat()
+    assert g1.dtype == torch.float32 and g1.dim() == 1 and g1.numel() == a.num_params
+    assert g1.abs().sum() > 0 and not torch.equal(g1, g2)
+
+    a.zero_grads()
+    metrics = a.forward_backward(*union(part1, part2), summed_nll)
+    assert metrics["num_tokens"] == 12 + 7 + 15 + 4 + 10
+    gu = a.grads_to_flat()
+    torch.testing.assert_close(g1 + g2, gu, atol=2e-5, rtol=1e-4)
+
+    # The core's path: its own micro-step, plus the satellite's flat gradients.
+    a.zero_grads()
+    a.forward_backward(*part1, summed_nll)
+    a.add_flat_grads(g2)
+    torch.testing.assert_close(a.grads_to_flat(), gu, atol=2e-5, rtol=1e-4)
+    a.add_flat_grads(g2, scale=-1.0)
+    torch.testing.assert_close(a.grads_to_flat(), g1, atol=2e-5, rtol=1e-4)
+
+
+def test_core_step_then_flat_weights_move_to_a_satellite(fresh):
+    a, b = fresh
+    a.forward_backward(*batch(4, [10, 6]), summed_nll)
+    before = a.flat_params()
+    report = a.optimizer_step()
+    assert report["version"] == 1 and report["grad_norm"] > 0 and not report["skipped"]
+    assert not torch.equal(before, a.flat_params())
+    assert a.grads_to_flat().abs().sum() == 0  # the step zeroes the gradients
+    b.load_flat_params(a.flat_params(), version=a.version)
+    ids, lengths = batch(5, [11, 8])
+    assert b.version == 1
+    assert torch.equal(a.logprobs(ids, lengths), b.logprobs(ids, lengths))
+    assert [s.name for s in a.param_layout()] == [s.name for s in b.param_layout()]
+    assert sum(s.numel for s in a.param_layout()) == a.num_params
+
+
+def test_grad_clipping_and_non_finite_steps(fresh, tiny_model_dir):
+    a, _ = fresh
+    a.forward_backward(*batch(6, [10]), lambda lp: (-1000.0 * lp.sum(), {}))
+    flat = a.grads_to_flat()
+    report = a.optimizer_step()
+    assert report["grad_norm"] == pytest.approx(float(flat.norm()), rel=1e-5) and report["grad_norm"] > 1.0
+    # AdamW's first step moves each weight by about lr regardless of the gradient scale.
+    step = (a.flat_params() - MegatronTrainer_flat(tiny_model_dir, a)).abs().max()
+    assert step <= 1.1 * a.config.lr
+    a.add_flat_grads(torch.full_like(flat, float("nan")))
+    params = a.flat_params()
+    report = a.optimizer_step()
+    assert report["skipped"] and report["version"] == 1
+    assert torch.equal(params, a.flat_params()) and a.grads_to_flat().abs().sum() == 0
+
+
+def MegatronTrainer_flat(model_dir, like: MegatronTrainer) -> torch.Tensor:
+    """The initial weights in `like`'s flat layout (through a scratch load and restore)."""
+    saved = like.flat_params()
+    like.load_hf_state_dict(load_hf_state_dict(model_dir))
+    initial = like.flat_params()
+    like.load_flat_params(saved)
+    return initial
+
+
+def test_hf_export_round_trip(fresh, tmp_path):
+    a, b = fresh
+    a.forward_backward(*batch(7, [9, 9]), summed_nll)
+    a.optimizer_step()
+    state = a.hf_state_dict()
+    b.load_hf_state_dict(state, version=5)
+    assert b.version == 5 and torch.equal(a.flat_params(), b.flat_params())
+    saved = a.save_hf(tmp_path / "step1")
+    assert {p.name for p in saved.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
+                                                  "tokenizer_config.json", "generation_config.json"}
+    from transformers import Qwen3ForCausalLM
+
+    from gyre.engines.trainer import token_logprobs
+
+    hf = Qwen3ForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    ids, lengths = batch(8, [13])
+    with torch.no_grad():
+        reference = token_logprobs(hf(ids).logits, ids, lengths)
+    torch.testing.assert_close(a.logprobs(ids, lengths), reference, atol=1e-4, rtol=0)
+
+
+def test_gradients_live_in_the_flat_buffer(fresh):
+    a, _ = fresh
+    a.forward_backward(*batch(9, [6]), summed_nll)
+    buffer = a._grads
+    for p in a.model.parameters():
+        assert p.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert p.untyped_storage().data_ptr() == a.param_buffer().untyped_storage().data_ptr()
+    assert buffer.abs().sum() > 0
+
+
+def test_bad_input_raises_trainer_error(fresh):
+    a, _ = fresh
+    ids, lengths = batch(10, [5, 3])
+    with pytest.raises(TrainerError):
+        a.logprobs(ids.float(), lengths)
+    with pytest.raises(TrainerError):
+        a.logprobs(ids, torch.tensor([5, 6]))
+    with pytest.raises(TrainerError):
+        a.logprobs(ids, torch.tensor([5]))
+    with pytest.raises(TrainerError):
+        a.logprobs(ids + 100_000, lengths)
+    with pytest.raises(TrainerError):
+        a.forward_backward(ids, lengths, lambda lp: (lp.sum(dim=1), {}))
+    with pytest.raises(TrainerError):
+        a.forward_backward(ids, lengths, lambda lp: lp.sum())
+    with pytest.raises(TrainerError):
+        a.add_flat_grads(torch.zeros(3))
+    with pytest.raises(TrainerError):
+        a.load_flat_params(torch.zeros(3))
+
+
+def test_works_when_megatron_state_was_torn_down(trainers, tiny_model_dir):
+    """Another component may destroy megatron's parallel state; a new trainer sets it up again."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    assert not parallel_state.model_parallel_is_initialized()
+    c = MegatronTrainer(tiny_model_dir, TrainerConfig(lr=1e-3))
+    assert parallel_state.model_parallel_is_initialized()
+    ensure_parallel_state()  # idempotent
+    ids, lengths = batch(11, [7])
+    torch.testing.assert_close(c.logprobs(ids, lengths), trainers[0].logprobs(ids, lengths), atol=1e-6, rtol=0)
+
+
+def test_cpu_shims_are_idempotent_and_cpu_only(trainers):
+    from megatron.core import parallel_state
+    from megatron.core.transformer import utils as transformer_utils
+
+    from gyre.engines import megatron_cpu
+
+    assert not torch.cuda.is_available()
+    assert megatron_cpu.apply() and megatron_cpu.apply() and megatron_cpu.is_applied()
+    buffer = parallel_state.get_global_memory_buffer().get_tensor((2, 3), torch.float32, "test")
+    assert buffer.device.type == "cpu" and buffer.shape == (2, 3)
+    mask = transformer_utils.get_default_causal_mask(3)
+    assert mask.device.type == "cpu" and mask.tolist() == [[False, True, True], [False, False, True],
+                                                            [False, False, False]]
+
+
+def test_config_validation():
+    with pytest.raises(TrainerError):
+        TrainerConfig(core_attention="flash")
+    with pytest.raises(TrainerError):
+        TrainerConfig(device="tpu")
+    with pytest.raises(TrainerError):
+        TrainerConfig(lr=-1.0)
+
+
+def test_weight_decay_spares_norm_weights(tiny_model_dir):
+    t = MegatronTrainer(tiny_model_dir, TrainerConfig(lr=0.1, weight_decay=0.5))
+    before = t.flat_params()
+    t.optimizer_step()  # zero gradients: AdamW's only effect is the decay
+    after = t.flat_params()
+    for slot in t.param_layout():
+        old, new = (x[slot.offset : slot.offset + slot.numel] for x in (before, after))
+        if len(slot.shape) >= 2:
+            torch.testing.assert_close(new, old * (1 - 0.1 * 0.5))
+        else:
+            assert torch.equal(new, old), slot.name

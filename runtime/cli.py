@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser, broken = build_parser()
-    args = parser.parse_args(argv)
-    args.passthrough = passthrough
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # A command that accepts extra arguments (gyre run) hands them on: its target defines their meaning.
+    args.passthrough = extra + passthrough
     chosen = args.command if args.command != "bench" else f"bench.{args.bench}"
     if chosen in broken:
         print(f"gyre: the command {chosen!r} could not be loaded: {broken[chosen]}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""`gyre run FILE [--virtual --seed N] [--log PATH] [-- ARGS]`: start a topology file; ARGS go to its topology()."""
+"""`gyre run FILE [--virtual --seed N] [--log PATH] [ARGS]`: start a topology file; options gyre run does not know,
+and anything after `--`, go to the file's topology(argv)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 from gyre.runtime.launch import LocalProcessLauncher, RunOptions, VirtualLauncher
 from gyre.runtime.logs import configure_logging
-from gyre.runtime.topology import load_topology_file
+from gyre.runtime.topology import build_topology, load_topology_module
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -18,13 +19,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log", dest="log_path", default=None, help="write the event log here")
     parser.add_argument("--until-s", type=float, default=None, help="stop after this many (virtual) seconds")
     parser.add_argument("--log-level", default=None, help="debug shows one line per handled message")
-    parser.set_defaults(func=run_command)
+    # Unknown options (e.g. `--report DIR`) and anything after `--` go to the file's topology(argv).
+    parser.set_defaults(func=run_command, accepts_extra_args=True)
 
 
 def run_command(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     argv = list(args.passthrough)  # gyre run FILE [options] -- ARGS: ARGS go to topology(argv)
-    topology = load_topology_file(args.file, argv)
+    module = load_topology_module(args.file)
+    prepare = getattr(module, "prepare", None)
+    if callable(prepare):
+        prepare(argv)
+    topology = build_topology(module, argv)
     if args.seed is not None:
         topology.seed = args.seed
     options = RunOptions(log_path=args.log_path, until_s=args.until_s)
@@ -33,4 +39,8 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         result = LocalProcessLauncher(args.file, tuple(argv), args.seed).run(topology, options)
     print(f"gyre run: {result.reason} (exit {result.exit_code})", file=sys.stderr)
+    finish = getattr(module, "finish", None)
+    if callable(finish):
+        finished = finish(argv, result)
+        return int(finished) if finished is not None else result.exit_code
     return result.exit_code

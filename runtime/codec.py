@@ -53,6 +53,12 @@ def _checker_for(annotation: Any) -> Checker:
             )
         return lambda value: isinstance(value, tuple)
     if origin is dict or annotation is dict:
+        args = typing.get_args(annotation)
+        if len(args) == 2 and args[1] is not Any:
+            item = _checker_for(args[1])
+            return lambda value: isinstance(value, dict) and all(
+                isinstance(k, str) and item(v) for k, v in value.items()
+            )
         return lambda value: isinstance(value, dict) and all(isinstance(k, str) for k in value)
     if isinstance(annotation, type) and hasattr(annotation, "__gyre_type__"):
         return lambda value: isinstance(value, annotation)
@@ -158,7 +164,10 @@ class Codec:
         for name, check, value in zip(entry.field_names, entry.checkers, fields):
             if not check(value):
                 raise MalformedFrame(f"{entry.type_name}.{name} has the wrong type: {type(value).__name__}")
-        return entry.cls(*fields)
+        try:
+            return entry.cls(*fields)
+        except Exception as error:  # a class that validates its fields: wire input it refuses is a bad frame
+            raise MalformedFrame(f"{entry.type_name} refused its fields: {type(error).__name__}: {error}") from error
 
     def encode_body(self, msg: Any) -> bytes:
         entry = self._entry_for_class(type(msg))

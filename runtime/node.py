@@ -94,6 +94,10 @@ class ActorSlot:
         )
         self.sequence = 0
         self.current_msg_id = 0
+        #: The ask or tell being handled now (None between messages): an ask interrupted by a failure is answered.
+        self.current_envelope: Envelope | None = None
+        #: A restart's on_start in progress; the mailbox waits for it before handing the new instance a message.
+        self.restarting: asyncio.Task | None = None
         self.status = "new"  # new -> running -> (stopped | dead)
         self.incarnation = 0
         self.restarts = 0
@@ -177,9 +181,12 @@ class Node:
         try:
             await slot.actor.on_start()
         except Exception as error:
-            self._fail_actor(slot, error)
+            self._fail_actor(slot, error)  # a restart starts the mailbox once the new instance's on_start is done
             return
-        if slot.task is None or slot.task.done():
+        self._ensure_mailbox_task(slot)
+
+    def _ensure_mailbox_task(self, slot: ActorSlot) -> None:
+        if slot.alive and (slot.task is None or slot.task.done()):
             slot.task = asyncio.get_running_loop().create_task(self._run_mailbox(slot), name=f"{slot.name}.mailbox")
 
     def _record_start(self, slot: ActorSlot) -> None:
@@ -484,13 +491,21 @@ class Node:
         table = type(slot.actor).handler_table
         debug = _debug_enabled()
         while True:
+            if slot.restarting is not None and not slot.restarting.done():
+                # The new instance's on_start comes before its first message (waiting before taking one, so a
+                # restart that fails again cannot lose it).
+                await asyncio.wait([slot.restarting])
+                if not slot.alive:
+                    return
             envelope, msg, frames = await slot.mailbox.get()
             actor = slot.actor
             self._record(envelope, msg, frames)
             slot.current_msg_id = envelope.msg_id
+            slot.current_envelope = envelope
             slot.handled += 1
             method_name = table.get(type(msg))
             if method_name is None:
+                slot.current_msg_id, slot.current_envelope = 0, None
                 self.statistics["no_handler"] += 1
                 if envelope.kind == Kind.ASK:
                     self._reply_error(envelope, "NoHandler", f"{slot.name} has no handler for {type(msg).__qualname__}")
@@ -509,6 +524,7 @@ class Node:
                 if envelope.kind == Kind.ASK:
                     self._reply_error(envelope, type(error).__name__, str(error))
                     continue
+                slot.current_envelope = None  # this tell failed the actor; nothing to answer
                 self._fail_actor(slot, error)
                 if not slot.alive:
                     return
@@ -516,6 +532,7 @@ class Node:
                 continue
             finally:
                 slot.current_msg_id = 0
+                slot.current_envelope = None
             if envelope.kind == Kind.ASK:
                 if result is None or not hasattr(type(result), "__gyre_type__"):
                     self._reply_error(envelope, "TypeError", f"handler returned {type(result).__name__}, not a message")
@@ -523,30 +540,47 @@ class Node:
                     self._reply(slot, envelope, result)
 
     def _fail_actor(self, slot: ActorSlot, error: BaseException) -> None:
-        """Supervision: restart, stop, or escalate, by the actor's RestartPolicy."""
+        """Supervision: restart, stop, or escalate, by the actor's RestartPolicy.
+
+        The failure comes either from a handler of a tell (we are in the mailbox task, which goes on with the next
+        message) or from a background task or on_start (then a handler of the failed instance may still be running:
+        it is cancelled, and if it was answering an ask, the asker gets an error reply instead of waiting forever).
+        """
+        if not slot.alive:  # e.g. a background task that raised while the actor was being stopped
+            log.warning("failure after the actor ended", actor=slot.name, status=slot.status, error=repr(error))
+            return
         policy: RestartPolicy = slot.spec.restart
         log.error("actor failed", actor=slot.name, error=repr(error), restarts=slot.restarts, policy=policy.mode)
         self.statistics["failures"] += 1
+        in_mailbox = slot.task is not None and asyncio.current_task() is slot.task
+        interrupted = None if in_mailbox else slot.current_envelope
+        if not in_mailbox and slot.task is not None:
+            slot.task.cancel()  # the failed instance's handler (if any) must not go on; a restart starts a new loop
+            slot.task = None
+        for task in list(slot.children):
+            task.cancel()
         if policy.mode == "restart" and slot.restarts < policy.max_restarts:
             slot.restarts += 1
             slot.incarnation += 1
             action = "restarted"
-            for task in list(slot.children):
-                task.cancel()
             slot.actor = slot.spec.actor_cls(slot)
             self._record_start(slot)
             restart = asyncio.get_running_loop().create_task(self._restart_hook(slot), name=f"{slot.name}.restart")
+            slot.restarting = restart
             slot.children.add(restart)
             restart.add_done_callback(slot.children.discard)
         else:
             action = "stopped" if policy.mode == "stop_actor" else "escalated"
             slot.status = "dead"
-            for task in list(slot.children):
-                task.cancel()
             self._refuse_mailbox(slot, "dead")
             for entry_id, (future, target) in list(self._pending.items()):
                 if target == slot.name and not future.done():
                     future.set_exception(ActorDead(f"{slot.name} died before answering"))
+        if interrupted is not None and interrupted.kind == Kind.ASK:
+            if action == "restarted":
+                self._reply_error(interrupted, type(error).__name__, f"{slot.name} failed and restarted: {error}")
+            else:
+                self._reply_error(interrupted, "ActorDead", f"{slot.name} died while answering: {error!r}")
         notice = ActorFailed(slot.name, type(error).__name__, str(error), slot.restarts, action)
         if slot.name != SUPERVISOR:
             try:
@@ -558,7 +592,10 @@ class Node:
         try:
             await slot.actor.on_start()
         except Exception as error:
+            slot.restarting = None
             self._fail_actor(slot, error)
+            return
+        self._ensure_mailbox_task(slot)
 
 
 def _debug_enabled() -> bool:

@@ -153,6 +153,24 @@ def client_name(node: str) -> str:
 
 def load_topology_file(path: str | Path, argv: list[str]) -> Topology:
     """Import a topology file and call its `topology(argv)`; the file's folder is importable from it."""
+    return build_topology(load_topology_module(path), argv)
+
+
+def build_topology(module: Any, argv: list[str]) -> Topology:
+    """Call a loaded topology file's `topology(argv)` and check what it returns."""
+    build = getattr(module, "topology", None)
+    if not callable(build):
+        raise TopologyError(f"{module.__file__} defines no function topology(argv) -> Topology")
+    result = build(list(argv))
+    if not isinstance(result, Topology):
+        raise TopologyError(f"{module.__file__}: topology(argv) returned {type(result).__qualname__}, not a Topology")
+    return result
+
+
+def load_topology_module(path: str | Path) -> Any:
+    """Import a topology file as a module (once per process). Besides `topology(argv)` it may define
+    `prepare(argv)` and `finish(argv, result)`, which `gyre run` calls once, in the launcher's process only, before
+    and after the run (e.g. to build a model the cells load, or to write a report)."""
     path = Path(path).resolve()
     if not path.is_file():
         raise TopologyError(f"no topology file at {path}")
@@ -160,15 +178,11 @@ def load_topology_file(path: str | Path, argv: list[str]) -> Topology:
     if folder not in sys.path:
         sys.path.insert(0, folder)
     module_name = f"gyre_topology_{path.stem}"
+    if module_name in sys.modules and getattr(sys.modules[module_name], "__file__", None) == str(path):
+        return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
-    build = getattr(module, "topology", None)
-    if not callable(build):
-        raise TopologyError(f"{path} defines no function topology(argv) -> Topology")
-    result = build(list(argv))
-    if not isinstance(result, Topology):
-        raise TopologyError(f"{path}: topology(argv) returned {type(result).__qualname__}, not a Topology")
-    return result
+    return module

@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -128,8 +129,9 @@ def test_prompt_logprobs_match_transformers_through_the_paged_path(model_dir: Pa
     assert (mine - expected).abs().max().item() < TOL
 
 
-def test_mixed_length_batch_matches_transformers(model_dir: Path, hf_model) -> None:
-    engine = EmbeddedEngine(model_dir, CONFIG)
+@pytest.mark.parametrize("staging_bytes", [CONFIG.decode_staging_bytes, 0], ids=["staged", "gathered"])
+def test_mixed_length_batch_matches_transformers(model_dir: Path, hf_model, staging_bytes: int) -> None:
+    engine = EmbeddedEngine(model_dir, attrs.evolve(CONFIG, decode_staging_bytes=staging_bytes))
     prompts = {f"r{n}": prompt(n, n) for n in (1, 3, 4, 17, 40, 90)}
     for rid, ids in prompts.items():
         engine.submit(rid, ids, GREEDY)
@@ -167,8 +169,9 @@ def test_prefix_cache_hits_give_the_same_results(model_dir: Path, hf_model) -> N
 # ---- continuous batching ----------------------------------------------------------------------------------------
 
 
-def test_requests_join_and_leave_between_steps(model_dir: Path, hf_model) -> None:
-    engine = EmbeddedEngine(model_dir, CONFIG)
+@pytest.mark.parametrize("staging_bytes", [CONFIG.decode_staging_bytes, 0], ids=["staged", "gathered"])
+def test_requests_join_and_leave_between_steps(model_dir: Path, hf_model, staging_bytes: int) -> None:
+    engine = EmbeddedEngine(model_dir, attrs.evolve(CONFIG, decode_staging_bytes=staging_bytes))
     a, b = prompt(4, 10), prompt(5, 25)
     engine.submit("a", a, SamplingParams(max_new_tokens=6, temperature=0))
     events = []
@@ -192,6 +195,29 @@ def test_requests_join_and_leave_between_steps(model_dir: Path, hf_model) -> Non
     # Streamed token events add up to the final output.
     streamed = [t for e in events if e.rid == "a" for t in e.token_ids]
     assert tuple(streamed) == done["a"].output_ids[: len(streamed)]
+
+
+def test_staggered_arrivals_and_departures_match_transformers(model_dir: Path, hf_model) -> None:
+    """Requests arrive every few steps and leave at different lengths, so decode rows are reused, left as holes,
+    refilled by newcomers and rebuilt when a sequence outgrows them."""
+    engine = EmbeddedEngine(model_dir, CONFIG)
+    plan = [(0, 5, 30), (0, 9, 6), (2, 14, 12), (4, 3, 45), (9, 20, 8), (9, 7, 20), (15, 11, 10)]
+    prompts: dict[str, list[int]] = {}
+    done: dict[str, GenerateOutput] = {}
+    step = 0
+    while len(done) < len(plan):
+        for i, (at, length, new_tokens) in enumerate(plan):
+            if at == step:
+                prompts[f"q{i}"] = prompt(100 + i, length)
+                engine.submit(f"q{i}", prompts[f"q{i}"], SamplingParams(max_new_tokens=new_tokens, temperature=0))
+        for event in engine.step():
+            if event.finished is not None:
+                done[event.rid] = event.finished
+        step += 1
+        assert step < 500
+    for i, (_, _, new_tokens) in enumerate(plan):
+        assert len(done[f"q{i}"].output_ids) == new_tokens
+        check_against_reference(hf_model, prompts[f"q{i}"], done[f"q{i}"])
 
 
 def test_retraction_under_kv_pressure_keeps_results(model_dir: Path, hf_model) -> None:
@@ -539,15 +565,20 @@ def test_async_engine_generates_concurrently_and_streams(model_dir: Path) -> Non
                 await engine.generate("bad", [], GREEDY)
             # Cancelling a waiter aborts its request.
             task = asyncio.ensure_future(engine.generate("long", prompt(40, 5), SamplingParams(max_new_tokens=400)))
-            await asyncio.sleep(0.05)
+            for _ in range(1000):
+                if (await engine.stats()).running == 1:
+                    break
+                await asyncio.sleep(0.005)
+            assert not task.done()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            for _ in range(100):
-                if (await engine.stats()).running == 0:
+            for _ in range(1000):
+                stats = await engine.stats()
+                if stats.running == 0:
                     break
-                await asyncio.sleep(0.01)
-            assert (await engine.stats()).running == 0
+                await asyncio.sleep(0.005)
+            assert stats.running == 0 and stats.waiting == 0, stats
         finally:
             await engine.close()
 

@@ -1,0 +1,566 @@
+"""The cell actor: one slice of hardware that serves rollouts or trains, and switches between the two.
+
+Roles. In the rollout role the cell serves its embedded engine over HTTP (actors/cell_rollout.py) and reports load
+every `report_interval_s`. In the train role it runs the claim loop (actors/cell_training.py). While it switches
+its role reads "switching". The core cell is a cell like the others with one difference: it always holds the
+trainer with the authoritative weights and optimizer state, registered with Mooncake for peers to pull, and it
+reduces every micro-step's gradients and applies the optimizer steps *whatever its role*. So the core can also
+serve rollouts in its spare time: in the rollout role it keeps its trainer, keeps applying steps that satellites'
+gradients complete, and loads each new version into its own engine straight from its trainer. Which role it plays
+is the scheduler's call, as for any cell. Satellites hold a trainer only in the train role; leaving it releases
+the trainer (they never step, so they never hold optimizer state).
+
+A switch runs as a background task (the mailbox stays free: a satellite must still receive GradientsTaken while it
+winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role and announces it.
+
+rollout -> train: refused (logged, the cell stays) when no other rollout cell is known to take the sessions.
+Otherwise: CellDraining (the proxy stops routing here) -> pause generation in place -> ask the KV migrator to move
+every live session to the other rollout cells (it asks the proxy which sessions live here) -> abort what is still
+in flight (the proxy resubmits prompt + partial output where the session went) -> stop the server, release the
+engine's memory -> the newest weights into a trainer (a satellite builds it while the migration runs, then pulls)
+-> RoleChanged(train) -> claim.
+
+train -> rollout: stop claiming (a micro-step in compute finishes and reports, a later grant goes back) -> a
+satellite waits for the core to take its last gradients and releases its trainer -> the engine gets its memory back
+(concurrently) and the newest weights -> serve -> RoleChanged(rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import attrs
+import torch
+
+from gyre.actors.cell_rollout import RolloutHost
+from gyre.actors.cell_training import ClaimLoop, CoreSteps, TrainerHost
+from gyre.actors.weight_broker import StaleWeights, flat_to_hf, pull_weights
+from gyre.engines.embedded_engine import EngineConfig
+from gyre.engines.model_format import ModelSpec
+from gyre.engines.trainer import TrainerConfig
+from gyre.messages.cell_internal import (
+    CellStatus,
+    CellStatusQuery,
+    ReportTick,
+    SwitchFinished,
+    WeightSource,
+    WeightsQuery,
+)
+from gyre.messages.cells import (
+    ROLLOUT,
+    SWITCHING,
+    TRAIN,
+    CellDraining,
+    LoadReport,
+    MigrateSessions,
+    RoleChanged,
+    SessionsMigrated,
+    SwitchRole,
+)
+from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
+from gyre.runtime import Actor, GyreError, UnknownAddress, handler
+
+__all__ = ["Cell", "CellConfig", "PeerView"]
+
+ROLES = (ROLLOUT, TRAIN)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class CellConfig:
+    """One cell. The cell's name is its actor name."""
+
+    model_dir: str
+    """HF model directory both the engine and the trainer start from (weight version 0)."""
+    is_core: bool = False
+    """The core holds the authoritative weights and optimizer state and applies the steps."""
+    initial_role: str = attrs.field(default=ROLLOUT, validator=attrs.validators.in_(ROLES))
+    """Role at start: "rollout" or "train"."""
+    engine: EngineConfig = EngineConfig()
+    """The embedded engine's sizes and limits."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The trainer's optimizer settings."""
+    claimer: str = "claimer"
+    """Actor name of the micro-step claimer."""
+    migrator: str = "kv_migrator"
+    """Actor name of the KV migrator."""
+    broker: str = "weight_broker"
+    """Actor name of the weight broker."""
+    core: str = "core"
+    """Actor name of the core cell (where satellites send gradients)."""
+    report_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    """Time between LoadReports."""
+    host: str = "127.0.0.1"
+    """Address the engine server binds and that peers (and Mooncake) reach this cell at."""
+    port: int = 0
+    """Engine server port; 0 picks a free one (then reused across switches when it is still free)."""
+    clip_low: float = 3e-4
+    """GSPO lower clip range."""
+    clip_high: float = 4e-4
+    """GSPO upper clip range."""
+    claim_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    """How long a ClaimMicroStep waits for the claimer."""
+    claim_retry_s: float = attrs.field(default=0.2, validator=_positive)
+    """Pause before claiming again after a failed claim (a "no work" answer brings its own hint)."""
+    migrate_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    """How long the KV migration of a draining cell may take before the cell aborts and lets the proxy re-prefill."""
+    grads_taken_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    """How long a satellite waits for GradientsTaken before giving its send buffer up."""
+    server_shutdown_s: float = attrs.field(default=10.0, validator=_positive)
+    """Grace time for the engine server's open requests when it stops (they are aborted anyway)."""
+    broker_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    """How long a WeightsQuery waits for the broker."""
+    pull_attempts: int = attrs.field(default=50, validator=_positive)
+    """Attempts at a weight pull (a torn read, a step in progress, the broker busy) before the cell fails."""
+    pull_retry_s: float = attrs.field(default=0.02, validator=_positive)
+    """Pause between pull attempts."""
+
+
+@attrs.define
+class _Peer:
+    role: str
+    engine_url: str
+    draining: bool
+
+
+class PeerView:
+    """What a cell knows of the other cells from their announcements: role, URL, whether they drain."""
+
+    def __init__(self, me: str, max_cells: int = 4096) -> None:
+        self.me = me
+        self.max_cells = max_cells
+        self.cells: dict[str, _Peer] = {}
+
+    def _update(self, cell: str, role: str | None = None, url: str | None = None,
+                draining: bool | None = None) -> None:
+        if cell == self.me:
+            return
+        peer = self.cells.get(cell)
+        if peer is None:
+            if len(self.cells) >= self.max_cells:
+                return
+            peer = self.cells[cell] = _Peer("", "", False)
+        if role is not None:
+            peer.role = role
+        if url is not None:
+            peer.engine_url = url
+        if draining is not None:
+            peer.draining = draining
+
+    def on_role_changed(self, msg: RoleChanged) -> None:
+        self._update(msg.cell, msg.role, msg.engine_url, draining=False)
+
+    def on_load(self, msg: LoadReport) -> None:
+        self._update(msg.cell, msg.role, msg.engine_url)
+
+    def on_draining(self, msg: CellDraining) -> None:
+        self._update(msg.cell, draining=True)
+
+    def rollout_targets(self) -> dict[str, str]:
+        """Cell -> URL of every other cell that serves rollouts now and is not draining."""
+        return {name: p.engine_url for name, p in sorted(self.cells.items())
+                if p.role == ROLLOUT and p.engine_url and not p.draining}
+
+
+class Cell(Actor):
+    """See the module docstring."""
+
+    config_cls = CellConfig
+    subscriptions = (RoleChanged, LoadReport, CellDraining, WeightsPublished, StepReady)
+
+    async def on_start(self) -> None:
+        config = self.config
+        self.role = SWITCHING
+        self.engine_url = ""
+        self.peers = PeerView(self.name)
+        self.spec = ModelSpec.from_model_dir(config.model_dir)
+        self.compute_lock = asyncio.Lock()
+        self.agent: Any = None
+        self.fence_scratch = torch.zeros(1, dtype=torch.int64)
+        self.rollout: RolloutHost | None = None
+        self.training: TrainerHost | None = None
+        self.claims = ClaimLoop(self)
+        self.core_steps = CoreSteps(self) if config.is_core else None
+        self.core_ready = asyncio.Event()
+        self.latest_version = 0
+        """Newest weight version this cell has heard of (WeightsPublished, StepReady)."""
+        self.pending_role: str | None = None
+        self.switches = 0
+        self.switches_refused = 0
+        self._refresh_task: asyncio.Task | None = None
+        self.spawn(self._guarded(self._start_role(config.initial_role)), name=f"{self.name}.start")
+        self.send_later(config.report_interval_s, ReportTick())
+
+    async def on_stop(self) -> None:
+        await self._release_all()
+
+    # ---- resources ----------------------------------------------------------------------------------------
+
+    async def _release_all(self) -> None:
+        if self.rollout is not None:
+            await self.rollout.close()
+            self.rollout = None
+        if self.training is not None:
+            self.training.close()
+            self.training = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+    async def _guarded(self, work: Any) -> None:
+        """Run a switch; if it fails, free the server, engine and buffers before the actor fails (its restart
+        builds everything anew, and nothing of this incarnation may stay listening or registered)."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self.log.exception("switch_failed")
+            await self._release_all()
+            raise
+
+    async def _build_trainer(self) -> None:
+        config = self.config
+        self.training = await self.offload(TrainerHost.build, config.model_dir, config.trainer, self.agent,
+                                           config.is_core, self.fence_scratch)
+
+    # ---- weights ------------------------------------------------------------------------------------------
+
+    async def _ask_source(self) -> WeightSource | None:
+        """The broker's newest source; None when it does not answer now."""
+        try:
+            return await self.ask(self.config.broker, WeightsQuery(self.name), timeout_s=self.config.broker_timeout_s)
+        except UnknownAddress:
+            raise
+        except GyreError as error:
+            self.log.warning("broker_unavailable", error=str(error))
+            return None
+
+    async def _pull(self, into_trainer: bool) -> tuple[WeightSource | None, bool]:
+        """Pull the newest weights (retrying torn or stale reads) into the trainer or the engine's staging buffer.
+        Returns (source, pulled): pulled is False when there was nothing newer than what the target holds."""
+        config = self.config
+        for _ in range(config.pull_attempts):
+            try:
+                source = await self._ask_source()
+            except UnknownAddress:  # no broker in this topology: everyone keeps the model directory's weights
+                return None, False
+            if source is not None:
+                if into_trainer:
+                    assert self.training is not None
+                    held = self.training.version
+                else:
+                    assert self.rollout is not None
+                    held = self.rollout.weight_version
+                if source.version <= max(held, 0):
+                    return source, False
+                try:
+                    if into_trainer:
+                        async with self.compute_lock:
+                            await self.offload(self.training.pull, source)
+                    else:
+                        buffer = self.rollout.pull_buffer(source.nbytes)
+                        await self.offload(pull_weights, self.agent, source, buffer, self.fence_scratch)
+                        self.rollout.pulled_version = source.version
+                    self.latest_version = max(self.latest_version, source.version)
+                    return source, True
+                except StaleWeights as stale:
+                    self.log.debug("weights_stale_retry", wanted=stale.wanted, found=stale.found)
+            await asyncio.sleep(config.pull_retry_s)
+        raise RuntimeError(f"{self.name}: no clean weight pull in {config.pull_attempts} attempts")
+
+    async def _engine_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """The newest weights for this cell's engine as an HF state dict (None: keep what it has) and their version."""
+        if self.training is not None and self.config.is_core:
+            async with self.compute_lock:
+                weights = await self.offload(self.training.trainer.hf_state_dict)
+                return weights, self.training.version
+        source, pulled = await self._pull(into_trainer=False)
+        if not pulled:
+            return None, self.rollout.weight_version if self.rollout else 0
+        assert source is not None and self.rollout is not None and self.rollout.pulled is not None
+        return await self.offload(flat_to_hf, self.rollout.pulled, source, self.spec), source.version
+
+    def _tell_broker(self, msg: Any) -> None:
+        try:
+            self.tell(self.config.broker, msg)
+        except GyreError as error:
+            self.log.warning("broker_not_told", type=type(msg).__name__, error=str(error))
+
+    async def catch_up_trainer(self, always_ask: bool = False) -> None:
+        """Satellite in the train role: pull the newest weights if a newer version than the trainer's exists."""
+        assert self.training is not None
+        if not always_ask and self.latest_version <= self.training.version:
+            return
+        started = self.clock.now()
+        source, pulled = await self._pull(into_trainer=True)
+        if pulled and source is not None:
+            self._tell_broker(WeightsLoaded(self.name, source.version, self.clock.now() - started))
+
+    def on_core_weights_changed(self) -> None:
+        """Core: a step was applied; an engine it serves from follows."""
+        self._want_refresh()
+
+    def _want_refresh(self) -> None:
+        if self.role != ROLLOUT or (self._refresh_task is not None and not self._refresh_task.done()):
+            return
+        self._refresh_task = self.spawn(self._refresh(), name=f"{self.name}.weights")
+
+    async def _refresh(self) -> None:
+        """Rollout role: load newer weights into the serving engine until it has the newest."""
+        while self.role == ROLLOUT and self.rollout is not None and self.rollout.serving:
+            current = self.rollout.weight_version
+            newest = self.training.version if self.config.is_core and self.training else self.latest_version
+            if newest <= current:
+                return
+            started = self.clock.now()
+            weights, version = await self._engine_weights()
+            if weights is None or version <= current or self.role != ROLLOUT:
+                return
+            await self.rollout.load_weights(weights, version)
+            seconds = self.clock.now() - started
+            self.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4))
+            self._tell_broker(WeightsLoaded(self.name, version, seconds))
+
+    async def _stop_refresh(self) -> None:
+        if self._refresh_task is not None and not self._refresh_task.done():
+            await asyncio.shield(self._refresh_task)
+
+    # ---- roles --------------------------------------------------------------------------------------------
+
+    async def _start_role(self, role: str) -> None:
+        """The initial role (a switch from nothing)."""
+        config = self.config
+        started = self.clock.now()
+        from gyre.engines.transfer import TransferAgent, TransferConfig  # Mooncake loads only where cells run
+
+        self.agent = await self.offload(TransferAgent, TransferConfig(hostname=config.host))
+        self.agent.register_tensor(self.fence_scratch)
+        self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, config.host, config.port,
+                                   config.server_shutdown_s, self.offload)
+        if config.is_core:
+            await self._build_trainer()
+            assert self.training is not None
+            self._tell_broker(self.training.source(self.name))
+            self.core_ready.set()
+        url = ""
+        if role == TRAIN:
+            if self.training is None:
+                await self._build_trainer()
+            if not config.is_core:
+                await self.catch_up_trainer(always_ask=True)
+            version = self.training.version
+        else:
+            weights, version = await self._engine_weights()
+            url = await self.rollout.start(weights, version)
+            self._tell_broker(WeightsLoaded(self.name, self.rollout.weight_version, self.clock.now() - started))
+        self.tell(self.name, SwitchFinished(role, "", url, version, self.clock.now() - started, 0))
+
+    def _begin_switch(self, role: str, reason: str) -> None:
+        if role == TRAIN:
+            targets = self.peers.rollout_targets()
+            if not targets:
+                self.switches_refused += 1
+                self.log.warning("switch_refused", role=role, reason=reason,
+                                 why="no other rollout cell is known to take this cell's sessions")
+                return
+            self.role = SWITCHING
+            self.spawn(self._guarded(self._rollout_to_train(targets)), name=f"{self.name}.to_train")
+        else:
+            self.role = SWITCHING
+            self.spawn(self._guarded(self._train_to_rollout()), name=f"{self.name}.to_rollout")
+        self.log.info("switch_started", role=role, reason=reason)
+
+    async def _rollout_to_train(self, targets: dict[str, str]) -> None:
+        config = self.config
+        started = self.clock.now()
+        assert self.rollout is not None
+        self.publish(CellDraining(self.name))
+        await self._publish_load()
+        # A satellite builds its trainer while the sessions move: the two overlap on separate threads.
+        building = asyncio.ensure_future(self._build_trainer()) if self.training is None else None
+        try:
+            await self._stop_refresh()
+            paused = await self.rollout.pause_in_place()
+            migrated = await self._migrate(targets)
+            aborted = await self.rollout.shutdown()
+            self.rollout.drop_pull_buffer()
+        finally:
+            if building is not None:
+                await building
+        assert self.training is not None
+        if not config.is_core:
+            await self.catch_up_trainer(always_ask=True)
+        self.log.info("drained", paused=paused, sessions_migrated=migrated, aborted=aborted)
+        self.tell(self.name, SwitchFinished(TRAIN, ROLLOUT, "", self.training.version, self.clock.now() - started,
+                                            migrated))
+
+    async def _migrate(self, targets: dict[str, str]) -> int:
+        """Ask the KV migrator to move this cell's sessions; 0 (and a warning) if it cannot: the proxy then
+        re-prefills the aborted calls on other cells, slower but nothing is lost."""
+        assert self.rollout is not None
+        request = MigrateSessions(self.name, self.rollout.url, targets, ())
+        try:
+            reply: SessionsMigrated = await self.ask(self.config.migrator, request,
+                                                     timeout_s=self.config.migrate_timeout_s)
+        except GyreError as error:
+            self.log.warning("migration_failed_reprefill", error=str(error))
+            return 0
+        self.log.info("sessions_migrated", sessions=len(reply.placement), moved_tokens=reply.moved_tokens,
+                      reprefill=reply.reprefill_sessions, seconds=round(reply.seconds, 4))
+        return len(reply.placement)
+
+    async def _train_to_rollout(self) -> None:
+        started = self.clock.now()
+        assert self.rollout is not None
+        preparing = asyncio.ensure_future(self.rollout.prepare())
+        try:
+            await self.claims.halt()
+            if not self.config.is_core and self.training is not None:
+                if not await self.claims.wait_grads_taken():
+                    self.log.error("gradients_not_taken_before_release")
+                host, self.training = self.training, None
+                host.close()
+                del host
+                gc.collect()
+        finally:
+            await preparing
+        weights, version = await self._engine_weights()
+        url = await self.rollout.start(weights, version)
+        self._tell_broker(WeightsLoaded(self.name, self.rollout.weight_version, self.clock.now() - started))
+        self.tell(self.name, SwitchFinished(ROLLOUT, TRAIN, url, self.rollout.weight_version,
+                                            self.clock.now() - started, 0))
+
+    async def _publish_load(self) -> None:
+        now = self.clock.now()
+        stats = None
+        if self.role == ROLLOUT and self.rollout is not None and self.rollout.serving:
+            stats = await self.rollout.stats()
+        if stats is not None:
+            report = LoadReport(
+                cell=self.name, role=self.role, engine_url=self.engine_url,
+                live_sessions=stats.running + stats.waiting,  # the proxy knows sessions; the engine knows calls
+                running_requests=stats.running, waiting_requests=stats.waiting,
+                free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
+                capacity_requests=self.config.engine.max_running_requests,
+                weight_version=stats.weight_version, time_s=now,
+            )
+        else:
+            report = LoadReport(self.name, self.role, "", 0, 0, 0, 0, 0, 0, self._weight_version(), now)
+        self.publish(report)
+
+    def _weight_version(self) -> int:
+        if self.role == ROLLOUT and self.rollout is not None:
+            return self.rollout.weight_version
+        return self.training.version if self.training is not None else -1
+
+    # ---- handlers -----------------------------------------------------------------------------------------
+
+    @handler(SwitchRole)
+    def on_switch_role(self, msg: SwitchRole) -> None:
+        if msg.cell != self.name:
+            self.log.warning("switch_for_another_cell", cell=msg.cell)
+            return
+        if msg.role not in ROLES:
+            self.log.error("switch_to_unknown_role", role=msg.role)
+            return
+        if self.role == SWITCHING:
+            self.pending_role = msg.role  # the newest wish wins; applied when the current switch ends
+            self.log.info("switch_deferred", role=msg.role, reason=msg.reason)
+            return
+        if msg.role == self.role:
+            self.log.debug("switch_noop", role=msg.role)
+            return
+        self._begin_switch(msg.role, msg.reason)
+
+    @handler(SwitchFinished)
+    async def on_switch_finished(self, msg: SwitchFinished) -> None:
+        self.role = msg.role
+        self.engine_url = msg.engine_url
+        if msg.previous_role:
+            self.switches += 1
+        self.publish(RoleChanged(self.name, msg.role, msg.previous_role, msg.engine_url, msg.weight_version,
+                                 msg.switch_s, msg.sessions_migrated, self.config.is_core))
+        self.log.info("role_changed", role=msg.role, previous=msg.previous_role, switch_s=round(msg.switch_s, 4),
+                      url=msg.engine_url, weight_version=msg.weight_version)
+        if msg.role == TRAIN:
+            self.claims.start()
+        else:
+            self._want_refresh()
+        await self._publish_load()
+        pending, self.pending_role = self.pending_role, None
+        if pending is not None and pending != self.role:
+            self._begin_switch(pending, "deferred while switching")
+
+    @handler(ReportTick)
+    async def on_report_tick(self, msg: ReportTick) -> None:
+        await self._publish_load()
+        self.send_later(self.config.report_interval_s, ReportTick())
+
+    @handler(RoleChanged)
+    def on_role_changed(self, msg: RoleChanged) -> None:
+        self.peers.on_role_changed(msg)
+
+    @handler(LoadReport)
+    def on_load_report(self, msg: LoadReport) -> None:
+        self.peers.on_load(msg)
+
+    @handler(CellDraining)
+    def on_cell_draining(self, msg: CellDraining) -> None:
+        self.peers.on_draining(msg)
+
+    @handler(WeightsPublished)
+    def on_weights_published(self, msg: WeightsPublished) -> None:
+        self.latest_version = max(self.latest_version, msg.version)
+        if not self.config.is_core:
+            self._want_refresh()
+
+    @handler(StepReady)
+    async def on_step_ready(self, msg: StepReady) -> None:
+        self.latest_version = max(self.latest_version, msg.base_version)
+        if self.core_steps is not None:
+            await self.core_ready.wait()
+            await self.core_steps.on_ready(msg)
+
+    @handler(MicroStepDone)
+    async def on_microstep_done(self, msg: MicroStepDone) -> None:
+        if self.core_steps is None:
+            self.log.error("microstep_done_sent_to_satellite", from_cell=msg.cell, step_id=msg.step_id)
+            return
+        await self.core_ready.wait()
+        await self.core_steps.on_done(msg)
+
+    @handler(GradientsTaken)
+    def on_gradients_taken(self, msg: GradientsTaken) -> None:
+        self.claims.on_gradients_taken(msg)
+
+    @handler(CellStatusQuery)
+    async def on_status(self, msg: CellStatusQuery) -> CellStatus:
+        digest = ""
+        if msg.with_digest:
+            if self.training is not None:
+                async with self.compute_lock:
+                    digest = await self.offload(self.training.digest)
+            elif self.rollout is not None and self.rollout.pulled_version == self.rollout.weight_version:
+                digest = await self.offload(self.rollout.pulled_digest)
+        return CellStatus(
+            cell=self.name,
+            role=self.role,
+            is_core=self.config.is_core,
+            engine_url=self.engine_url,
+            weight_version=self._weight_version(),
+            weights_sha256=digest,
+            microsteps_computed=self.claims.computed,
+            microsteps_released=self.claims.released,
+            steps_applied=self.core_steps.steps_applied if self.core_steps else 0,
+            switches=self.switches,
+            switches_refused=self.switches_refused,
+            has_trainer=self.training is not None,
+            has_engine_memory=self.rollout is not None and self.rollout.has_memory,
+        )

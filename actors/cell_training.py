@@ -1,0 +1,409 @@
+"""The train role of a cell: its trainer and shared buffers, the claim loop, and the core's step bookkeeping.
+
+Gradient exchange, end to end:
+- every train-role cell runs a claim loop: ClaimMicroStep -> forward/backward on the granted samples (the loss
+  normalised by the whole step's execution count, so summed micro-steps give the step's mean) -> report;
+- the core's own gradients accumulate straight into its trainer and it reports `MicroStepDone(grad_peer="")` to
+  itself; a satellite copies its gradients into a registered send buffer, zeroes its trainer and tells the core
+  `MicroStepDone` with the buffer's descriptor; it reuses the buffer only after the core's `GradientsTaken`, and
+  meanwhile already computes the next micro-step;
+- the core pulls a satellite's gradients through Mooncake and adds them, frees the buffer (GradientsTaken), and
+  only then forwards the `MicroStepDone` to the claimer. So the claimer counts a micro-step done exactly when its
+  gradients are in the core: if the pull fails (the satellite died or switched away) the core hands the micro-step
+  back with `ReleaseMicroStep` and it is trained again elsewhere, never lost and never counted twice;
+- when the claimer's `StepReady` has fixed the step's size and all its micro-steps are in, the core runs the
+  optimizer step (fence -1 while it writes, see actors/weight_broker.py) and publishes `StepApplied`; the broker
+  announces the new weights.
+A cell can only claim micro-steps whose base version equals its weights (the claimer enforces it), so the core's
+gradient buffer never mixes two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import TYPE_CHECKING, Any, Sequence
+
+import attrs
+import torch
+
+from gyre.actors.weight_broker import pull_weights, source_from_layout
+from gyre.engines.trainer import MegatronTrainer, TrainerConfig
+from gyre.messages.cell_internal import WeightSource
+from gyre.messages.samples import TrainingSample
+from gyre.messages.training import (
+    ClaimGranted,
+    ClaimMicroStep,
+    GradientsTaken,
+    MicroStepDone,
+    ReleaseMicroStep,
+    StepApplied,
+    StepReady,
+)
+from gyre.policies.loss import loss_from_samples, pack_samples
+from gyre.runtime import GyreError
+
+if TYPE_CHECKING:
+    from gyre.actors.cell import Cell
+
+__all__ = ["ClaimLoop", "CoreSteps", "StepProgress", "StepTracker", "TrainerHost"]
+
+
+class TrainerHost:
+    """A MegatronTrainer plus the memory it shares through the cell's transfer agent.
+
+    Registered: the live flat parameter buffer (the core serves pulls from it; a satellite pulls into it), on the
+    core the fence and a gradient receive buffer, on a satellite a gradient send buffer. Every method blocks: the
+    cell calls them off the event loop, one at a time (under its compute lock).
+    """
+
+    def __init__(self, trainer: MegatronTrainer, agent: Any, is_core: bool, fence_scratch: torch.Tensor) -> None:
+        self.trainer = trainer
+        self.agent = agent
+        self.is_core = is_core
+        self.fence_scratch = fence_scratch
+        self.params = trainer.param_buffer()
+        self._registered: list[torch.Tensor] = []
+        self._register(self.params)
+        numel = self.params.numel()
+        self.fence = torch.full((1,), trainer.version, dtype=torch.int64)
+        self.grads_in = torch.zeros(numel, dtype=torch.float32) if is_core else None
+        self.grads_out = None if is_core else torch.zeros(numel, dtype=torch.float32)
+        for buffer in (self.fence if is_core else None, self.grads_in, self.grads_out):
+            if buffer is not None:
+                self._register(buffer)
+
+    @classmethod
+    def build(
+        cls, model_dir: str, config: TrainerConfig, agent: Any, is_core: bool, fence_scratch: torch.Tensor
+    ) -> TrainerHost:
+        return cls(MegatronTrainer(model_dir, config), agent, is_core, fence_scratch)
+
+    def _register(self, buffer: torch.Tensor) -> None:
+        self.agent.register_tensor(buffer)
+        self._registered.append(buffer)
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    # ---- compute ------------------------------------------------------------------------------------------
+
+    def compute(
+        self, samples: Sequence[TrainingSample], num_executions: int, clip_low: float, clip_high: float
+    ) -> dict[str, Any]:
+        """Forward/backward of one micro-step; gradients accumulate into the trainer. Returns its metrics."""
+        batch = pack_samples(samples)
+
+        def loss_fn(logprobs: torch.Tensor):
+            return loss_from_samples(logprobs, batch, num_executions=num_executions, clip_low=clip_low,
+                                     clip_high=clip_high)
+
+        return self.trainer.forward_backward(batch.input_ids, batch.lengths, loss_fn)
+
+    # ---- gradients ----------------------------------------------------------------------------------------
+
+    def export_grads(self) -> tuple[int, int]:
+        """Satellite: move the accumulated gradients into the send buffer and zero the trainer's.
+        Returns the buffer's (addr, nbytes). The caller must know the previous contents were taken."""
+        assert self.grads_out is not None, "only a satellite exports gradients"
+        self.grads_out.copy_(self.trainer.grads_to_flat())
+        self.trainer.zero_grads()
+        return int(self.grads_out.data_ptr()), self.grads_out.numel() * self.grads_out.element_size()
+
+    def renew_grads_out(self) -> None:
+        """Satellite: give up the send buffer (its reader never confirmed) and register a fresh one, so that a late
+        reader fails loudly instead of reading new gradients as old ones."""
+        assert self.grads_out is not None
+        self.agent.unregister_tensor(self.grads_out)
+        self._registered.remove(self.grads_out)
+        self.grads_out = torch.zeros_like(self.grads_out)
+        self._register(self.grads_out)
+
+    def take_grads(self, peer: str, addr: int, nbytes: int) -> int:
+        """Core: pull a satellite's flat gradients and add them to the step's. Raises TransferError, ValueError."""
+        assert self.grads_in is not None, "only the core takes gradients"
+        expected = self.grads_in.numel() * self.grads_in.element_size()
+        if nbytes != expected:
+            raise ValueError(f"gradient buffer of {nbytes} bytes from {peer}; this model's is {expected}")
+        moved = self.agent.pull_tensor(peer, addr, self.grads_in)
+        self.trainer.add_flat_grads(self.grads_in)
+        return moved
+
+    def apply_step(self) -> dict[str, Any]:
+        """Core: the optimizer step, with the fence showing -1 while the parameters change."""
+        self.fence[0] = -1
+        try:
+            return self.trainer.optimizer_step()
+        finally:
+            self.fence[0] = self.trainer.version
+
+    # ---- weights ------------------------------------------------------------------------------------------
+
+    def source(self, cell: str) -> WeightSource:
+        """Core: where peers pull these weights from."""
+        return source_from_layout(cell, self.version, self.agent.peer, self.params, self.fence,
+                                  self.trainer.param_layout())
+
+    def pull(self, source: WeightSource) -> int:
+        """Satellite: pull `source` straight into the live parameter buffer. The version reads -1 until the pull
+        succeeds, so a failed or torn pull never passes for a real version. Raises StaleWeights, TransferError."""
+        self.trainer.version = -1
+        moved = pull_weights(self.agent, source, self.params, self.fence_scratch)
+        self.trainer.version = source.version
+        return moved
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.params.numpy().tobytes()).hexdigest()
+
+    def close(self) -> None:
+        """Unregister every buffer (peers' transfers into them fail from now on)."""
+        for buffer in self._registered:
+            self.agent.unregister_tensor(buffer)
+        self._registered.clear()
+
+
+@attrs.define
+class StepProgress:
+    """What the core knows of one optimizer step."""
+
+    step_id: int
+    ready: StepReady | None = None
+    """The claimer's StepReady (the step's size), once it came."""
+    done: dict[int, MicroStepDone] = attrs.field(factory=dict)
+    """Micro-step index -> its report, for micro-steps whose gradients are in."""
+
+    @property
+    def complete(self) -> bool:
+        return self.ready is not None and len(self.done) >= self.ready.num_microsteps
+
+
+class StepTracker:
+    """The core's count of micro-steps per step: which are in, and which step can be applied next (in order)."""
+
+    def __init__(self, max_open_steps: int = 64) -> None:
+        self.max_open_steps = max_open_steps
+        self.open: dict[int, StepProgress] = {}
+        self.applied_through = -1
+        """Highest step id applied."""
+
+    def _progress(self, step_id: int) -> StepProgress | None:
+        if step_id <= self.applied_through:
+            return None
+        progress = self.open.get(step_id)
+        if progress is None:
+            if len(self.open) >= self.max_open_steps:
+                raise ValueError(f"{len(self.open)} steps open at once (max {self.max_open_steps})")
+            progress = self.open[step_id] = StepProgress(step_id)
+        return progress
+
+    def on_ready(self, msg: StepReady) -> bool:
+        """Record a step's size. False for a step already applied."""
+        progress = self._progress(msg.step_id)
+        if progress is None:
+            return False
+        progress.ready = msg
+        return True
+
+    def accept(self, msg: MicroStepDone) -> bool:
+        """Count a micro-step in. False (nothing recorded) for an applied step, a duplicate or an index outside
+        the step."""
+        progress = self._progress(msg.step_id)
+        if progress is None or msg.microstep_index in progress.done or msg.microstep_index < 0:
+            return False
+        if progress.ready is not None and msg.microstep_index >= progress.ready.num_microsteps:
+            return False
+        progress.done[msg.microstep_index] = msg
+        return True
+
+    def forget(self, step_id: int, microstep_index: int) -> None:
+        """Undo `accept` (the gradients never arrived)."""
+        progress = self.open.get(step_id)
+        if progress is not None:
+            progress.done.pop(microstep_index, None)
+
+    def next_complete(self) -> StepProgress | None:
+        """The lowest open step, if all its micro-steps are in (steps apply in order)."""
+        if not self.open:
+            return None
+        progress = self.open[min(self.open)]
+        return progress if progress.complete else None
+
+    def mark_applied(self, step_id: int) -> None:
+        self.open.pop(step_id, None)
+        self.applied_through = max(self.applied_through, step_id)
+
+
+class CoreSteps:
+    """The core's side of gradient exchange: take gradients in, apply complete steps, announce them."""
+
+    def __init__(self, cell: Cell) -> None:
+        self.cell = cell
+        self.tracker = StepTracker()
+        self.steps_applied = 0
+
+    async def on_done(self, msg: MicroStepDone) -> None:
+        cell, config = self.cell, self.cell.config
+        host = cell.training
+        assert host is not None
+        if not self.tracker.accept(msg):
+            cell.log.warning("microstep_done_ignored", from_cell=msg.cell, step_id=msg.step_id,
+                             index=msg.microstep_index, applied_through=self.tracker.applied_through)
+            if msg.grad_peer:
+                cell.tell(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
+            return
+        if msg.grad_peer:
+            try:
+                async with cell.compute_lock:
+                    await cell.offload(host.take_grads, msg.grad_peer, msg.grad_addr, msg.grad_nbytes)
+            except (ValueError, RuntimeError) as error:  # TransferError is a RuntimeError
+                self.tracker.forget(msg.step_id, msg.microstep_index)
+                cell.log.error("gradients_lost_requeued", from_cell=msg.cell, step_id=msg.step_id,
+                               index=msg.microstep_index, error=str(error))
+                cell.tell(config.claimer, ReleaseMicroStep(msg.cell, msg.step_id, msg.microstep_index))
+                return
+            cell.tell(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
+        cell.tell(config.claimer, msg)
+        await self.apply_ready()
+
+    async def on_ready(self, msg: StepReady) -> None:
+        if self.tracker.on_ready(msg):
+            await self.apply_ready()
+
+    async def apply_ready(self) -> None:
+        cell = self.cell
+        host = cell.training
+        assert host is not None
+        while (progress := self.tracker.next_complete()) is not None:
+            async with cell.compute_lock:
+                result = await cell.offload(host.apply_step)
+            self.tracker.mark_applied(progress.step_id)
+            self.steps_applied += 1
+            reports = list(progress.done.values())
+            ready = progress.ready
+            assert ready is not None
+            applied = StepApplied(
+                step_id=progress.step_id,
+                version=host.version,
+                loss=sum(r.loss for r in reports) / max(1, len(reports)),
+                grad_norm=float(result["grad_norm"]),
+                num_tokens=sum(r.num_tokens for r in reports),
+                num_samples=ready.num_samples,
+                stale_samples_dropped=0,  # the claimer refuses stale samples; the core never sees them
+            )
+            if result.get("skipped"):
+                cell.log.warning("optimizer_step_skipped", step_id=progress.step_id, grad_norm=result["grad_norm"])
+            cell.log.info("step_applied", step_id=applied.step_id, version=applied.version, loss=applied.loss,
+                          grad_norm=applied.grad_norm, microsteps=len(reports))
+            cell.publish(applied)
+            cell.on_core_weights_changed()
+
+
+class ClaimLoop:
+    """The train role's loop: claim a micro-step, compute it, hand its gradients on; until told to halt.
+
+    Halting lets a micro-step whose compute started finish and report (it is one forward/backward); a grant that
+    arrives after the halt was asked for is handed back with ReleaseMicroStep, untouched.
+    """
+
+    def __init__(self, cell: Cell) -> None:
+        self.cell = cell
+        self._halt = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.computed = 0
+        self.released = 0
+        self._outstanding: tuple[int, int] | None = None
+        self._grads_free = asyncio.Event()
+        self._grads_free.set()
+
+    def start(self) -> None:
+        assert self._task is None or self._task.done(), "the claim loop is running"
+        self._halt.clear()
+        self._task = self.cell.spawn(self._run(), name=f"{self.cell.name}.claims")
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def halt(self) -> None:
+        """Stop claiming and wait for the loop to end (a micro-step in compute finishes and reports first)."""
+        self._halt.set()
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    def on_gradients_taken(self, msg: GradientsTaken) -> None:
+        if self._outstanding == (msg.step_id, msg.microstep_index):
+            self._outstanding = None
+            self._grads_free.set()
+
+    async def wait_grads_taken(self) -> bool:
+        """Satellite: wait until the core took the last gradients sent (bounded). False on timeout."""
+        try:
+            await asyncio.wait_for(self._grads_free.wait(), self.cell.config.grads_taken_timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._halt.wait(), max(seconds, 0.001))
+        except asyncio.TimeoutError:
+            pass
+
+    async def _run(self) -> None:
+        cell, config = self.cell, self.cell.config
+        while not self._halt.is_set():
+            if not config.is_core:
+                await cell.catch_up_trainer()
+            host = cell.training
+            assert host is not None
+            try:
+                grant: ClaimGranted = await cell.ask(
+                    config.claimer, ClaimMicroStep(cell.name, host.version), timeout_s=config.claim_timeout_s
+                )
+            except GyreError as error:  # claimer slow, restarting or absent: try again later
+                cell.log.warning("claim_failed", error=str(error))
+                await self._pause(config.claim_retry_s)
+                continue
+            if grant.step_id < 0:
+                await self._pause(grant.retry_after_s if grant.retry_after_s > 0 else config.claim_retry_s)
+                continue
+            if self._halt.is_set() or not grant.samples:
+                self.released += 1
+                if not grant.samples:
+                    cell.log.error("empty_microstep_released", step_id=grant.step_id, index=grant.microstep_index)
+                cell.tell(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
+                continue
+            await self._compute_and_report(grant)
+
+    async def _compute_and_report(self, grant: ClaimGranted) -> None:
+        cell, config = self.cell, self.cell.config
+        host = cell.training
+        assert host is not None
+        try:
+            async with cell.compute_lock:
+                metrics = await cell.offload(host.compute, grant.samples, grant.num_executions_in_step,
+                                             config.clip_low, config.clip_high)
+        except ValueError as error:  # bad samples (LossInputError, TrainerError): hand it back, say loudly why
+            self.released += 1
+            cell.log.error("microstep_failed_released", step_id=grant.step_id, index=grant.microstep_index,
+                           error=str(error))
+            if not config.is_core:
+                host.trainer.zero_grads()
+            cell.tell(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
+            return
+        self.computed += 1
+        tokens, loss = int(metrics["num_tokens"]), float(metrics["loss"])
+        if config.is_core:
+            cell.tell(cell.name, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, "", 0, 0, tokens, loss))
+            return
+        if not await self.wait_grads_taken():
+            cell.log.error("gradients_never_taken", outstanding=self._outstanding)
+            async with cell.compute_lock:
+                await cell.offload(host.renew_grads_out)
+        async with cell.compute_lock:
+            addr, nbytes = await cell.offload(host.export_grads)
+        self._outstanding = (grant.step_id, grant.microstep_index)
+        self._grads_free.clear()
+        cell.tell(config.core, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, host.agent.peer,
+                                             addr, nbytes, tokens, loss))

@@ -1,0 +1,190 @@
+"""The KV migrator: moves the live sessions of a cell that leaves rollout to the cells that stay, KV blocks included.
+
+A cell switching to training asks `MigrateSessions`. The migrator asks the proxy which sessions live on the source
+and the token ids whose KV they hold there (SessionsOnCell), spreads them over the targets, and for each session:
+export on the source (pins the cached blocks of its longest cached prefix), import on the target (the target reads
+the blocks straight from the source's pool through Mooncake and caches the prefix), release on the source, then
+publishes SessionPlaced so the proxy routes the session's next call to its new cell, which finds the prefix cached.
+
+When the blocks cannot move (a real SGLang server has no /gyre/kv/*: CapabilityMissing; Mooncake failed; the
+source no longer caches the prefix; the target has no room) the session is still placed and the target prefills it
+again on its next call: slower, never wrong. Such sessions are counted as `reprefill_sessions`.
+
+Sessions move a few at a time (`max_concurrent`): each transfer is bounded by the engines' own queues, and the
+target keeps serving while it imports. MigrateSessions asks are handled one at a time (the actor's mailbox), so two
+cells switching together migrate one after the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any, Mapping, Sequence
+
+import aiohttp
+import attrs
+import structlog
+
+from gyre.engines.sglang_client import CapabilityMissing, ClientConfig, SGLangClient, SGLangError
+from gyre.messages.cells import MigrateSessions, SessionPlaced, SessionsMigrated
+from gyre.messages.proxy import SessionPrefixes, SessionsOnCell
+from gyre.runtime import Actor, handler
+
+__all__ = ["KVMigratorConfig", "KVMigrator", "assign_sessions"]
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.frozen
+class KVMigratorConfig:
+    """Where the proxy is and how hard to push the engines."""
+
+    proxy: str = "proxy"
+    """Name of the proxy actor (asked SessionsOnCell)."""
+    max_concurrent: int = 4
+    """Sessions in transfer at once."""
+    proxy_timeout_s: float = 30.0
+    """How long to wait for the proxy's answer."""
+    client: ClientConfig = ClientConfig(control_timeout_s=120.0)
+    """Deadlines of the engine clients (export/import are control calls)."""
+    max_clients: int = 64
+    """Engine clients kept (one per engine URL; least recently used closed first)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_concurrent < 1 or self.max_clients < 2:
+            raise ValueError("max_concurrent must be >= 1 and max_clients >= 2")
+
+
+def assign_sessions(prefix_tokens: Mapping[str, int], targets: Sequence[str]) -> dict[str, str]:
+    """Session -> target, balancing prefix tokens: longest prefix first onto the target with the fewest tokens so
+    far (ties: fewer sessions, then name). Deterministic for the same input."""
+    if not targets:
+        return {}
+    tokens = {target: 0 for target in targets}
+    counts = {target: 0 for target in targets}
+    placement: dict[str, str] = {}
+    for session in sorted(prefix_tokens, key=lambda s: (-prefix_tokens[s], s)):
+        target = min(sorted(targets), key=lambda t: (tokens[t], counts[t]))
+        placement[session] = target
+        tokens[target] += prefix_tokens[session]
+        counts[target] += 1
+    return placement
+
+
+def _wanted(session: str, wanted: frozenset[str]) -> bool:
+    """A session key is "<execution_id>/<agent_id>"; MigrateSessions may name either form."""
+    return session in wanted or any(session.startswith(w + "/") for w in wanted)
+
+
+@attrs.define
+class _Outcome:
+    moved_tokens: int = 0
+    reprefill: bool = False
+
+
+class KVMigrator(Actor):
+    """Answers MigrateSessions with SessionsMigrated; see the module doc."""
+
+    config_cls = KVMigratorConfig
+
+    async def on_start(self) -> None:
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4 * self.config.max_concurrent))
+        self.clients: OrderedDict[str, SGLangClient] = OrderedDict()
+        self.migrations = 0
+
+    async def on_stop(self) -> None:
+        await self.http.close()
+
+    def _client(self, url: str) -> SGLangClient:
+        client = self.clients.get(url)
+        if client is None:
+            client = self.clients[url] = SGLangClient(url, session=self.http, config=self.config.client)
+            while len(self.clients) > self.config.max_clients:
+                self.clients.popitem(last=False)  # shares self.http: nothing to close
+        else:
+            self.clients.move_to_end(url)
+        return client
+
+    @handler(MigrateSessions)
+    async def on_migrate(self, msg: MigrateSessions) -> SessionsMigrated:
+        started = self.clock.now()
+        answer = await self.ask(self.config.proxy, SessionsOnCell(msg.source), timeout_s=self.config.proxy_timeout_s)
+        assert isinstance(answer, SessionPrefixes), type(answer)
+        prefixes = dict(answer.sessions)
+        if msg.sessions:
+            wanted = frozenset(msg.sessions)
+            prefixes = {s: ids for s, ids in prefixes.items() if _wanted(s, wanted)}
+        targets = {name: url for name, url in msg.targets.items() if name != msg.source}
+        placement = assign_sessions({s: len(ids) for s, ids in prefixes.items()}, tuple(targets))
+        if prefixes and not placement:
+            self.log.warning("no target cell to migrate to", source=msg.source, sessions=len(prefixes))
+
+        source = self._client(msg.source_url) if msg.source_url else None
+        gate = asyncio.Semaphore(self.config.max_concurrent)
+        capability = {"missing": source is None}
+
+        async def move(session: str) -> _Outcome:
+            async with gate:
+                target = placement[session]
+                outcome = await self._move(source, self._client(targets[target]), prefixes[session], capability)
+                self.publish(SessionPlaced(session=session, cell=target))
+                return outcome
+
+        outcomes = await asyncio.gather(*(move(session) for session in sorted(placement)))
+        moved = sum(o.moved_tokens for o in outcomes)
+        reprefill = sum(1 for o in outcomes if o.reprefill) + (len(prefixes) - len(placement))
+        seconds = self.clock.now() - started
+        self.migrations += 1
+        self.log.info(
+            "sessions migrated",
+            source=msg.source,
+            sessions=len(placement),
+            moved_tokens=moved,
+            reprefill_sessions=reprefill,
+            seconds=round(seconds, 4),
+        )
+        return SessionsMigrated(
+            source=msg.source, placement=placement, moved_tokens=moved, reprefill_sessions=reprefill, seconds=seconds
+        )
+
+    async def _move(
+        self, source: SGLangClient | None, target: SGLangClient, ids: tuple[int, ...], capability: dict[str, bool]
+    ) -> _Outcome:
+        """Export, import, release one session's prefix; any failure means the target re-prefills."""
+        if not ids:
+            return _Outcome()  # nothing was ever computed for it: nothing to move, nothing to redo
+        if capability["missing"] or source is None:
+            return _Outcome(reprefill=True)
+        try:
+            export = await source.export_kv(ids)
+        except CapabilityMissing as error:
+            capability["missing"] = True  # the same server will refuse every other session too
+            self.log.info("source cannot export KV: re-prefill", error=str(error))
+            return _Outcome(reprefill=True)
+        except SGLangError as error:
+            self.log.warning("KV export failed: re-prefill", error=str(error))
+            return _Outcome(reprefill=True)
+        try:
+            if int(export.get("num_tokens", 0)) <= 0:
+                return _Outcome(reprefill=True)  # the source no longer caches any of it
+            try:
+                result = await target.import_kv(ids, export)
+            except CapabilityMissing as error:
+                self.log.info("target cannot import KV: re-prefill", error=str(error))
+                return _Outcome(reprefill=True)
+            except SGLangError as error:
+                self.log.warning("KV import failed: re-prefill", error=str(error))
+                return _Outcome(reprefill=True)
+            return _Outcome(moved_tokens=int(result.get("imported_tokens", 0)))
+        finally:
+            await self._release(source, export)
+
+    async def _release(self, source: SGLangClient, export: Mapping[str, Any]) -> None:
+        handle = export.get("handle")
+        if not isinstance(handle, str):
+            return
+        try:
+            await source.release_kv(handle)
+        except SGLangError as error:
+            # A pinned export only keeps blocks from eviction; the engine bounds how many can be pinned.
+            self.log.warning("KV release failed", handle=handle, error=str(error))

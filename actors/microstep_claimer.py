@@ -1,0 +1,588 @@
+"""The micro-step claimer: packs landed samples into micro-steps by a token budget and hands them out exactly once.
+
+What a step is. A step takes exactly `executions_per_step = groups_per_step * group_size` executions, in landing
+order. Groups land whole (advantages need the whole group), but a group may straddle two steps, and an execution
+whose scorer crashed (it never lands) or that the staleness policy refuses does not count, so the step simply takes
+the next execution. The payoff: every claim, even one for a step that is still filling, carries the step's exact
+execution count (`num_executions_in_step`), so every execution weighs 1/E in the summed gradient of its step with no
+rescaling at the end. A step's membership is fixed the moment its E-th execution is assigned: then its open
+micro-steps are closed and StepReady is published with the final `num_microsteps`, which tells the core how many
+MicroStepDone to wait for. All samples of one execution go to the same step (its weights sum to 1 there), but they
+may be spread over several micro-steps (the loss is a sum over samples).
+
+Streaming. Only the current step (base version = the weights all train cells hold) is claimable. Its samples are
+packed first-fit into at most `max_open_microsteps` open micro-steps; one closes (becomes claimable) when full, when
+a sample fits none of the open ones (the fullest closes), when the step is fixed, or when a claim finds nothing
+queued and the fullest open micro-step is at least `early_close_fraction` full (an idle cell gets work before the
+step's last group lands). Executions landing after the step is fixed wait in a bounded pending queue and are
+assigned when StepApplied makes the next step current; that is also when the staleness policy is checked against the
+next base version, so fixed steps never change and "too stale" is decided with the exact base.
+
+Exactly once. A micro-step is queued, claimed (by one cell) or done. A claim goes back to the queue when its cell
+releases it, switches to another role, restarts (RoleChanged with previous_role "") or stays silent longer than
+`cell_silence_limit_s` (no LoadReport, claim or MicroStepDone). The first MicroStepDone from a cell that holds or
+held the micro-step wins; later ones are counted and ignored (the core must likewise count a (step, micro-step) once).
+StepApplied from the core ends the step: claimed micro-steps whose MicroStepDone has not reached us yet are done (the
+core had their gradients). `statistics()` is the ledger; `check_exactly_once` checks it.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import attrs
+import structlog
+
+from gyre.messages.cells import LoadReport, RoleChanged, TRAIN
+from gyre.messages.samples import SamplesLanded, TrainingSample
+from gyre.messages.scheduling import ClaimerStatistics, ClaimerStatisticsAsked, ClaimerTick, TrainingBacklog
+from gyre.messages.training import (
+    ClaimGranted,
+    ClaimMicroStep,
+    MicroStepDone,
+    ReleaseMicroStep,
+    StepApplied,
+    StepReady,
+)
+from gyre.policies.staleness import MaxVersionLag, StalenessPolicyError, check_staleness_policy
+from gyre.runtime import Actor, handler
+
+log = structlog.get_logger(__name__)
+
+
+class ClaimerConfigError(ValueError):
+    """A claimer config with impossible values."""
+
+
+class AccountingError(RuntimeError):
+    """The exactly-once ledger does not balance: a sample was lost or trained twice."""
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not value > 0:
+        raise ClaimerConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class ClaimerConfig:
+    """How steps and micro-steps are cut, and how long a silent cell keeps its claims."""
+
+    groups_per_step: int = attrs.field(default=4, validator=_positive)
+    """N: groups per optimizer step."""
+    group_size: int = attrs.field(default=16, validator=_positive)
+    """G: executions per group. A step takes N * G executions (see the module docstring)."""
+    microstep_token_budget: int = attrs.field(default=32768, validator=_positive)
+    """Most tokens one micro-step holds (a single longer sample gets a micro-step of its own)."""
+    staleness: Any = MaxVersionLag(1)
+    """A StalenessPolicy (frozen attrs) deciding which executions may still train at a step's base version."""
+    base_version: int = 0
+    """Weights the first step trains with."""
+    first_step_id: int = 0
+    """Id of the first step."""
+    max_open_microsteps: int = attrs.field(default=2, validator=_positive)
+    """Micro-steps filling at once (first-fit packing among them)."""
+    early_close_fraction: float = attrs.field(default=0.5, validator=_positive)
+    """A claim that finds nothing queued closes the fullest open micro-step if it is at least this full."""
+    max_claims_per_cell: int = attrs.field(default=1, validator=_positive)
+    """Micro-steps one cell may hold at once."""
+    retry_after_s: float = attrs.field(default=1.0, validator=_positive)
+    """Told to a cell that gets no work: when to ask again."""
+    max_pending_executions: int = attrs.field(default=4096, validator=_positive)
+    """Executions waiting for a later step; beyond it the oldest are dropped and counted."""
+    cell_silence_limit_s: float | None = attrs.field(default=60.0, validator=_positive)
+    """A cell holding claims that sends nothing for this long is presumed dead; None: never presume."""
+    liveness_check_s: float = attrs.field(default=5.0, validator=_positive)
+    """How often silence is checked while claims are held."""
+    max_remembered_samples: int = attrs.field(default=1 << 20, validator=_positive)
+    """Trained samples (and landed executions) remembered to catch duplicates; the oldest are forgotten."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.early_close_fraction > 1.0:
+            raise ClaimerConfigError(f"early_close_fraction must be in (0, 1], got {self.early_close_fraction}")
+        try:
+            check_staleness_policy(self.staleness)
+        except StalenessPolicyError as error:
+            raise ClaimerConfigError(f"staleness: {error}") from None
+
+    @property
+    def executions_per_step(self) -> int:
+        return self.groups_per_step * self.group_size
+
+
+@attrs.define
+class _Execution:
+    execution_id: str
+    samples: tuple[TrainingSample, ...]
+    min_weight_version: int
+    num_tokens: int
+
+
+@attrs.define
+class _MicroStep:
+    index: int
+    samples: list[TrainingSample] = attrs.field(factory=list)
+    num_tokens: int = 0
+    state: str = "open"  # open -> queued <-> claimed -> done
+    holder: str = ""
+    past_holders: set[str] = attrs.field(factory=set)
+
+
+@attrs.define
+class _Cell:
+    role: str = ""
+    last_seen_s: float = 0.0
+
+
+def _sample_key(sample: TrainingSample) -> tuple[str, int]:
+    return (sample.execution_id, sample.trajectory_rank)
+
+
+class _BoundedSet:
+    """A set that forgets its oldest members beyond `limit` (duplicate detection must not grow without bound)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._order: collections.deque = collections.deque()
+        self._members: set = set()
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._members
+
+    def add(self, item: object) -> None:
+        if item in self._members:
+            return
+        self._members.add(item)
+        self._order.append(item)
+        if len(self._order) > self._limit:
+            self._members.discard(self._order.popleft())
+
+
+class MicroStepLedger:
+    """The claimer's state machine, without the actor: every method takes the time it happens at and returns what to
+    publish. Kept apart so that its bookkeeping is tested directly and the actor stays a thin adapter."""
+
+    def __init__(self, config: ClaimerConfig) -> None:
+        self.config = config
+        self.step_id = config.first_step_id
+        self.base_version = config.base_version
+        self.step_fixed = False
+        self.step_executions = 0
+        self.microsteps: dict[int, _MicroStep] = {}
+        self.open: list[_MicroStep] = []
+        self.queue: collections.deque[int] = collections.deque()
+        self.pending: collections.deque[_Execution] = collections.deque()
+        self.cells: dict[str, _Cell] = {}
+        self._seen_executions = _BoundedSet(config.max_remembered_samples)
+        self._trained = _BoundedSet(config.max_remembered_samples)
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    # ---- landing and packing --------------------------------------------------------------------------------------
+    def land(self, msg: SamplesLanded) -> list[Any]:
+        """Take one group's samples; returns the messages to publish (StepReady if a step got fixed)."""
+        self.counts["samples_landed"] += len(msg.samples)
+        by_execution: dict[str, list[TrainingSample]] = {}
+        for sample in msg.samples:
+            by_execution.setdefault(sample.execution_id, []).append(sample)
+        for execution_id, samples in by_execution.items():
+            if execution_id in self._seen_executions:
+                self.counts["samples_duplicate"] += len(samples)
+                log.error("execution landed twice; refused", execution=execution_id, group=msg.group_id)
+                continue
+            self._seen_executions.add(execution_id)
+            self.counts["executions_landed"] += 1
+            self.pending.append(
+                _Execution(
+                    execution_id,
+                    tuple(samples),
+                    min(s.min_weight_version for s in samples),
+                    sum(len(s.token_ids) for s in samples),
+                )
+            )
+        while len(self.pending) > self.config.max_pending_executions:
+            dropped = self.pending.popleft()
+            self.counts["samples_dropped_overflow"] += len(dropped.samples)
+            log.warning("pending queue full: dropped the oldest execution", execution=dropped.execution_id,
+                        bound=self.config.max_pending_executions)
+        return self._fill()
+
+    def _fill(self) -> list[Any]:
+        """Assign pending executions to the current step until it is fixed."""
+        published: list[Any] = []
+        while not self.step_fixed and self.pending:
+            execution = self.pending.popleft()
+            if not self.config.staleness.admits(execution.min_weight_version, self.base_version):
+                self._drop_stale(execution)
+                continue
+            self.counts["executions_assigned"] += 1
+            self.step_executions += 1
+            for sample in execution.samples:
+                self._pack(sample)
+            if self.step_executions == self.config.executions_per_step:
+                published.append(self._fix_step())
+        return published
+
+    def _drop_stale(self, execution: _Execution) -> None:
+        self.counts["executions_dropped_stale"] += 1
+        self.counts["samples_dropped_stale"] += len(execution.samples)
+        log.debug("stale execution dropped", execution=execution.execution_id,
+                 sample_version=execution.min_weight_version, base_version=self.base_version)
+
+    def _pack(self, sample: TrainingSample) -> None:
+        size = len(sample.token_ids)
+        budget = self.config.microstep_token_budget
+        if size >= budget:  # too big to share: a micro-step of its own, claimable at once
+            microstep = self._new_microstep()
+            self._add(microstep, sample)
+            self._close(microstep)
+            return
+        for microstep in self.open:
+            if microstep.num_tokens + size <= budget:
+                self._add(microstep, sample)
+                if microstep.num_tokens == budget:
+                    self._close(microstep)
+                return
+        if len(self.open) >= self.config.max_open_microsteps:
+            self._close(max(self.open, key=lambda m: (m.num_tokens, -m.index)))
+        microstep = self._new_microstep()
+        self.open.append(microstep)
+        self._add(microstep, sample)
+
+    def _new_microstep(self) -> _MicroStep:
+        microstep = _MicroStep(len(self.microsteps))
+        self.microsteps[microstep.index] = microstep
+        return microstep
+
+    @staticmethod
+    def _add(microstep: _MicroStep, sample: TrainingSample) -> None:
+        microstep.samples.append(sample)
+        microstep.num_tokens += len(sample.token_ids)
+
+    def _close(self, microstep: _MicroStep) -> None:
+        if microstep in self.open:
+            self.open.remove(microstep)
+        microstep.state = "queued"
+        self.queue.append(microstep.index)
+        self.counts["microsteps_closed"] += 1
+
+    def _fix_step(self) -> StepReady:
+        for microstep in list(self.open):
+            self._close(microstep)
+        self.step_fixed = True
+        self.counts["steps_ready"] += 1
+        return StepReady(
+            step_id=self.step_id,
+            num_microsteps=len(self.microsteps),
+            num_samples=sum(len(m.samples) for m in self.microsteps.values()),
+            num_executions=self.step_executions,
+            base_version=self.base_version,
+        )
+
+    # ---- claims ---------------------------------------------------------------------------------------------------
+    def _no_work(self) -> ClaimGranted:
+        return ClaimGranted(-1, -1, (), 0, self.config.retry_after_s)
+
+    def claim(self, msg: ClaimMicroStep, now_s: float) -> ClaimGranted:
+        cell = self._seen(msg.cell, now_s)
+        if cell.role and cell.role != TRAIN:
+            return self._refuse(msg, f"its role is {cell.role}")
+        if msg.weight_version != self.base_version:
+            return self._refuse(msg, f"it holds version {msg.weight_version}, the step trains {self.base_version}")
+        if self._claims_of(msg.cell) >= self.config.max_claims_per_cell:
+            return self._refuse(msg, f"it holds {self.config.max_claims_per_cell} claims already")
+        if not self.queue and self.open:
+            fullest = max(self.open, key=lambda m: (m.num_tokens, -m.index))
+            if fullest.num_tokens >= self.config.early_close_fraction * self.config.microstep_token_budget:
+                self._close(fullest)
+        if not self.queue:
+            return self._no_work()
+        microstep = self.microsteps[self.queue.popleft()]
+        microstep.state = "claimed"
+        microstep.holder = msg.cell
+        microstep.past_holders.add(msg.cell)
+        self.counts["microsteps_granted"] += 1
+        return ClaimGranted(
+            step_id=self.step_id,
+            microstep_index=microstep.index,
+            samples=tuple(microstep.samples),
+            num_executions_in_step=self.config.executions_per_step,
+            retry_after_s=0.0,
+        )
+
+    def _refuse(self, msg: ClaimMicroStep, why: str) -> ClaimGranted:
+        self.counts["claims_refused"] += 1
+        log.debug("claim refused", cell=msg.cell, why=why)
+        return self._no_work()
+
+    def _claims_of(self, cell: str) -> int:
+        return sum(1 for m in self.microsteps.values() if m.state == "claimed" and m.holder == cell)
+
+    def _seen(self, name: str, now_s: float) -> _Cell:
+        cell = self.cells.setdefault(name, _Cell())
+        cell.last_seen_s = now_s
+        return cell
+
+    def done(self, msg: MicroStepDone, now_s: float) -> None:
+        self._seen(msg.cell, now_s)
+        if msg.step_id != self.step_id:
+            # A step already applied (this MicroStepDone lost the race with StepApplied) or a step we never gave.
+            self.counts["stray_messages"] += 1
+            return
+        microstep = self.microsteps.get(msg.microstep_index)
+        if microstep is None or msg.cell not in microstep.past_holders:
+            self.counts["stray_messages"] += 1
+            log.warning("MicroStepDone from a cell that never held it", cell=msg.cell, step=msg.step_id,
+                        microstep=msg.microstep_index)
+            return
+        if microstep.state == "done":
+            self.counts["duplicate_dones"] += 1
+            return
+        if microstep.state == "queued":  # re-queued after its cell was presumed gone; the late result still counts
+            self.queue.remove(microstep.index)
+        self._mark_done(microstep)
+
+    def _mark_done(self, microstep: _MicroStep) -> None:
+        microstep.state = "done"
+        microstep.holder = ""
+        self.counts["microsteps_done"] += 1
+        for sample in microstep.samples:
+            key = _sample_key(sample)
+            if key in self._trained:
+                self.counts["samples_trained_twice"] += 1
+            self._trained.add(key)
+        self.counts["samples_trained"] += len(microstep.samples)
+
+    def release(self, msg: ReleaseMicroStep, now_s: float) -> None:
+        self._seen(msg.cell, now_s)
+        microstep = self.microsteps.get(msg.microstep_index) if msg.step_id == self.step_id else None
+        if microstep is None or microstep.state != "claimed" or microstep.holder != msg.cell:
+            self.counts["stray_messages"] += 1
+            return
+        self._requeue(microstep, "released")
+
+    def _requeue(self, microstep: _MicroStep, why: str) -> None:
+        log.info("micro-step re-queued", step=self.step_id, microstep=microstep.index, cell=microstep.holder, why=why)
+        microstep.state = "queued"
+        microstep.holder = ""
+        self.queue.appendleft(microstep.index)  # oldest work first: it holds the step back
+        self.counts["microsteps_requeued"] += 1
+
+    def _requeue_cell(self, cell: str, why: str) -> None:
+        for microstep in sorted(self.microsteps.values(), key=lambda m: -m.index):
+            if microstep.state == "claimed" and microstep.holder == cell:
+                self._requeue(microstep, why)
+
+    # ---- cells ----------------------------------------------------------------------------------------------------
+    def role_changed(self, msg: RoleChanged, now_s: float) -> None:
+        cell = self._seen(msg.cell, now_s)
+        cell.role = msg.role
+        if msg.previous_role == "":
+            self._requeue_cell(msg.cell, "the cell (re)started")
+        elif msg.role != TRAIN:
+            self._requeue_cell(msg.cell, f"the cell switched to {msg.role}")
+
+    def load_report(self, msg: LoadReport, now_s: float) -> None:
+        self._seen(msg.cell, now_s)
+
+    def check_silence(self, now_s: float) -> None:
+        limit = self.config.cell_silence_limit_s
+        if limit is None:
+            return
+        for name, cell in sorted(self.cells.items()):
+            if now_s - cell.last_seen_s > limit and self._claims_of(name):
+                log.warning("cell silent while holding claims; presumed dead", cell=name,
+                            silent_s=now_s - cell.last_seen_s)
+                self._requeue_cell(name, "the cell went silent")
+
+    @property
+    def claims_held(self) -> int:
+        return sum(1 for m in self.microsteps.values() if m.state == "claimed")
+
+    # ---- steps ----------------------------------------------------------------------------------------------------
+    def step_applied(self, msg: StepApplied) -> list[Any]:
+        """The core applied a step: finish it, move to the next base version, drop what became too stale."""
+        if msg.step_id != self.step_id:
+            self.counts["stray_messages"] += 1
+            log.error("StepApplied for a step that is not current", step=msg.step_id, current=self.step_id)
+            return []
+        for microstep in self.microsteps.values():
+            if microstep.state == "claimed":
+                self._mark_done(microstep)  # its MicroStepDone to us is still on the way; the core had it
+            elif microstep.state != "done":
+                self.counts["samples_lost"] += len(microstep.samples)
+                log.error("the core applied a step without one of its micro-steps", step=self.step_id,
+                          microstep=microstep.index, state=microstep.state)
+        self.counts["steps_applied"] += 1
+        self.step_id = msg.step_id + 1
+        self.base_version = msg.version
+        self.step_fixed = False
+        self.step_executions = 0
+        self.microsteps = {}
+        self.open = []
+        self.queue.clear()
+        kept: collections.deque[_Execution] = collections.deque()
+        for execution in self.pending:
+            if self.config.staleness.admits(execution.min_weight_version, self.base_version):
+                kept.append(execution)
+            else:
+                self._drop_stale(execution)
+        self.pending = kept
+        return self._fill()
+
+    # ---- reports --------------------------------------------------------------------------------------------------
+    def samples_in_flight(self) -> int:
+        pending = sum(len(e.samples) for e in self.pending)
+        packed = sum(len(m.samples) for m in self.microsteps.values() if m.state != "done")
+        return pending + packed
+
+    def statistics(self) -> ClaimerStatistics:
+        c = self.counts
+        return ClaimerStatistics(
+            samples_landed=c["samples_landed"],
+            samples_trained=c["samples_trained"],
+            samples_dropped_stale=c["samples_dropped_stale"],
+            samples_dropped_overflow=c["samples_dropped_overflow"],
+            samples_duplicate=c["samples_duplicate"],
+            samples_lost=c["samples_lost"],
+            samples_in_flight=self.samples_in_flight(),
+            samples_trained_twice=c["samples_trained_twice"],
+            executions_landed=c["executions_landed"],
+            executions_assigned=c["executions_assigned"],
+            executions_dropped_stale=c["executions_dropped_stale"],
+            microsteps_closed=c["microsteps_closed"],
+            microsteps_granted=c["microsteps_granted"],
+            microsteps_done=c["microsteps_done"],
+            microsteps_requeued=c["microsteps_requeued"],
+            duplicate_dones=c["duplicate_dones"],
+            stray_messages=c["stray_messages"],
+            claims_refused=c["claims_refused"],
+            steps_ready=c["steps_ready"],
+            steps_applied=c["steps_applied"],
+            step_id=self.step_id,
+            base_version=self.base_version,
+        )
+
+    def backlog(self, now_s: float) -> TrainingBacklog:
+        states = collections.Counter(m.state for m in self.microsteps.values())
+        claims: dict[str, int] = {}
+        for microstep in self.microsteps.values():
+            if microstep.state == "claimed":
+                claims[microstep.holder] = claims.get(microstep.holder, 0) + 1
+        return TrainingBacklog(
+            step_id=self.step_id,
+            base_version=self.base_version,
+            step_fixed=self.step_fixed,
+            claimable_microsteps=states["queued"],
+            claimed_microsteps=states["claimed"],
+            done_microsteps=states["done"],
+            open_tokens=sum(m.num_tokens for m in self.open),
+            executions_in_step=self.step_executions,
+            executions_per_step=self.config.executions_per_step,
+            pending_executions=len(self.pending),
+            claims_by_cell=dict(sorted(claims.items())),
+            time_s=now_s,
+        )
+
+
+def check_exactly_once(stats: ClaimerStatistics, *, lost_ok: bool = False) -> None:
+    """Raise AccountingError unless every landed sample is trained once, dropped with a reason, or still in flight.
+
+    `lost_ok` skips the check that no sample was lost: the claimer itself uses it, because a loss means the core
+    applied a step early (its bug, logged as an error), while an unbalanced ledger or a double training is ours.
+    """
+    accounted = (
+        stats.samples_trained + stats.samples_dropped_stale + stats.samples_dropped_overflow
+        + stats.samples_duplicate + stats.samples_lost + stats.samples_in_flight
+    )
+    problems = []
+    if accounted != stats.samples_landed:
+        problems.append(f"{stats.samples_landed} samples landed but {accounted} are accounted for")
+    if stats.samples_lost and not lost_ok:
+        problems.append(f"{stats.samples_lost} samples lost (applied without being trained)")
+    if stats.samples_trained_twice:
+        problems.append(f"{stats.samples_trained_twice} samples trained twice")
+    if problems:
+        raise AccountingError("; ".join(problems))
+
+
+class MicroStepClaimer(Actor):
+    """Hosts a MicroStepLedger: SamplesLanded in, ClaimGranted / StepReady / TrainingBacklog out (module docstring)."""
+
+    config_cls = ClaimerConfig
+    subscriptions = (RoleChanged, LoadReport, StepApplied)
+
+    async def on_start(self) -> None:
+        self.ledger = MicroStepLedger(self.config)
+        self._last_backlog: TrainingBacklog | None = None
+        self._tick_armed = False
+        self._publish_backlog()
+
+    def statistics(self) -> ClaimerStatistics:
+        return self.ledger.statistics()
+
+    # Every handler ends in _after(): publish what changed and arm the silence check while claims are held.
+    def _after(self, published: list[Any] = ()) -> None:
+        for msg in published:
+            self.log.info("step ready", step=msg.step_id, microsteps=msg.num_microsteps, samples=msg.num_samples)
+            self.publish(msg)
+        self._publish_backlog()
+        if self.ledger.claims_held and not self._tick_armed and self.config.cell_silence_limit_s is not None:
+            self._tick_armed = True
+            self.send_later(self.config.liveness_check_s, ClaimerTick())
+
+    def _publish_backlog(self) -> None:
+        backlog = self.ledger.backlog(self.clock.now())
+        if self._last_backlog is not None and attrs.evolve(backlog, time_s=0.0) == attrs.evolve(
+            self._last_backlog, time_s=0.0
+        ):
+            return
+        self._last_backlog = backlog
+        self.publish(backlog)
+
+    @handler(SamplesLanded)
+    def on_samples_landed(self, msg: SamplesLanded) -> None:
+        self._after(self.ledger.land(msg))
+
+    @handler(ClaimMicroStep)
+    def on_claim(self, msg: ClaimMicroStep) -> ClaimGranted:
+        granted = self.ledger.claim(msg, self.clock.now())
+        self._after()
+        return granted
+
+    @handler(MicroStepDone)
+    def on_done(self, msg: MicroStepDone) -> None:
+        self.ledger.done(msg, self.clock.now())
+        self._after()
+
+    @handler(ReleaseMicroStep)
+    def on_release(self, msg: ReleaseMicroStep) -> None:
+        self.ledger.release(msg, self.clock.now())
+        self._after()
+
+    @handler(RoleChanged)
+    def on_role_changed(self, msg: RoleChanged) -> None:
+        self.ledger.role_changed(msg, self.clock.now())
+        self._after()
+
+    @handler(LoadReport)
+    def on_load_report(self, msg: LoadReport) -> None:
+        self.ledger.load_report(msg, self.clock.now())
+
+    @handler(StepApplied)
+    def on_step_applied(self, msg: StepApplied) -> None:
+        published = self.ledger.step_applied(msg)
+        stats = self.ledger.statistics()
+        self.log.info("step applied", step=msg.step_id, version=msg.version, trained=stats.samples_trained,
+                      stale=stats.samples_dropped_stale)
+        check_exactly_once(stats, lost_ok=True)  # a failure here is a bug in the ledger: fail loudly
+        self._after(published)
+
+    @handler(ClaimerTick)
+    def on_tick(self, msg: ClaimerTick) -> None:
+        self._tick_armed = False
+        self.ledger.check_silence(self.clock.now())
+        self._after()
+
+    @handler(ClaimerStatisticsAsked)
+    def on_statistics(self, msg: ClaimerStatisticsAsked) -> ClaimerStatistics:
+        return self.ledger.statistics()

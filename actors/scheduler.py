@@ -1,0 +1,231 @@
+"""The scheduler: hosts a scheduling policy, keeps the view it decides on, and sends SwitchRole to cells.
+
+It owns nothing but its view of the load. Cells announce themselves with RoleChanged (at start and after every
+switch) and keep it current with LoadReport; the micro-step claimer's TrainingBacklog, StepReady and StepApplied
+describe the training work. After every such event, and on a timer (dwell times and grace periods expire without
+events), it builds an immutable SchedulerView and asks the policy. Every decision is checked against the policy
+contract before it is sent: a policy bug fails the scheduler loudly rather than sending a cell a nonsense switch.
+
+A switch is pending from the SwitchRole until the cell's RoleChanged; meanwhile the cell shows as "switching" to the
+policy, which may not decide about it. A switch that no RoleChanged confirms within `switch_timeout_s` is given up
+(the cell's own reports are then taken as truth) so that a lost cell does not freeze the view.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, LoadReport, RoleChanged, SwitchRole
+from gyre.messages.scheduling import (
+    SchedulerStatistics,
+    SchedulerStatisticsAsked,
+    SchedulerTick,
+    TrainingBacklog,
+)
+from gyre.messages.training import StepApplied, StepReady
+from gyre.policies.scheduling import (
+    BacklogView,
+    CellView,
+    ElasticPolicy,
+    PolicyContractError,
+    SchedulerView,
+    SchedulingPolicy,
+    check_decisions,
+)
+from gyre.runtime import Actor, UnknownAddress, handler
+
+
+class SchedulerConfigError(ValueError):
+    """A scheduler config that cannot work."""
+
+
+def _check_policy(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not attrs.has(type(value)) or not isinstance(value, SchedulingPolicy):
+        raise SchedulerConfigError(f"policy must be a SchedulingPolicy attrs object, got {type(value).__qualname__}")
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """Which policy, and how often to look again."""
+
+    policy: Any = attrs.field(default=ElasticPolicy(), validator=_check_policy)
+    """A SchedulingPolicy (ElasticPolicy, AsyncPolicy, ColocatePolicy or your own frozen attrs class)."""
+    tick_s: float | None = 1.0
+    """Re-evaluate this often even without events; None: only on events."""
+    expected_cells: tuple[str, ...] = ()
+    """Decide nothing until every one of these cells has announced itself (a partial view misleads a policy)."""
+    switch_timeout_s: float = 300.0
+    """Give up waiting for a switch's RoleChanged after this long."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.tick_s is not None and self.tick_s <= 0:
+            raise SchedulerConfigError(f"tick_s must be > 0 or None, got {self.tick_s}")
+        if self.switch_timeout_s <= 0:
+            raise SchedulerConfigError(f"switch_timeout_s must be > 0, got {self.switch_timeout_s}")
+
+
+@attrs.define
+class _CellState:
+    name: str
+    role: str = ROLLOUT
+    is_core: bool = False
+    role_since_s: float = 0.0
+    switching_to: str = ""
+    switch_sent_s: float = 0.0
+    load: LoadReport | None = None
+    announced: bool = False
+
+
+class Scheduler(Actor):
+    """Hosts `config.policy`; see the module docstring."""
+
+    config_cls = SchedulerConfig
+    subscriptions = (LoadReport, RoleChanged, TrainingBacklog, StepReady, StepApplied)
+
+    async def on_start(self) -> None:
+        self.cells: dict[str, _CellState] = {}
+        self.backlog = BacklogView()
+        self.claims_by_cell: dict[str, int] = {}
+        self.counts = {"evaluations": 0, "switches_sent": 0, "to_train": 0, "to_rollout": 0, "switch_timeouts": 0}
+        if self.config.tick_s is not None:
+            self.send_later(self.config.tick_s, SchedulerTick())
+
+    # ---- the view -------------------------------------------------------------------------------------------------
+    def _cell(self, name: str) -> _CellState:
+        if name not in self.cells:
+            self.cells[name] = _CellState(name, role_since_s=self.clock.now())
+        return self.cells[name]
+
+    @handler(RoleChanged)
+    def on_role_changed(self, msg: RoleChanged) -> None:
+        cell = self._cell(msg.cell)
+        cell.announced = True
+        cell.is_core = msg.is_core
+        if cell.role != msg.role or cell.switching_to or msg.previous_role == "":
+            cell.role_since_s = self.clock.now()
+        cell.role = msg.role
+        cell.switching_to = ""
+        self._evaluate()
+
+    @handler(LoadReport)
+    def on_load_report(self, msg: LoadReport) -> None:
+        cell = self._cell(msg.cell)
+        cell.load = msg
+        if not cell.switching_to and not cell.announced:
+            cell.role = msg.role  # a cell we have not heard RoleChanged from: its report is all we know
+        self._evaluate()
+
+    @handler(TrainingBacklog)
+    def on_backlog(self, msg: TrainingBacklog) -> None:
+        dry = msg.claimable_microsteps == 0
+        dry_since = (self.backlog.dry_since_s if self.backlog.dry_since_s is not None else msg.time_s) if dry else None
+        self.backlog = BacklogView(
+            step_id=msg.step_id,
+            step_fixed=msg.step_fixed,
+            claimable_microsteps=msg.claimable_microsteps,
+            claimed_microsteps=msg.claimed_microsteps,
+            pending_executions=msg.pending_executions,
+            executions_per_step=msg.executions_per_step,
+            dry_since_s=dry_since,
+        )
+        self.claims_by_cell = dict(msg.claims_by_cell)
+        self._evaluate()
+
+    @handler(StepReady)
+    def on_step_ready(self, msg: StepReady) -> None:
+        if msg.step_id == self.backlog.step_id:
+            self.backlog = attrs.evolve(self.backlog, step_fixed=True)
+        self._evaluate()
+
+    @handler(StepApplied)
+    def on_step_applied(self, msg: StepApplied) -> None:
+        if msg.step_id >= self.backlog.step_id:
+            # The claimer's next TrainingBacklog will tell the rest; until then the applied step is not training work.
+            self.backlog = attrs.evolve(
+                self.backlog, step_id=msg.step_id + 1, step_fixed=False, claimable_microsteps=0, claimed_microsteps=0
+            )
+            self.claims_by_cell = {}
+        self._evaluate()
+
+    @handler(SchedulerTick)
+    def on_tick(self, msg: SchedulerTick) -> None:
+        self._evaluate()
+        if self.config.tick_s is not None:
+            self.send_later(self.config.tick_s, SchedulerTick())
+
+    def view(self) -> SchedulerView:
+        now = self.clock.now()
+        cells = []
+        for name in sorted(self.cells):
+            state = self.cells[name]
+            load = state.load
+            cells.append(CellView(
+                name=name,
+                role=SWITCHING if state.switching_to else state.role,
+                is_core=state.is_core,
+                live_sessions=load.live_sessions if load else 0,
+                running_requests=load.running_requests if load else 0,
+                waiting_requests=load.waiting_requests if load else 0,
+                capacity_requests=load.capacity_requests if load else 0,
+                role_since_s=state.switch_sent_s if state.switching_to else state.role_since_s,
+                switching_to=state.switching_to,
+                claims=self.claims_by_cell.get(name, 0),
+            ))
+        return SchedulerView(time_s=now, cells=tuple(cells), backlog=self.backlog)
+
+    # ---- deciding -------------------------------------------------------------------------------------------------
+    def _evaluate(self) -> None:
+        now = self.clock.now()
+        for state in self.cells.values():
+            if state.switching_to and now - state.switch_sent_s > self.config.switch_timeout_s:
+                self.log.warning("switch not confirmed in time; trusting the cell's reports", cell=state.name,
+                                 target=state.switching_to)
+                self.counts["switch_timeouts"] += 1
+                state.switching_to = ""
+                if state.load is not None and state.load.role in (ROLLOUT, TRAIN):
+                    state.role = state.load.role
+                state.role_since_s = now
+        if any(name not in self.cells or not self.cells[name].announced for name in self.config.expected_cells):
+            return
+        if not self.cells:
+            return
+        view = self.view()
+        self.counts["evaluations"] += 1
+        decisions = self.config.policy.decide(view)
+        try:
+            check_decisions(view, decisions)
+        except PolicyContractError as error:
+            raise PolicyContractError(f"{type(self.config.policy).__qualname__}: {error}") from None
+        for decision in decisions:
+            self._send(decision, now)
+
+    def _send(self, decision: SwitchRole, now: float) -> None:
+        state = self.cells[decision.cell]
+        try:
+            self.tell(decision.cell, decision)
+        except UnknownAddress as error:  # a cell of another topology announced itself: not ours to switch
+            self.log.error("cannot switch an unknown cell", cell=decision.cell, error=str(error))
+            return
+        self.log.info("switch", cell=decision.cell, role=decision.role, reason=decision.reason)
+        state.switching_to = decision.role
+        state.switch_sent_s = now
+        self.counts["switches_sent"] += 1
+        self.counts["to_train" if decision.role == TRAIN else "to_rollout"] += 1
+
+    # ---- reports --------------------------------------------------------------------------------------------------
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            policy=type(self.config.policy).__qualname__,
+            evaluations=self.counts["evaluations"],
+            switches_sent=self.counts["switches_sent"],
+            switches_to_train=self.counts["to_train"],
+            switches_to_rollout=self.counts["to_rollout"],
+            switch_timeouts=self.counts["switch_timeouts"],
+            cells={name: (SWITCHING if s.switching_to else s.role) for name, s in sorted(self.cells.items())},
+        )
+
+    @handler(SchedulerStatisticsAsked)
+    def on_statistics(self, msg: SchedulerStatisticsAsked) -> SchedulerStatistics:
+        return self.statistics()

@@ -1,0 +1,206 @@
+"""The task source: keeps a few groups of executions running, one task per group, and records how each went.
+
+It sends `StartGroup` to the executor until `groups_in_flight` groups are running, starts the next one on each
+`GroupDone` (from the trajectory builder), and after `max_groups` groups are done stops the run (when told to).
+Tasks are taken in epochs: every epoch visits each task once, in an order shuffled from `seed`.
+
+Staleness hook. Rollouts must not run too far ahead of training, or their samples are too stale to train on when
+their step comes (the micro-step claimer refuses them, which wastes the rollout). The task source subscribes
+`StepApplied` to know the weight version and bounds the groups *ahead of training*:
+
+    started - dropped - groups_per_step * (version - initial_weight_version) < max_groups_ahead_of_training
+
+(dropped groups never train, so they do not count; each applied step trains `groups_per_step` groups). With
+`max_groups_ahead_of_training = (s + 1) * groups_per_step` (`groups_ahead_for_staleness(s, groups_per_step)`), a
+group started at version v is among the first (v + s + 1) * groups_per_step trainable groups, so it lands in a step
+whose base version is at most v + s: its samples are at most s versions stale. None disables the bound.
+
+TaskSpec mapping (actors never import examples; the topology file converts). For an examples/toolbox `Task`:
+
+    TaskSpec(task_id=task.task_id, prompt=task.prompt, workspace_files=dict(task.workspace_files),
+             agent_argv=agent.agent_argv("")[:-1] + (agent options...),   # the agent command without the prompt
+             scorer_argv=task.scorer_argv, timeout_s=..., scorer_timeout_s=...)
+
+The executor appends the prompt as the last argument, so options of the agent go before it.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from typing import Iterator
+
+import attrs
+
+from gyre.messages.execution_stats import GroupRecord, StatisticsAsked, TaskSourceStatistics
+from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
+from gyre.messages.training import StepApplied
+from gyre.runtime import Actor, handler
+
+__all__ = ["TaskSourceConfig", "TaskSource", "groups_ahead_for_staleness"]
+
+def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _tasks(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
+    if not isinstance(value, tuple) or not value:
+        raise ValueError("tasks must be a non-empty tuple of TaskSpec")
+    for task in value:
+        if not isinstance(task, TaskSpec):
+            raise TypeError(f"tasks must hold TaskSpec, got {type(task).__qualname__}")
+    ids = [task.task_id for task in value]
+    if len(set(ids)) != len(ids):
+        raise ValueError("task ids must be unique")
+
+
+def _optional_count(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name} must be None or an int >= 1, got {value!r}")
+
+
+def groups_ahead_for_staleness(max_staleness_steps: int, groups_per_step: int) -> int:
+    """`max_groups_ahead_of_training` that keeps samples at most `max_staleness_steps` versions stale."""
+    if max_staleness_steps < 0 or groups_per_step < 1:
+        raise ValueError("max_staleness_steps must be >= 0 and groups_per_step >= 1")
+    return (max_staleness_steps + 1) * groups_per_step
+
+
+@attrs.frozen
+class TaskSourceConfig:
+    """The tasks, how many groups run, and the staleness bound."""
+
+    tasks: tuple[TaskSpec, ...] = attrs.field(validator=_tasks)
+    """The task list (unique task ids)."""
+    group_size: int = attrs.field(default=16, validator=_count)
+    """G: executions per group."""
+    groups_in_flight: int = attrs.field(default=2, validator=_count)
+    """Groups running at once."""
+    max_groups: int | None = attrs.field(default=None, validator=_optional_count)
+    """Groups to run in all; None: no end."""
+    seed: int = 0
+    """Seeds the task order."""
+    shuffle: bool = True
+    """Shuffle the tasks in each epoch (False: the list's order)."""
+    executor: str = "executor"
+    """Actor that runs groups."""
+    groups_per_step: int = attrs.field(default=1, validator=_count)
+    """Groups one optimizer step trains (the micro-step claimer's setting)."""
+    max_groups_ahead_of_training: int | None = attrs.field(default=None, validator=_optional_count)
+    """Bound on groups started and not yet trained (module docstring); None: no bound."""
+    initial_weight_version: int = 0
+    """Weight version before the first step."""
+    stop_topology_when_done: bool = True
+    """Stop the run once `max_groups` groups are done."""
+    history_size: int = attrs.field(default=1024, validator=_count)
+    """Group records kept (the newest)."""
+    group_id_prefix: str = "g"
+    """Group ids are the prefix plus a 6-digit counter."""
+
+
+class TaskSource(Actor):
+    """Feeds groups to the executor (module docstring)."""
+
+    config_cls = TaskSourceConfig
+    subscriptions = (StepApplied,)
+
+    async def on_start(self) -> None:
+        self.order = self._order()
+        self.version = self.config.initial_weight_version
+        self.started = 0
+        self.done = 0
+        self.landed = 0
+        self.dropped = 0
+        self.unknown_done = 0
+        self.in_flight: dict[str, tuple[str, int]] = {}  # group id -> (task id, weight version)
+        self.history: collections.deque[GroupRecord] = collections.deque(maxlen=self.config.history_size)
+        self.stopping = False
+        self._fill()
+
+    def _order(self) -> Iterator[TaskSpec]:
+        rng = random.Random(f"task_source:{self.config.seed}")
+        tasks = list(self.config.tasks)
+        while True:
+            epoch = list(tasks)
+            if self.config.shuffle:
+                rng.shuffle(epoch)
+            yield from epoch
+
+    def _ahead_of_training(self) -> int:
+        trained = self.config.groups_per_step * max(0, self.version - self.config.initial_weight_version)
+        return self.started - self.dropped - trained
+
+    def _held_by_staleness(self) -> bool:
+        bound = self.config.max_groups_ahead_of_training
+        return bound is not None and self._ahead_of_training() >= bound
+
+    def _fill(self) -> None:
+        cfg = self.config
+        while (
+            len(self.in_flight) < cfg.groups_in_flight
+            and (cfg.max_groups is None or self.started < cfg.max_groups)
+            and not self._held_by_staleness()
+        ):
+            task = next(self.order)
+            group_id = f"{cfg.group_id_prefix}{self.started:06d}"
+            self.started += 1
+            self.in_flight[group_id] = (task.task_id, self.version)
+            self.log.info("group_sent", group_id=group_id, task_id=task.task_id, weight_version=self.version)
+            self.tell(cfg.executor, StartGroup(group_id, task, cfg.group_size, self.version))
+
+    @handler(GroupDone)
+    def on_group_done(self, msg: GroupDone) -> None:
+        entry = self.in_flight.pop(msg.group_id, None)
+        if entry is None:
+            self.unknown_done += 1
+            self.log.warning("group_done_for_unknown_group", group_id=msg.group_id)
+            return
+        task_id, version = entry
+        self.done += 1
+        if msg.landed:
+            self.landed += 1
+        else:
+            self.dropped += 1
+        self.history.append(
+            GroupRecord(
+                msg.group_id, task_id, version, msg.landed, msg.mean_reward, msg.success_rate, msg.num_scored,
+                msg.num_dropped,
+            )
+        )
+        self.log.info(
+            "group_done",
+            group_id=msg.group_id,
+            task_id=task_id,
+            landed=msg.landed,
+            mean_reward=round(msg.mean_reward, 4),
+            success_rate=round(msg.success_rate, 4),
+            done=self.done,
+        )
+        max_groups = self.config.max_groups
+        if max_groups is not None and self.done >= max_groups and not self.in_flight:
+            if self.config.stop_topology_when_done and not self.stopping:
+                self.stopping = True
+                self.stop_topology(f"task source: {self.done} groups done ({self.landed} landed)")
+            return
+        self._fill()
+
+    @handler(StepApplied)
+    def on_step_applied(self, msg: StepApplied) -> None:
+        if msg.version > self.version:
+            self.version = msg.version
+            self._fill()
+
+    @handler(StatisticsAsked)
+    def on_statistics(self, msg: StatisticsAsked) -> TaskSourceStatistics:
+        return TaskSourceStatistics(
+            groups_started=self.started,
+            groups_done=self.done,
+            groups_landed=self.landed,
+            groups_in_flight=len(self.in_flight),
+            weight_version=self.version,
+            held_by_staleness=self._held_by_staleness()
+            and len(self.in_flight) < self.config.groups_in_flight
+            and (self.config.max_groups is None or self.started < self.config.max_groups),
+            history=tuple(self.history),
+        )

@@ -1,0 +1,119 @@
+"""Executor, evaluator and the task source: groups of agent executions and their outcomes."""
+
+from __future__ import annotations
+
+from gyre.messages._define import message
+
+
+@message("gyre.executions.TaskSpec")
+class TaskSpec:
+    """Everything the executor and evaluator need to run and score one task; plain data, no code."""
+
+    task_id: str
+    """Stable id of the task."""
+    prompt: str
+    """The instruction handed to the agent (as the last argv item of the agent command)."""
+    workspace_files: dict[str, str]
+    """Relative path -> text content, written into each execution's fresh workspace."""
+    agent_argv: tuple[str, ...]
+    """Command that runs the agent; the prompt is appended as its last argument."""
+    scorer_argv: tuple[str, ...]
+    """Command run inside the finished workspace; it prints JSON {"reward": float, ...} and exits 0."""
+    timeout_s: float
+    """Wall-time limit of one execution; on expiry its process group is killed and the workspace still scored."""
+    scorer_timeout_s: float
+    """Wall-time limit of the scorer; a scorer that overruns drops the execution."""
+
+
+@message("gyre.executions.StartGroup")
+class StartGroup:
+    """Task source -> executor: run `group_size` executions of one task (a GSPO group)."""
+
+    group_id: str
+    """Unique id of the group."""
+    task: TaskSpec
+    """The task to run."""
+    group_size: int
+    """Executions in the group (G, 16 by default)."""
+    weight_version: int
+    """Newest weight version when the group started (for staleness accounting)."""
+
+
+@message("gyre.executions.ExecutionStarted")
+class ExecutionStarted:
+    """Executor -> everyone interested: an execution has a key and a process."""
+
+    execution_id: str
+    """Unique id of the execution."""
+    group_id: str
+    """Its group."""
+    workspace: str
+    """Path of its workspace directory."""
+
+
+@message("gyre.executions.ExecutionFinished")
+class ExecutionFinished:
+    """Executor -> evaluator: the agent process ended (by itself or killed at its time limit)."""
+
+    execution_id: str
+    """Which execution."""
+    group_id: str
+    """Its group."""
+    task: TaskSpec
+    """The task, for its scorer."""
+    workspace: str
+    """Workspace directory to score (preserved after a timeout)."""
+    exit_code: int
+    """Agent's exit status (negative: killed by that signal)."""
+    timed_out: bool
+    """True when the executor killed the agent at its time limit."""
+    wall_s: float
+    """How long the agent ran."""
+
+
+@message("gyre.executions.GroupDone")
+class GroupDone:
+    """Trajectory builder -> task source: a group was turned into samples or dropped."""
+
+    group_id: str
+    """Which group."""
+    landed: bool
+    """True when its samples landed; False when the group was dropped."""
+    mean_reward: float
+    """Mean reward over the scored executions (0 when none)."""
+    success_rate: float
+    """Fraction of scored executions judged successful."""
+    num_scored: int
+    """Executions scored."""
+    num_dropped: int
+    """Executions dropped (scorer crash or hang)."""
+
+
+@message("gyre.executions.IssueKey")
+class IssueKey:
+    """Executor -> proxy (ask): an API key for one execution."""
+
+    execution_id: str
+    """Which execution."""
+    group_id: str
+    """Its group."""
+
+
+@message("gyre.executions.KeyIssued")
+class KeyIssued:
+    """Proxy's reply to IssueKey."""
+
+    api_key: str
+    """Secret the agent presents; only this execution's data is reachable with it."""
+    openai_base_url: str
+    """Base URL for the OpenAI SDK (ends in /v1)."""
+    anthropic_base_url: str
+    """Base URL for the Anthropic SDK."""
+
+
+@message("gyre.executions.RevokeKey")
+class RevokeKey:
+    """Executor -> proxy: the execution ended; refuse its key from now on."""
+
+    execution_id: str
+    """Which execution."""

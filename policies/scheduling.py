@@ -1,0 +1,286 @@
+"""Scheduling policies: which cells roll out and which train, decided from an immutable view of the load.
+
+A policy is a frozen attrs object with one method, `decide(view) -> tuple[SwitchRole, ...]`. It is pure: everything
+it needs is in the view (the scheduler actor builds the view, remembers when each cell entered its role and when the
+training queue ran dry), so a policy keeps no state, can be recorded in the event log as part of the scheduler's
+config, and can be swapped (or re-run on a recorded view) without touching any actor. `check_decisions` and
+`check_scheduling_policy` are the contract every implementation passes; the scheduler checks every decision.
+
+- `ElasticPolicy`: hardware follows the work. A satellite moves into training when micro-steps are waiting and the
+  remaining rollout cells' capacity still covers every live session, and back when training work has run dry for a
+  grace period or rollout demand exceeds rollout capacity. The band between "covers with headroom" (to leave) and
+  "exceeds" (to come back), plus a minimum dwell time in a role, keeps cells from flapping.
+- `AsyncPolicy`: a fixed split chosen by the user (the baseline that isolates what switching adds to streaming).
+- `ColocatePolicy`: every cell rolls out until a step's samples are fixed, then every cell trains until the core has
+  applied it, then every cell rolls out again.
+
+Capacity and demand are counted in sessions: a cell's capacity is the concurrent generations it reports
+(`capacity_requests`) and demand is the live sessions on rollout cells (each live session may issue a call at any
+moment, so counting sessions rather than running requests is the conservative choice).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, SwitchRole
+
+
+class PolicyContractError(ValueError):
+    """A policy returned decisions that break the contract, or is not a valid policy object."""
+
+
+class SchedulingConfigError(ValueError):
+    """A policy configured in a way that cannot work (e.g. a fixed split that leaves the core out of training)."""
+
+
+@attrs.frozen
+class CellView:
+    """One cell as the scheduler sees it."""
+
+    name: str
+    """Cell name."""
+    role: str
+    """"rollout", "train" or "switching" (a switch is under way)."""
+    is_core: bool
+    """The core holds the authoritative weights and applies the optimizer step."""
+    live_sessions: int
+    """Sessions whose KV the cell holds."""
+    running_requests: int
+    """Generations in progress."""
+    waiting_requests: int
+    """Generations queued."""
+    capacity_requests: int
+    """Concurrent generations the cell can run."""
+    role_since_s: float
+    """When the cell entered its current role (or started switching)."""
+    switching_to: str = ""
+    """Target role while switching; "" otherwise."""
+    claims: int = 0
+    """Micro-steps the cell holds."""
+
+
+@attrs.frozen
+class BacklogView:
+    """The training work as the scheduler sees it (from the claimer's TrainingBacklog, StepReady and StepApplied)."""
+
+    step_id: int = 0
+    """Step being trained."""
+    step_fixed: bool = False
+    """Its samples are all there (StepReady); it ends when the core publishes StepApplied."""
+    claimable_microsteps: int = 0
+    """Micro-steps queued and not claimed."""
+    claimed_microsteps: int = 0
+    """Micro-steps held by cells."""
+    pending_executions: int = 0
+    """Executions waiting for a later step."""
+    executions_per_step: int = 1
+    """Executions a step takes."""
+    dry_since_s: float | None = None
+    """Since when nothing has been claimable (None while something is)."""
+
+    @property
+    def steps_waiting(self) -> int:
+        """Whole steps' worth of executions waiting behind the current step."""
+        return self.pending_executions // max(1, self.executions_per_step)
+
+
+@attrs.frozen
+class SchedulerView:
+    """Everything a policy may look at; immutable, so a decision is a function of it."""
+
+    time_s: float
+    """Runtime-clock time of the evaluation."""
+    cells: tuple[CellView, ...]
+    """Every known cell, sorted by name."""
+    backlog: BacklogView
+    """Training work."""
+
+    def cell(self, name: str) -> CellView:
+        for cell in self.cells:
+            if cell.name == name:
+                return cell
+        raise KeyError(name)
+
+
+@runtime_checkable
+class SchedulingPolicy(Protocol):
+    """Decides role switches from a view. Contract: pure and deterministic; at most one decision per cell; only known,
+    non-switching cells; the target role is "rollout" or "train" and differs from the cell's role."""
+
+    def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
+        """The switches to make now (often none)."""
+        ...
+
+
+def _settled(cell: CellView, view: SchedulerView, min_dwell_s: float) -> bool:
+    return cell.role in (ROLLOUT, TRAIN) and view.time_s - cell.role_since_s >= min_dwell_s
+
+
+def _rollout_supply(view: SchedulerView) -> tuple[int, int]:
+    """(live sessions, capacity) of the rollout side, counting cells on their way into rollout as capacity and the
+    sessions of cells on their way out as demand (they are being migrated to the others)."""
+    demand = capacity = 0
+    for cell in view.cells:
+        if cell.role == ROLLOUT or (cell.role == SWITCHING and cell.switching_to == ROLLOUT):
+            capacity += cell.capacity_requests
+        if cell.role == ROLLOUT or (cell.role == SWITCHING and cell.switching_to == TRAIN):
+            demand += cell.live_sessions
+    return demand, capacity
+
+
+def _switch(cell: CellView, role: str, reason: str) -> SwitchRole:
+    return SwitchRole(cell=cell.name, role=role, reason=reason)
+
+
+@attrs.frozen
+class ElasticPolicy:
+    """Satellites move to training when work waits and rollout capacity allows, and back when it does not."""
+
+    min_dwell_s: float = 30.0
+    """A cell stays at least this long in a role before it is switched again (no flapping)."""
+    grow_min_waiting: int = 1
+    """Micro-steps waiting beyond what idle train cells will take before another satellite joins training."""
+    capacity_headroom: float = 0.9
+    """A satellite leaves rollout only if live sessions <= headroom * capacity of the cells that stay."""
+    dry_grace_s: float = 10.0
+    """Training work must stay dry this long before idle satellites go back (a step boundary is not dryness)."""
+    max_switches_per_decision: int = 1
+    """Switches per evaluation: one at a time lets load reports catch up with each move."""
+    min_rollout_cells: int = 1
+    """Never leave fewer rollout cells than this."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_dwell_s < 0 or self.dry_grace_s < 0:
+            raise SchedulingConfigError("min_dwell_s and dry_grace_s must be >= 0")
+        if not 0 < self.capacity_headroom <= 1:
+            raise SchedulingConfigError(f"capacity_headroom must be in (0, 1], got {self.capacity_headroom}")
+        if self.grow_min_waiting < 1 or self.max_switches_per_decision < 1 or self.min_rollout_cells < 0:
+            raise SchedulingConfigError("grow_min_waiting and max_switches_per_decision must be >= 1")
+
+    def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
+        decisions: list[SwitchRole] = []
+        core = [c for c in view.cells if c.is_core]
+        for cell in core:  # the core applies every step: it belongs in training
+            if cell.role == ROLLOUT:
+                decisions.append(_switch(cell, TRAIN, "the core applies the optimizer step"))
+        backlog = view.backlog
+        demand, capacity = _rollout_supply(view)
+        satellites_training = [c for c in view.cells if not c.is_core and c.role == TRAIN]
+        movable_back = sorted(
+            (c for c in satellites_training if _settled(c, view, self.min_dwell_s)), key=lambda c: (c.claims, c.name)
+        )
+        if demand > capacity and movable_back:
+            cell = movable_back[0]
+            decisions.append(_switch(cell, ROLLOUT, f"rollout demand {demand} sessions exceeds capacity {capacity}"))
+            return tuple(decisions[: self.max_switches_per_decision])
+        dry = (
+            backlog.claimable_microsteps == 0
+            and backlog.steps_waiting == 0
+            and backlog.dry_since_s is not None
+            and view.time_s - backlog.dry_since_s >= self.dry_grace_s
+        )
+        if dry:
+            idle = [c for c in movable_back if c.claims == 0]
+            decisions.extend(_switch(c, ROLLOUT, "training work ran dry") for c in idle)
+            return tuple(decisions[: self.max_switches_per_decision])
+        takers = sum(1 for c in view.cells if c.role == TRAIN and c.claims == 0) + sum(
+            1 for c in view.cells if c.role == SWITCHING and c.switching_to == TRAIN
+        )
+        waiting = backlog.claimable_microsteps - takers
+        if waiting >= self.grow_min_waiting:
+            rollout_cells = [c for c in view.cells if c.role == ROLLOUT and not c.is_core]
+            candidates = sorted(
+                (c for c in rollout_cells if _settled(c, view, self.min_dwell_s)), key=lambda c: (c.live_sessions, c.name)
+            )
+            staying = sum(1 for c in view.cells if c.role == ROLLOUT and not c.is_core)
+            for cell in candidates:
+                if staying - 1 < self.min_rollout_cells:
+                    break
+                if demand <= self.capacity_headroom * (capacity - cell.capacity_requests):
+                    decisions.append(_switch(
+                        cell, TRAIN,
+                        f"{waiting} micro-steps waiting; {demand} sessions fit in {capacity - cell.capacity_requests}",
+                    ))
+                    break
+        return tuple(decisions[: self.max_switches_per_decision])
+
+
+@attrs.frozen
+class AsyncPolicy:
+    """A fixed split: the cells named in `train_cells` train, every other cell rolls out."""
+
+    train_cells: tuple[str, ...] = attrs.field(converter=tuple)
+    """Cells that train (the core must be one of them: it applies the optimizer step)."""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.train_cells or len(set(self.train_cells)) != len(self.train_cells):
+            raise SchedulingConfigError(f"train_cells must name distinct cells, got {self.train_cells!r}")
+
+    def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
+        for cell in view.cells:
+            if cell.is_core and cell.name not in self.train_cells:
+                raise SchedulingConfigError(f"the core {cell.name!r} is not in train_cells {self.train_cells!r}")
+        decisions = []
+        for cell in view.cells:
+            wanted = TRAIN if cell.name in self.train_cells else ROLLOUT
+            if cell.role in (ROLLOUT, TRAIN) and cell.role != wanted:
+                decisions.append(_switch(cell, wanted, "fixed split"))
+        return tuple(decisions)
+
+
+@attrs.frozen
+class ColocatePolicy:
+    """All cells roll out; when a step's samples are fixed all train; when it is applied all roll out again."""
+
+    def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
+        backlog = view.backlog
+        training_phase = backlog.step_fixed or backlog.claimed_microsteps > 0
+        decisions = []
+        for cell in view.cells:
+            if training_phase and cell.role == ROLLOUT:
+                decisions.append(_switch(cell, TRAIN, f"step {backlog.step_id} is ready"))
+            elif not training_phase and cell.role == TRAIN and cell.claims == 0:
+                decisions.append(_switch(cell, ROLLOUT, f"step {backlog.step_id} is filling"))
+        return tuple(decisions)
+
+
+def check_decisions(view: SchedulerView, decisions: object) -> tuple[SwitchRole, ...]:
+    """Raise PolicyContractError unless `decisions` is a valid answer to `view`; returns them."""
+    if not isinstance(decisions, tuple):
+        raise PolicyContractError(f"decisions must be a tuple of SwitchRole, got {type(decisions).__qualname__}")
+    known = {cell.name: cell for cell in view.cells}
+    named: set[str] = set()
+    for decision in decisions:
+        if not isinstance(decision, SwitchRole):
+            raise PolicyContractError(f"a decision is a {type(decision).__qualname__}, not a SwitchRole")
+        cell = known.get(decision.cell)
+        if cell is None:
+            raise PolicyContractError(f"decision for unknown cell {decision.cell!r}")
+        if decision.cell in named:
+            raise PolicyContractError(f"two decisions for cell {decision.cell!r}")
+        named.add(decision.cell)
+        if decision.role not in (ROLLOUT, TRAIN):
+            raise PolicyContractError(f"role {decision.role!r} is neither rollout nor train")
+        if cell.role == SWITCHING:
+            raise PolicyContractError(f"{decision.cell} is already switching to {cell.switching_to}")
+        if cell.role == decision.role:
+            raise PolicyContractError(f"{decision.cell} is already in role {decision.role}")
+        if not decision.reason:
+            raise PolicyContractError(f"the switch of {decision.cell} gives no reason")
+    return decisions
+
+
+def check_scheduling_policy(policy: object, views: tuple[SchedulerView, ...]) -> None:
+    """The contract test: raise PolicyContractError unless `policy` is a recordable, pure policy whose decisions on
+    every view pass `check_decisions` and are the same when asked twice."""
+    if not attrs.has(type(policy)):
+        raise PolicyContractError(f"{type(policy).__qualname__} is not an attrs class; configs must be recordable")
+    if not isinstance(policy, SchedulingPolicy):
+        raise PolicyContractError(f"{type(policy).__qualname__} has no decide(view)")
+    for view in views:
+        first = check_decisions(view, policy.decide(view))
+        if policy.decide(view) != first:
+            raise PolicyContractError(f"{type(policy).__qualname__} answered the same view differently")

@@ -1,0 +1,268 @@
+"""Scheduling policies: decisions on hand-built views, and the contract every policy (and no broken one) passes."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+import pytest
+
+from gyre.messages.cells import SwitchRole
+from gyre.policies.scheduling import (
+    AsyncPolicy,
+    BacklogView,
+    CellView,
+    ColocatePolicy,
+    ElasticPolicy,
+    PolicyContractError,
+    SchedulerView,
+    SchedulingConfigError,
+    check_decisions,
+    check_scheduling_policy,
+)
+
+
+def cell(name, role="rollout", core=False, sessions=0, cap=4, since=0.0, claims=0, to="") -> CellView:
+    return CellView(name=name, role=role, is_core=core, live_sessions=sessions, running_requests=min(sessions, cap),
+                    waiting_requests=max(0, sessions - cap), capacity_requests=cap, role_since_s=since,
+                    switching_to=to, claims=claims)
+
+
+def view(*cells, t=100.0, **backlog) -> SchedulerView:
+    return SchedulerView(time_s=t, cells=tuple(sorted(cells, key=lambda c: c.name)), backlog=BacklogView(**backlog))
+
+
+def moves(decisions) -> list[tuple[str, str]]:
+    return [(d.cell, d.role) for d in decisions]
+
+
+ELASTIC = ElasticPolicy(min_dwell_s=30.0, capacity_headroom=0.9, dry_grace_s=10.0)
+
+
+# ---- elastic --------------------------------------------------------------------------------------------------------
+def test_elastic_moves_the_least_loaded_satellite_when_work_waits_and_the_rest_covers_the_sessions():
+    v = view(cell("core", "train", core=True, claims=1), cell("s1", sessions=2), cell("s2", sessions=1),
+             claimable_microsteps=3)
+    decisions = ELASTIC.decide(v)
+    assert moves(decisions) == [("s2", "train")]
+    assert "3 micro-steps waiting" in decisions[0].reason
+
+
+def test_elastic_keeps_satellites_when_the_remaining_capacity_would_not_cover_live_sessions():
+    # demand 4 sessions; without either satellite 4 slots remain, and 4 > 0.9 * 4.
+    v = view(cell("core", "train", core=True, claims=1), cell("s1", sessions=2), cell("s2", sessions=2),
+             claimable_microsteps=5)
+    assert ELASTIC.decide(v) == ()
+
+
+def test_elastic_waits_for_the_dwell_time_and_for_work_idle_train_cells_would_not_take():
+    settled = dict(claimable_microsteps=3)
+    assert ELASTIC.decide(view(cell("core", "train", core=True, claims=1), cell("s1", since=80.0),
+                               cell("s2", since=90.0), **settled)) == ()
+    # one micro-step waiting and the core idle: the core takes it, nobody needs to move
+    assert ELASTIC.decide(view(cell("core", "train", core=True), cell("s1"), cell("s2"),
+                               claimable_microsteps=1)) == ()
+    # a satellite already on its way into training counts as a taker too
+    assert ELASTIC.decide(view(cell("core", "train", core=True, claims=1), cell("s1", "switching", to="train"),
+                               cell("s2"), claimable_microsteps=1)) == ()
+
+
+def test_elastic_brings_a_satellite_back_when_rollout_demand_exceeds_capacity():
+    v = view(cell("core", "train", core=True, claims=1), cell("s1", sessions=5),
+             cell("s2", "train", claims=1, since=50.0), cell("s3", "train", claims=0, since=50.0),
+             claimable_microsteps=4)
+    decisions = ELASTIC.decide(v)
+    assert moves(decisions) == [("s3", "rollout")]  # the one without a claim goes first
+    assert "exceeds capacity" in decisions[0].reason
+
+
+def test_elastic_has_a_band_between_leaving_and_coming_back_so_it_does_not_flap():
+    base = dict(claimable_microsteps=4)
+    core, trainer = cell("core", "train", core=True, claims=1), cell("s2", "train", claims=1, since=0.0)
+    # 4 sessions on 4 slots: not over capacity, so s2 stays in training...
+    assert ELASTIC.decide(view(core, trainer, cell("s1", sessions=4), **base)) == ()
+    # ...but s1 would not be allowed to leave with 4 sessions on 4 remaining slots either (4 > 0.9 * 4)
+    assert ELASTIC.decide(view(core, cell("s1", sessions=2), cell("s3", sessions=2), **base)) == ()
+    # one more session and s2 comes back
+    assert moves(ELASTIC.decide(view(core, trainer, cell("s1", sessions=5), **base))) == [("s2", "rollout")]
+
+
+def test_elastic_sends_idle_satellites_back_only_after_training_work_stays_dry_for_the_grace():
+    cells = (cell("core", "train", core=True), cell("s1", sessions=1), cell("s2", "train", since=0.0),
+             cell("s3", "train", since=0.0, claims=1))
+    assert ELASTIC.decide(view(*cells, t=100.0, dry_since_s=95.0)) == ()
+    decisions = ELASTIC.decide(view(*cells, t=100.0, dry_since_s=90.0))
+    assert moves(decisions) == [("s2", "rollout")]  # s3 still computes its micro-step
+    assert decisions[0].reason == "training work ran dry"
+    # a full step already waiting behind the current one is not dryness
+    assert ELASTIC.decide(view(*cells, t=100.0, dry_since_s=0.0, pending_executions=8, executions_per_step=8)) == ()
+
+
+def test_elastic_puts_the_core_into_training_and_respects_the_switch_limit():
+    v = view(cell("core", core=True), cell("s1"), cell("s2"), claimable_microsteps=5)
+    assert moves(ELASTIC.decide(v)) == [("core", "train")]
+    two = attrs.evolve(ELASTIC, max_switches_per_decision=2)
+    assert moves(two.decide(v)) == [("core", "train"), ("s1", "train")]
+
+
+def test_elastic_keeps_the_minimum_of_rollout_cells():
+    v = view(cell("core", "train", core=True, claims=1), cell("s1"), claimable_microsteps=5)
+    assert ELASTIC.decide(v) == ()
+    none_needed = attrs.evolve(ELASTIC, min_rollout_cells=0)
+    assert moves(none_needed.decide(v)) == [("s1", "train")]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("capacity_headroom", 0.0), ("capacity_headroom", 1.5), ("min_dwell_s", -1.0), ("grow_min_waiting", 0),
+    ("max_switches_per_decision", 0),
+])
+def test_elastic_rejects_bad_settings(field, value):
+    with pytest.raises(SchedulingConfigError):
+        ElasticPolicy(**{field: value})
+
+
+# ---- async ----------------------------------------------------------------------------------------------------------
+def test_async_enforces_the_fixed_split_and_leaves_switching_cells_alone():
+    policy = AsyncPolicy(train_cells=("core", "s1"))
+    v = view(cell("core", "train", core=True), cell("s1"), cell("s2", "train"), cell("s3", "switching", to="train"),
+             claimable_microsteps=9, dry_since_s=0.0)
+    assert moves(policy.decide(v)) == [("s1", "train"), ("s2", "rollout")]
+    settled = view(cell("core", "train", core=True), cell("s1", "train"), cell("s2", sessions=40))
+    assert policy.decide(settled) == ()
+
+
+def test_async_refuses_a_split_without_the_core_or_without_cells():
+    with pytest.raises(SchedulingConfigError):
+        AsyncPolicy(train_cells=())
+    with pytest.raises(SchedulingConfigError):
+        AsyncPolicy(train_cells=("a", "a"))
+    with pytest.raises(SchedulingConfigError, match="core"):
+        AsyncPolicy(train_cells=("s1",)).decide(view(cell("core", "train", core=True), cell("s1")))
+
+
+def test_async_accepts_a_list_and_stores_a_tuple():
+    assert AsyncPolicy(train_cells=["core"]).train_cells == ("core",)
+
+
+# ---- colocate -------------------------------------------------------------------------------------------------------
+def test_colocate_trains_everyone_when_a_step_is_fixed_and_rolls_out_everyone_after_it():
+    policy = ColocatePolicy()
+    filling = (cell("core", core=True, sessions=3), cell("s1", sessions=3))
+    assert policy.decide(view(*filling, step_fixed=False)) == ()
+    assert moves(policy.decide(view(*filling, step_fixed=True))) == [("core", "train"), ("s1", "train")]
+    training = (cell("core", "train", core=True, claims=1), cell("s1", "train"))
+    assert policy.decide(view(*training, step_fixed=True, claimed_microsteps=1)) == ()
+    assert moves(policy.decide(view(cell("core", "train", core=True), cell("s1", "train"), step_id=1))) == [
+        ("core", "rollout"), ("s1", "rollout")]
+
+
+def test_colocate_does_not_pull_a_cell_out_while_it_holds_a_claim():
+    v = view(cell("core", "train", core=True, claims=1), cell("s1", "train"), step_fixed=False)
+    assert moves(ColocatePolicy().decide(v)) == [("s1", "rollout")]
+
+
+# ---- the contract ---------------------------------------------------------------------------------------------------
+def random_views(seed: int, count: int = 300) -> tuple[SchedulerView, ...]:
+    rng = random.Random(seed)
+    views = []
+    for _ in range(count):
+        cells = []
+        for i in range(rng.randint(1, 6)):
+            role = rng.choice(["rollout", "train", "switching"])
+            cells.append(cell(
+                "core" if i == 0 else f"s{i}", role, core=i == 0, sessions=rng.randint(0, 12), cap=rng.randint(1, 8),
+                since=rng.uniform(0, 100), claims=rng.randint(0, 2) if role == "train" else 0,
+                to=rng.choice(["rollout", "train"]) if role == "switching" else "",
+            ))
+        views.append(view(
+            *cells, t=100.0, step_id=rng.randint(0, 5), step_fixed=rng.random() < 0.5,
+            claimable_microsteps=rng.randint(0, 6), claimed_microsteps=rng.randint(0, 3),
+            pending_executions=rng.randint(0, 20), executions_per_step=8,
+            dry_since_s=rng.choice([None, rng.uniform(0, 100)]),
+        ))
+    return tuple(views)
+
+
+@pytest.mark.parametrize("policy", [
+    ElasticPolicy(), ElasticPolicy(min_dwell_s=0.0, dry_grace_s=0.0, max_switches_per_decision=3),
+    AsyncPolicy(train_cells=("core", "s1", "s2")), ColocatePolicy(),
+], ids=["elastic", "elastic-eager", "async", "colocate"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_shipped_policy_passes_the_contract(policy, seed):
+    check_scheduling_policy(policy, random_views(seed))
+
+
+@attrs.frozen
+class ReturnsList:
+    def decide(self, view):
+        return [SwitchRole(c.name, "train", "x") for c in view.cells if c.role == "rollout"]
+
+
+@attrs.frozen
+class SwitchesSwitchingCells:
+    def decide(self, view):
+        return tuple(SwitchRole(c.name, "rollout", "x") for c in view.cells if c.role == "switching")
+
+
+@attrs.frozen
+class DecidesTwice:
+    def decide(self, view):
+        rollout = [c for c in view.cells if c.role == "rollout"][:1]
+        return tuple(SwitchRole(c.name, "train", "x") for c in rollout * 2)
+
+
+@attrs.frozen
+class SameRole:
+    def decide(self, view):
+        return tuple(SwitchRole(c.name, c.role, "x") for c in view.cells if c.role == "train")
+
+
+@attrs.frozen
+class UnknownCell:
+    def decide(self, view):
+        return (SwitchRole("nobody", "train", "x"),)
+
+
+@attrs.frozen
+class BadRole:
+    def decide(self, view):
+        return tuple(SwitchRole(c.name, "idle", "x") for c in view.cells if c.role == "rollout")
+
+
+@attrs.frozen
+class NoReason:
+    def decide(self, view):
+        return tuple(SwitchRole(c.name, "train", "") for c in view.cells if c.role == "rollout")
+
+
+@attrs.frozen
+class CoinFlip:
+    def decide(self, view):
+        return tuple(SwitchRole(c.name, "train", "x") for c in view.cells if c.role == "rollout" and random.random() < .5)
+
+
+class NotAttrs:
+    def decide(self, view):
+        return ()
+
+
+@attrs.frozen
+class NoDecide:
+    x: int = 0
+
+
+@pytest.mark.parametrize("policy, problem", [
+    (ReturnsList(), "must be a tuple"), (SwitchesSwitchingCells(), "already switching"),
+    (DecidesTwice(), "two decisions"), (SameRole(), "already in role"), (UnknownCell(), "unknown cell"),
+    (BadRole(), "neither rollout nor train"), (NoReason(), "gives no reason"), (CoinFlip(), "differently"),
+    (NotAttrs(), "not an attrs class"), (NoDecide(), "has no decide"),
+])
+def test_broken_policies_fail_the_contract_loudly(policy, problem):
+    with pytest.raises(PolicyContractError, match=problem):
+        check_scheduling_policy(policy, random_views(0, count=100))
+
+
+def test_check_decisions_returns_valid_decisions_unchanged():
+    v = view(cell("core", "train", core=True), cell("s1"))
+    decisions = (SwitchRole("s1", "train", "because"),)
+    assert check_decisions(v, decisions) is decisions

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 from typing import Any
 
 import attrs
@@ -359,7 +360,8 @@ class Cell(Actor):
         else:
             weights, version = await self._engine_weights()
             url = await self.rollout.start(weights, version)
-            self._tell_broker(WeightsLoaded(self.name, self.rollout.weight_version, self.clock.now() - started))
+            version = self.rollout.weight_version
+            self._tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
         self.tell(self.name, SwitchFinished(role, "", url, version, self.clock.now() - started, 0))
 
     def _begin_switch(self, role: str, reason: str) -> None:
@@ -381,23 +383,26 @@ class Cell(Actor):
         config = self.config
         started = self.clock.now()
         assert self.rollout is not None
+        phases: dict[str, float] = {}
         self.publish(CellDraining(self.name))
         await self._publish_load()
         # A satellite builds its trainer while the sessions move: the two overlap on separate threads.
-        building = asyncio.ensure_future(self._build_trainer()) if self.training is None else None
+        building = (asyncio.ensure_future(self._timed(phases, "trainer_built_s", self._build_trainer()))
+                    if self.training is None else None)
         try:
             await self._stop_refresh()
-            paused = await self.rollout.pause_in_place()
-            migrated = await self._migrate(targets)
-            aborted = await self.rollout.shutdown()
+            paused = await self._timed(phases, "paused_s", self.rollout.pause_in_place())
+            migrated = await self._timed(phases, "migrated_s", self._migrate(targets))
+            aborted = await self._timed(phases, "engine_released_s", self.rollout.shutdown())
             self.rollout.drop_pull_buffer()
         finally:
             if building is not None:
                 await building
         assert self.training is not None
         if not config.is_core:
-            await self.catch_up_trainer(always_ask=True)
-        self.log.info("drained", paused=paused, sessions_migrated=migrated, aborted=aborted)
+            await self._timed(phases, "weights_s", self.catch_up_trainer(always_ask=True))
+        self.log.info("drained", paused=paused, sessions_migrated=migrated, aborted=aborted,
+                      **{k: round(v, 4) for k, v in phases.items()})
         self.tell(self.name, SwitchFinished(TRAIN, ROLLOUT, "", self.training.version, self.clock.now() - started,
                                             migrated))
 
@@ -419,23 +424,43 @@ class Cell(Actor):
     async def _train_to_rollout(self) -> None:
         started = self.clock.now()
         assert self.rollout is not None
-        preparing = asyncio.ensure_future(self.rollout.prepare())
+        phases: dict[str, float] = {}
+        preparing = asyncio.ensure_future(self._timed(phases, "engine_memory_s", self.rollout.prepare()))
         try:
-            await self.claims.halt()
+            await self._timed(phases, "claims_halted_s", self.claims.halt())
             if not self.config.is_core and self.training is not None:
                 if not await self.claims.wait_grads_taken():
                     self.log.error("gradients_not_taken_before_release")
-                host, self.training = self.training, None
-                host.close()
-                del host
-                gc.collect()
+                released = self.clock.now()
+                self._release_trainer()
+                phases["trainer_released_s"] = self.clock.now() - released
         finally:
             await preparing
-        weights, version = await self._engine_weights()
-        url = await self.rollout.start(weights, version)
-        self._tell_broker(WeightsLoaded(self.name, self.rollout.weight_version, self.clock.now() - started))
-        self.tell(self.name, SwitchFinished(ROLLOUT, TRAIN, url, self.rollout.weight_version,
-                                            self.clock.now() - started, 0))
+        weights, version = await self._timed(phases, "weights_s", self._engine_weights())
+        await self._timed(phases, "server_s", self.rollout.start(weights, version))
+        version = self.rollout.weight_version
+        self._tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
+        self.log.info("back_to_rollout", **{k: round(v, 4) for k, v in phases.items()})
+        self.tell(self.name, SwitchFinished(ROLLOUT, TRAIN, self.rollout.url, version, self.clock.now() - started, 0))
+
+    def _release_trainer(self) -> None:
+        """Drop a satellite's trainer. Reference counting frees its buffers at once; a full gc pass (0.4 s of a
+        stalled event loop with megatron imported) runs only if something still holds them."""
+        host, self.training = self.training, None
+        assert host is not None
+        host.close()
+        params = weakref.ref(host.params)
+        del host
+        if params() is not None:
+            gc.collect()
+            self.log.warning("trainer_needed_gc", freed=params() is None)
+
+    async def _timed(self, phases: dict[str, float], name: str, work: Any) -> Any:
+        """Await `work` and note how long it took under `name` (the switch's phase timings, for its log line)."""
+        started = self.clock.now()
+        result = await work
+        phases[name] = self.clock.now() - started
+        return result
 
     async def _publish_load(self) -> None:
         now = self.clock.now()

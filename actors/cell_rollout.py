@@ -110,7 +110,7 @@ class RolloutHost:
             await self.async_engine.load_weights(weights, version)
         await self.async_engine.continue_generation()
         app = build_engine_app(self.async_engine, self.agent, model_path=self.model_dir)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.shutdown_timeout_s)
         await runner.setup()  # registers the KV pool with the transfer agent
         try:
             await self._bind(runner)
@@ -124,15 +124,14 @@ class RolloutHost:
         return self.url
 
     async def _bind(self, runner: web.AppRunner) -> None:
-        site = web.TCPSite(runner, self.host, self.port, shutdown_timeout=self.shutdown_timeout_s,
-                           reuse_address=True)
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
         try:
             await site.start()
         except OSError as error:
             if self.port == 0:
                 raise
             log.warning("engine_port_taken_using_another", port=self.port, error=str(error))
-            site = web.TCPSite(runner, self.host, 0, shutdown_timeout=self.shutdown_timeout_s)
+            site = web.TCPSite(runner, self.host, 0)
             await site.start()
 
     async def pause_in_place(self) -> int:

@@ -148,7 +148,8 @@ class Evaluator(Actor):
             self.dropped_by_kind["no_room"] += 1
             reason = f"evaluator queue full ({self.config.max_queued} waiting)"
             self.log.error("execution_dropped", execution_id=msg.execution_id, reason=reason)
-            await self.send(self.config.builder, ExecutionDropped(msg.execution_id, msg.group_id, reason, msg.timed_out))
+            dropped = ExecutionDropped(msg.execution_id, msg.group_id, reason, msg.timed_out)
+            await self.send(self.config.builder, dropped)
             return
         self.queue.append(msg)
         self._pump()
@@ -225,7 +226,10 @@ class Evaluator(Actor):
     # ---- reports from the children ------------------------------------------------------------------------------
     @handler(ScoringEnded)
     async def on_scoring_ended(self, msg: ScoringEnded) -> None:
-        finished = self.running.pop(msg.execution_id)
+        finished = self.running.pop(msg.execution_id, None)
+        if finished is None:  # queued before a restart: that scorer run belongs to the previous incarnation
+            self.log.warning("report_for_unknown_execution", execution_id=msg.execution_id)
+            return
         if msg.reward is None:
             self.dropped_by_kind[msg.drop_kind] += 1
             self.log.warning("execution_dropped", execution_id=msg.execution_id, kind=msg.drop_kind, reason=msg.reason)

@@ -210,7 +210,7 @@ class Executor(Actor):
     @handler(StartGroup)
     def on_start_group(self, msg: StartGroup) -> None:
         if msg.group_id in self.active_groups:
-            # Announcing it again would confuse the builder about a group it tracks: refuse quietly but loudly logged.
+            # Announcing it again would confuse the builder about a group it tracks: ignore it, logged as an error.
             self.counts["groups_refused"] += 1
             self.log.error("duplicate_group_ignored", group_id=msg.group_id)
             return
@@ -329,13 +329,19 @@ class Executor(Actor):
     # ---- reports from the children ------------------------------------------------------------------------------
     @handler(AgentLaunched)
     def on_agent_launched(self, msg: AgentLaunched) -> None:
-        execution = self.running[msg.execution_id]
+        execution = self.running.get(msg.execution_id)
+        if execution is None:
+            self._unknown(msg)
+            return
         self.counts["executions_launched"] += 1
         self.publish(ExecutionStarted(msg.execution_id, execution.group_id, msg.workspace))
 
     @handler(AgentExited)
     async def on_agent_exited(self, msg: AgentExited) -> None:
         execution = self._release(msg.execution_id)
+        if execution is None:
+            self._unknown(msg)
+            return
         self.counts["executions_finished"] += 1
         self.counts["executions_timed_out"] += int(msg.timed_out)
         self.log.info(
@@ -363,6 +369,9 @@ class Executor(Actor):
     @handler(LaunchFailed)
     async def on_launch_failed(self, msg: LaunchFailed) -> None:
         execution = self._release(msg.execution_id)
+        if execution is None:
+            self._unknown(msg)
+            return
         self.counts["executions_failed"] += 1
         self.log.error("execution_not_started", execution_id=msg.execution_id, reason=msg.reason)
         if msg.key_issued:
@@ -372,8 +381,14 @@ class Executor(Actor):
         )
         self._pump()
 
-    def _release(self, execution_id: str) -> _Execution:
-        execution = self.running.pop(execution_id)
+    def _unknown(self, msg: AgentLaunched | AgentExited | LaunchFailed) -> None:
+        # A report queued before a restart: the restarted executor no longer knows (or runs) that execution.
+        self.log.warning("report_for_unknown_execution", type=type(msg).__name__, execution_id=msg.execution_id)
+
+    def _release(self, execution_id: str) -> _Execution | None:
+        execution = self.running.pop(execution_id, None)
+        if execution is None:
+            return None
         left = self.active_groups[execution.group_id] - 1
         if left:
             self.active_groups[execution.group_id] = left

@@ -248,7 +248,8 @@ class TrajectoryBuilder(Actor):
             if len(survivors) >= needed:
                 trees = {s.execution_id: self.trees[s.execution_id] for s in survivors}
                 try:
-                    landing = await self.offload(self._build, group.group_id, trees, survivors, len(ids) - len(survivors))
+                    num_dropped = len(ids) - len(survivors)
+                    landing = await self.offload(self._build, group.group_id, trees, survivors, num_dropped)
                 except (ProcessorError, LossInputError) as error:
                     why = f"samples could not be built: {error}"
                 if landing is not None and not landing.samples:
@@ -260,6 +261,10 @@ class TrajectoryBuilder(Actor):
         for execution in ids:
             self.trees.pop(execution, None)
             self.broken.pop(execution, None)
+        # Calls that named this group for an execution it never announced made trees nobody will finish.
+        for execution in [e for e, tree in self.trees.items() if tree.group_id == group.group_id]:
+            self.log.error("tree_of_unannounced_execution_dropped", group_id=group.group_id, execution_id=execution)
+            del self.trees[execution]
         if landing is not None:
             self.counts["groups_landed"] += 1
             self.counts["samples_landed"] += len(landing.samples)

@@ -30,7 +30,7 @@ import attrs
 import structlog
 import torch
 
-from gyre.engines.kv_pool import KVLayout, KVPool, OutOfBlocks, torch_dtype
+from gyre.engines.kv_pool import KVLayout, KVPool, torch_dtype
 from gyre.engines.qwen3_paged import ModelFormatError, Qwen3Paged, Qwen3Spec, SeqChunk, read_safetensors_dir
 from gyre.engines.radix_cache import RadixCache, RadixNode
 from gyre.engines.sampling import (
@@ -394,10 +394,14 @@ class EmbeddedEngine:
         if not self._waiting:
             return
         prefilling = [r for r in self._running if r.computed < len(r.tokens) - 1 and r.epoch == self._epoch]
+        deferred = 0
         for request in list(self._waiting):
             if len(self._running) >= self.config.max_running_requests:
                 break
             if prefilling and self._sibling_prefilling(request, prefilling):
+                deferred += 1
+                if deferred >= self.config.max_running_requests:
+                    break  # bounds the scan of a long queue of siblings
                 continue
             if not self._try_admit(request):
                 break  # no KV room: later requests wait too (first come, first served)
@@ -416,7 +420,10 @@ class EmbeddedEngine:
             theirs = other.tokens
             shared = 0
             end = min(limit, len(theirs) // size)
-            while shared < end and tokens[shared * size : (shared + 1) * size] == theirs[shared * size : (shared + 1) * size]:
+            while shared < end:
+                block = slice(shared * size, (shared + 1) * size)
+                if tokens[block] != theirs[block]:
+                    break
                 shared += 1
             if shared >= cached + SIBLING_MIN_BLOCKS:
                 return True

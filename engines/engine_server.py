@@ -129,6 +129,12 @@ def _token_ids(value: Any, name: str = "input_ids") -> list[int]:
     return value
 
 
+def _decode_tensors(payload: str) -> dict[str, Any]:
+    from safetensors.torch import load as load_safetensors
+
+    return load_safetensors(base64.b64decode(payload, validate=True))
+
+
 def sampling_params_from_json(raw: Any) -> tuple[SamplingParams, dict[str, bool]]:
     """SamplingParams from SGLang's sampling_params object, plus the text-only options (skip_special_tokens,
     no_stop_trim). BadRequest for unknown fields or bad values."""
@@ -199,6 +205,9 @@ class EngineServer:
 
     # ---- helpers ------------------------------------------------------------------------------------------
 
+    def _current_version(self) -> int:
+        return self.engine.engine.weight_version  # an int read across threads: a snapshot is all we need
+
     def _text(self, output_ids: list[int], matched: Any, options: dict[str, bool]) -> str:
         if self.tokenizer is None or not output_ids:
             return ""
@@ -258,7 +267,7 @@ class EngineServer:
             "prompt_tokens": output.prompt_tokens,
             "completion_tokens": len(ids),
             "cached_tokens": output.cached_tokens,
-            "weight_version": output.output_versions[-1] if output.output_versions else self.engine.engine.weight_version,
+            "weight_version": output.output_versions[-1] if output.output_versions else self._current_version(),
             "output_token_versions": list(output.output_versions),
             "e2e_latency": self.clock() - started,
         }
@@ -304,7 +313,7 @@ class EngineServer:
                         "finish_reason": None,
                         "prompt_tokens": len(input_ids),
                         "completion_tokens": len(ids),
-                        "weight_version": versions[-1] if versions else self.engine.engine.weight_version,
+                        "weight_version": versions[-1] if versions else self._current_version(),
                         "output_token_versions": list(versions),
                         "e2e_latency": self.clock() - started,
                     }
@@ -393,9 +402,8 @@ class EngineServer:
         if not isinstance(payload, str):
             raise BadRequest("serialized_named_tensors must be base64 text of a safetensors file")
         try:
-            from safetensors.torch import load as load_safetensors
-
-            state = load_safetensors(base64.b64decode(payload, validate=True))
+            # Decoding a large checkpoint takes a while: keep the event loop free meanwhile.
+            state = await asyncio.get_running_loop().run_in_executor(None, _decode_tensors, payload)
         except (binascii.Error, ValueError) as error:
             raise BadRequest(f"serialized_named_tensors is not base64 safetensors: {error}") from None
         except Exception as error:  # safetensors raises its own error types for corrupt headers
@@ -406,7 +414,9 @@ class EngineServer:
         if _bool(body, "abort_all_requests", False):
             await self.engine.abort_all()
         await self.engine.load_weights(state, version)
-        return web.json_response({"success": True, "message": f"loaded {len(state)} tensors", "weight_version": version})
+        return web.json_response(
+            {"success": True, "message": f"loaded {len(state)} tensors", "weight_version": version}
+        )
 
     @staticmethod
     def _memory_tags(body: dict) -> list[str] | None:

@@ -2,11 +2,15 @@
 
 One call runs one engine step: every sequence in the batch contributes its new tokens (a prefill chunk, or the one
 token of a decode step). The dense parts (norms, projections, MLP) run once over all new tokens packed into one
-[tokens, hidden] matrix. Attention reads keys and values from the pool through each sequence's block table:
-- all sequences with one new token form one decode group: their blocks are gathered into a padded
-  [batch, context] view with one `index_select` per layer and attended with one SDPA call and a padding mask;
+[tokens, hidden] matrix. Attention reads keys and values through each sequence's block table:
+- all sequences with one new token form one decode group, attended with one SDPA call and a padding mask. Their
+  keys and values come from a staging buffer (`_Staging`): contiguous per-sequence copies that persist across
+  steps and grow by one token per step, so a step does not re-gather every context from the pool. Sequences that
+  join the group are copied in once; when the buffer would exceed its memory budget the group is gathered from
+  the pool with one `index_select` per layer instead;
 - each longer chunk attends on its own (a causal mask offset by its cached prefix); a chunk without a cached prefix
   attends to its freshly computed keys directly, without reading the pool back.
+The pool stays the one source of truth: every new token's K and V are written into it in the same step.
 
 The weights keep Hugging Face's names at the boundary (`load_hf_state_dict`) and are fused inside (q/k/v into one
 projection, gate/up into one) so each layer costs few matrix multiplications. Numerics follow transformers'
@@ -80,7 +84,9 @@ class Qwen3Spec:
         except (KeyError, TypeError, ValueError) as error:
             raise ModelFormatError(f"config.json lacks or mangles a Qwen3 field: {error}") from None
         if spec.num_heads % spec.num_kv_heads:
-            raise ModelFormatError(f"num_attention_heads {spec.num_heads} not a multiple of kv heads {spec.num_kv_heads}")
+            raise ModelFormatError(
+                f"num_attention_heads {spec.num_heads} is not a multiple of num_key_value_heads {spec.num_kv_heads}"
+            )
         return spec
 
     @classmethod

@@ -25,6 +25,7 @@ import torch
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _check_stop(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
@@ -62,9 +63,9 @@ class SamplingParams:
     max_new_tokens: int = 128
     """Tokens to generate at most; the request finishes with reason "length" when it reaches them."""
     temperature: float = 1.0
-    """0 means greedy (argmax); otherwise logits are divided by it before top-k/top-p."""
+    """0 (or below 1e-5) means greedy (argmax); otherwise logits are divided by it before top-k/top-p."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches top_p (0 < top_p <= 1)."""
+    """Nucleus sampling: keep the fewest most likely tokens whose probability reaches top_p (0 < top_p <= 1)."""
     top_k: int = -1
     """Keep only the k most likely tokens; -1 (or 0) keeps all."""
     stop: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_check_stop)
@@ -94,7 +95,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE dividing the logits overflows float32 for no visible change: argmax it is.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def filtered(self) -> bool:
@@ -240,7 +242,8 @@ class StopChecker:
         if last in self._stop_ids:
             return StopResult("stop", last)
         if self._stop_strings:
-            tail = self._tokenizer.decode(list(output_ids[-self._tail_tokens :]), skip_special_tokens=False)  # type: ignore[attr-defined]
+            tail_ids = list(output_ids[-self._tail_tokens :])
+            tail = self._tokenizer.decode(tail_ids, skip_special_tokens=False)  # type: ignore[attr-defined]
             for stop in self._stop_strings:
                 if stop in tail:
                     return StopResult("stop", stop)

@@ -21,6 +21,7 @@ from gyre.runtime.errors import MalformedFrame, SchemaVersionMismatch, UnknownMe
 
 FORMAT_VERSION = 1
 _NESTED_EXT = 1
+_KINDS = tuple(sorted(Kind, key=int))  # wire value -> Kind, without the enum's slow call
 
 Checker = Callable[[Any], bool]
 
@@ -226,25 +227,27 @@ class Codec:
             fields = msgpack.unpackb(header, use_list=False, raw=False)
         except Exception as error:
             raise MalformedFrame(f"header is not valid msgpack: {error}") from error
-        if not isinstance(fields, tuple) or len(fields) != 11:
+        if type(fields) is not tuple or len(fields) != 11:
             raise MalformedFrame("header must be an 11-item array")
         if fields[0] != FORMAT_VERSION:
             raise SchemaVersionMismatch(f"frame format {fields[0]!r}; this process speaks {FORMAT_VERSION}")
         _, msg_id, sender, receiver, topic, time_s, correlation, causation, kind, type_name, version = fields
+        # Exact types (msgpack gives exactly these), so bool never passes for int; one check per message.
         if not (
-            isinstance(msg_id, int)
-            and isinstance(sender, str)
-            and isinstance(receiver, str)
-            and isinstance(topic, str)
-            and isinstance(time_s, (int, float))
-            and isinstance(correlation, int)
-            and isinstance(causation, int)
-            and isinstance(type_name, str)
-            and isinstance(version, int)
-            and kind in (0, 1, 2, 3)
+            type(msg_id) is int
+            and type(sender) is str
+            and type(receiver) is str
+            and type(topic) is str
+            and (type(time_s) is float or type(time_s) is int)
+            and type(correlation) is int
+            and type(causation) is int
+            and type(type_name) is str
+            and type(version) is int
+            and type(kind) is int
+            and 0 <= kind < len(_KINDS)
         ):
             raise MalformedFrame("header fields have the wrong types")
-        envelope = Envelope(msg_id, sender, receiver, topic, float(time_s), correlation, causation, Kind(kind))
+        envelope = Envelope(msg_id, sender, receiver, topic, float(time_s), correlation, causation, _KINDS[kind])
         return envelope, type_name, version
 
     def decode(self, header: bytes, body: bytes) -> tuple[Envelope, Any]:

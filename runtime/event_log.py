@@ -106,11 +106,11 @@ def _read_segment(path: Path, codec: Codec, report: ReadReport) -> Iterator[LogR
             return
         length, crc = _RECORD.unpack_from(data, offset)
         start = offset + _RECORD.size
-        if length > MAX_RECORD_BYTES or start + length > end:
-            if start + length > end:  # the writer died before the whole payload reached the file
-                report.torn_tail_bytes += end - offset
-                return
+        if length > MAX_RECORD_BYTES:  # no writer makes such a record: corruption, not a crash mid-write
             raise EventLogError(f"{path}: record at byte {offset} claims {length} bytes")
+        if start + length > end:  # the writer died before the whole payload reached the file
+            report.torn_tail_bytes += end - offset
+            return
         payload = data[start : start + length]
         if zlib.crc32(payload) != crc:
             if start + length == end:

@@ -19,7 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import random
-from typing import Any, Callable, Coroutine, Protocol
+from typing import Any, Awaitable, Callable, Coroutine, Protocol
 
 import attrs
 import structlog
@@ -54,7 +54,10 @@ class Transport(Protocol):
         """Queue the frames for `node` or raise Backpressure; never blocks."""
         ...
 
-    def start(self, on_frames: Callable[[list[bytes]], Coroutine[Any, Any, None]]) -> None: ...
+    def start(self, on_frames: Callable[[list[bytes]], Awaitable[None] | None]) -> None:
+        """Hand every arriving frame set to `on_frames`; when it returns an awaitable (a full mailbox), stop reading
+        until that completes, so frames are neither dropped nor reordered."""
+        ...
 
     def close(self) -> None: ...
 
@@ -394,20 +397,23 @@ class Node:
             else:
                 self._refuse(slot, envelope, msg)
 
-    async def _on_frames(self, frames: list[bytes]) -> None:
-        """A frame pair from another node. Bad frames are logged and counted; an ask still gets an error reply."""
+    def _on_frames(self, frames: list[bytes]) -> Awaitable[None] | None:
+        """A frame set from another node. Bad frames are logged and counted; an ask still gets an error reply.
+
+        Returns None when the message was taken, or an awaitable that completes once a full mailbox had room for
+        it: the transport reads nothing more until then, so the backpressure reaches ZeroMQ and the senders."""
         self.statistics["received"] += 1
         if len(frames) != 2:
             self.statistics["bad_frames"] += 1
             log.error("dropped a frame set of the wrong shape", node=self.name, parts=len(frames))
-            return
+            return None
         header, body = frames
         try:
             envelope, type_name, version = self.codec.decode_header(header)
         except CodecError as error:
             self.statistics["bad_frames"] += 1
             log.error("dropped an undecodable header", node=self.name, error=str(error))
-            return
+            return None
         try:
             msg = self.codec.decode_body(type_name, version, body)
         except CodecError as error:
@@ -417,21 +423,26 @@ class Node:
                 self._reply_error(envelope, type(error).__name__, str(error))
             elif envelope.kind == Kind.REPLY:
                 self._fail_pending(envelope.correlation_id, RemoteError(envelope.sender, type(error).__name__, str(error)))
-            return
+            return None
         if envelope.kind == Kind.REPLY:
             self._resolve(envelope, msg, (header, body))
-            return
+            return None
         slot = self.slots.get(envelope.receiver)
         if slot is None:
             self.statistics["misrouted"] += 1
             log.error("message for an actor this node does not host", node=self.name, receiver=envelope.receiver)
             if envelope.kind == Kind.ASK:
                 self._reply_error(envelope, "UnknownAddress", f"{envelope.receiver} is not on node {self.name}")
-            return
+            return None
         if not slot.alive:
             self._refuse(slot, envelope, msg)
-            return
-        await slot.mailbox.put((envelope, msg, (header, body)))  # waits for room: backpressure reaches the sender
+            return None
+        item = (envelope, msg, (header, body))
+        try:
+            slot.mailbox.put_nowait(item)
+        except asyncio.QueueFull:
+            return slot.mailbox.put(item)  # the transport waits for room: backpressure reaches the sender
+        return None
 
     def _resolve(self, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
         self._record(envelope, msg, frames)

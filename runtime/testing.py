@@ -12,10 +12,14 @@ of the runtime's tests does:
 - "virtual": the deterministic runner's set-up (one node, virtual time, seeded delivery order, offload inline).
 
 The driver is an `async def driver(h: Harness)`; whatever it returns comes back in `ActorsRun.value`.
+
+`gyre_cli(argv)` runs the runtime's own subcommands (run, replay, log) the way `gyre` does, without importing the
+other layers' plug-ins (which the full command line loads, at seconds per call).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import collections
 import contextlib
@@ -38,7 +42,7 @@ from gyre.runtime.topology import SUPERVISOR, Directory, Topology
 from gyre.runtime.virtual_loop import VirtualEventLoop
 from gyre.runtime.zmq_transport import ZmqConfig, ZmqTransport
 
-__all__ = ["TRANSPORTS", "ActorsRun", "Harness", "capture_logs", "run_actors"]
+__all__ = ["TRANSPORTS", "ActorsRun", "Harness", "capture_logs", "gyre_cli", "run_actors"]
 
 #: The transports `run_actors` knows; tests parametrize over these.
 TRANSPORTS = ("inproc", "virtual", "zmq")
@@ -277,3 +281,22 @@ def capture_logs(level: int = logging.DEBUG) -> Iterator[list[dict[str, Any]]]:
         yield events
     finally:
         structlog.configure(**saved)
+
+
+def gyre_cli(argv: list[str]) -> int:
+    """`gyre ARGV` for the runtime's subcommands only (run, replay, log); everything after "--" goes to the
+    topology, as with `gyre`. Returns the exit status. Usable in-process or as `python -c` in a subprocess."""
+    from gyre.runtime import cli_log, cli_replay, cli_run
+
+    argv = list(argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(prog="gyre")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (cli_run, cli_replay, cli_log):
+        module.register(commands)
+    args = parser.parse_args(argv)
+    args.passthrough = passthrough
+    return int(args.func(args) or 0)

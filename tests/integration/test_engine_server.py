@@ -10,7 +10,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 

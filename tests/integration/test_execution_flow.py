@@ -1,11 +1,10 @@
-"""One group of real executions, end to end: executor -> the real toolbox agent -> the real proxy HTTP app over the
-embedded engine (tiny model) -> ModelCallCompleted -> trajectory builder; evaluator with the real toolbox scorer
--> SamplesLanded whose token ids are the ones that came through the proxy.
+"""One group of real executions, end to end: executor -> the real toolbox agent -> the proxy actor -> an engine
+server over the embedded engine (tiny model) -> ModelCallCompleted -> trajectory builder; the evaluator with the
+real toolbox scorer -> SamplesLanded whose token ids are the ones that came through the proxy.
 
-The proxy actor itself belongs to another part of the project; here a small stand-in actor hosts the real proxy app
-(`build_proxy_app` with `ProxySessions` and `EmbeddedBackend`) on its own event loop, answers IssueKey/RevokeKey
-with the real key registry and publishes each ModelCallCompleted on the bus. A driver actor plays the micro-step
-claimer and the task source.
+The proxy is the real proxy actor (actors/proxy.py: keys, routing, the OpenAI app); the rollout cell is a stand-in
+that hosts the real engine server over the embedded engine and announces itself as a cell does. A driver actor
+plays the micro-step claimer and the task source.
 """
 
 from __future__ import annotations
@@ -21,8 +20,11 @@ from aiohttp import web
 
 from gyre.actors.evaluator import Evaluator, EvaluatorConfig
 from gyre.actors.executor import Executor, ExecutorConfig
+from gyre.actors.proxy import Proxy, ProxyConfig
+from gyre.actors.proxy_http import ProxyHttpConfig
 from gyre.actors.trajectory_builder import TrajectoryBuilder, TrajectoryBuilderConfig
-from gyre.messages.executions import GroupDone, IssueKey, KeyIssued, RevokeKey, StartGroup, TaskSpec
+from gyre.messages.cells import ROLLOUT, RoleChanged
+from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionScored, SamplesLanded
 from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, handler, read_log
@@ -43,51 +45,34 @@ def load_toolbox(name: str) -> Any:
 
 
 @attrs.frozen
-class StandInProxyConfig:
+class StandInCellConfig:
     model_dir: str
 
 
-class StandInProxy(Actor):
-    """The real proxy app and key registry on this actor's loop; calls are published as they complete."""
+class StandInCell(Actor):
+    """A rollout cell as far as the proxy can tell: the real engine server app over the embedded engine, announced
+    with the RoleChanged a cell publishes. (The cell actor proper also trains and switches; none of that is needed
+    here.)"""
 
-    config_cls = StandInProxyConfig
+    config_cls = StandInCellConfig
 
     async def on_start(self) -> None:
-        from gyre.actors.engine_backend import EmbeddedBackend
-        from gyre.actors.proxy_http import ProxyHttpConfig, build_proxy_app
-        from gyre.actors.proxy_sessions import ProxySessions
         from gyre.engines.async_engine import AsyncEngine
-        from gyre.engines.chat_template import ChatTemplate
         from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
+        from gyre.engines.engine_server import build_engine_app
 
-        model_dir = self.config.model_dir
         engine_config = EngineConfig(num_blocks=512, max_context_tokens=MAX_CONTEXT_TOKENS, num_threads=1)
-        self.engine = AsyncEngine(EmbeddedEngine(model_dir, engine_config))
-        self.sessions = ProxySessions(ChatTemplate.from_model_dir(model_dir))
-        app = build_proxy_app(
-            ProxyHttpConfig(model_names=("gyre",), max_context_tokens=MAX_CONTEXT_TOKENS),
-            self.sessions,
-            EmbeddedBackend(self.engine, cell="cell-0"),
-            self.publish,
-            clock=self.clock.now,
-        )
-        self.runner = web.AppRunner(app, access_log=None)
+        self.engine = AsyncEngine(EmbeddedEngine(self.config.model_dir, engine_config))
+        self.runner = web.AppRunner(build_engine_app(self.engine, None, model_path=self.config.model_dir),
+                                    access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.base_url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.publish(RoleChanged(self.name, ROLLOUT, "", url, 0, 0.0, 0, False))
 
     async def on_stop(self) -> None:
         await self.runner.cleanup()
         await self.engine.close()
-
-    @handler(IssueKey)
-    def on_issue_key(self, msg: IssueKey) -> KeyIssued:
-        key = self.sessions.issue_key(msg.execution_id, msg.group_id)
-        return KeyIssued(key, self.base_url + "/v1", self.base_url)
-
-    @handler(RevokeKey)
-    def on_revoke_key(self, msg: RevokeKey) -> None:
-        self.sessions.revoke(msg.execution_id)
 
 
 @attrs.frozen
@@ -134,10 +119,13 @@ def test_one_group_through_agent_proxy_scorer_and_builder(tiny_model_dir: Path, 
     group = StartGroup("g0", toolbox_spec(task, options), 2, 0)
 
     topology = Topology("execution-flow", seed=0)
-    topology.add("proxy", StandInProxy, StandInProxyConfig(str(tiny_model_dir)))
+    http = ProxyHttpConfig(model_names=("gyre",), max_context_tokens=MAX_CONTEXT_TOKENS)
+    topology.add("proxy", Proxy, ProxyConfig(model_dir=str(tiny_model_dir), http=http))
+    topology.add("cell-0", StandInCell, StandInCellConfig(str(tiny_model_dir)))
     topology.add("executor", Executor, ExecutorConfig(workspace_root=str(tmp_path / "executions"), max_concurrent=2))
     topology.add("evaluator", Evaluator, EvaluatorConfig())
-    topology.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(claimer="driver", task_source="driver"))
+    builder = TrajectoryBuilderConfig(claimer="driver", task_source="driver")
+    topology.add("trajectory_builder", TrajectoryBuilder, builder)
     topology.add("driver", Driver, DriverConfig(group))
     log_path = tmp_path / "run.glog"
     result = InProcessLauncher().run(topology, RunOptions(log_path=str(log_path), until_s=240.0))

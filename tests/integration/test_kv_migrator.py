@@ -106,6 +106,7 @@ class Driver(Actor):
 
     async def on_start(self) -> None:
         self.calls: list[ModelCallCompleted] = []
+        self.taken = 0
         self.arrived = asyncio.Event()
         self.spawn(self._run())
 
@@ -125,15 +126,16 @@ class Driver(Actor):
         self.arrived.set()
 
     async def next_call(self) -> ModelCallCompleted:
-        seen = len(self.calls)
+        """The oldest ModelCallCompleted not taken yet (it may arrive before or after the agent's answer)."""
 
         async def until() -> None:
-            while len(self.calls) <= seen:
+            while len(self.calls) <= self.taken:
                 self.arrived.clear()
                 await self.arrived.wait()
 
         await asyncio.wait_for(until(), 120)
-        return self.calls[seen]
+        self.taken += 1
+        return self.calls[self.taken - 1]
 
     def announce(self, cell: str, role: str = ROLLOUT) -> None:
         url = self.config.cells[cell] if role == ROLLOUT else ""

@@ -166,6 +166,52 @@ def test_prefix_cache_hits_give_the_same_results(model_dir: Path, hf_model) -> N
     assert outputs["a"].output_ids == outputs["b"].output_ids == out2.output_ids
 
 
+def test_requests_arriving_together_share_one_prefill(model_dir: Path, hf_model) -> None:
+    """A GRPO group (same prompt) and sessions with one system prompt arrive at once: only one computes it."""
+    engine = EmbeddedEngine(model_dir, CONFIG)
+    system = prompt(60, 24)
+    group = prompt(61, 40)
+    for i in range(4):
+        engine.submit(f"g{i}", group, SamplingParams(max_new_tokens=5, temperature=0.8, seed=i))
+    sessions = {f"s{i}": system + prompt(70 + i, 9) for i in range(3)}
+    for rid, ids in sessions.items():
+        engine.submit(rid, ids, GREEDY)
+    outputs = run(engine)
+    assert [outputs[f"g{i}"].cached_tokens for i in range(4)] == [0, 36, 36, 36]  # (40 - 1) // 4 whole blocks
+    assert sorted(outputs[rid].cached_tokens for rid in sessions) == [0, 24, 24]
+    assert len({outputs[f"g{i}"].output_ids for i in range(4)}) > 1  # different seeds, really sampled
+    for rid, ids in sessions.items():
+        check_against_reference(hf_model, ids, outputs[rid])
+    for i in range(4):
+        check_against_reference(hf_model, group, outputs[f"g{i}"], greedy=False)
+
+
+def test_tied_embeddings_and_model_dir_errors(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, initializer_range=0.1, rope_theta=500.0,
+    )
+    tied = transformers.Qwen3ForCausalLM(config).eval()
+    tied.save_pretrained(tmp_path / "tied", safe_serialization=True)
+    engine = EmbeddedEngine(tmp_path / "tied", CONFIG)
+    ids = prompt(50, 20)
+    ref = ref_logprobs(tied, ids)[torch.arange(19), torch.tensor(ids[1:])]
+    assert (torch.tensor(engine.prompt_logprobs(ids)) - ref).abs().max().item() < TOL
+
+    with pytest.raises(EngineError, match="config.json"):
+        EmbeddedEngine(tmp_path / "missing", CONFIG)
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "tied", bad)
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(EngineError, match="rope type"):
+        EmbeddedEngine(bad, CONFIG)
+    (bad / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
+    with pytest.raises(EngineError, match="qwen3"):
+        EmbeddedEngine(bad, CONFIG)
+
+
 # ---- continuous batching ----------------------------------------------------------------------------------------
 
 

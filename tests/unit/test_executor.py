@@ -6,7 +6,6 @@ What the executor did is read back from the run's event log (every delivered mes
 from __future__ import annotations
 
 import json
-import os
 import sys
 import textwrap
 import time

@@ -28,7 +28,9 @@ from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleCh
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import ProxyStatus, ProxyStatusAsked, SessionPrefixes, SessionsOnCell
-from gyre.runtime import Actor, InProcessLauncher, RunOptions, Topology, handler
+from gyre.policies.routing import StickyLeastLoaded
+from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, handler, read_log
+from gyre.runtime.config_codec import decode_config
 
 MAX_CONTEXT_TOKENS = 2048
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud ember field".split()
@@ -144,7 +146,7 @@ def scenario(fn: Scenario) -> Scenario:
     return fn
 
 
-def run(scenario_name: str, engines: dict[str, str], tiny_model_dir, **routing: Any) -> Any:
+def run(scenario_name: str, engines: dict[str, str], tiny_model_dir, log_path: str | None = None, **routing: Any) -> Any:
     from gyre.engines.chat_template import ChatTemplate
 
     stop_ids = tuple(ChatTemplate.from_model_dir(tiny_model_dir).stop_token_ids)
@@ -156,7 +158,7 @@ def run(scenario_name: str, engines: dict[str, str], tiny_model_dir, **routing: 
     )
     topology.add("proxy", Proxy, config)
     topology.add("driver", Driver, DriverConfig(scenario_name, dict(engines), stop_ids))
-    result = InProcessLauncher().run(topology, RunOptions(until_s=280))
+    result = InProcessLauncher().run(topology, RunOptions(log_path=log_path, until_s=280))
     outcome = RESULTS.pop(scenario_name, None)
     if isinstance(outcome, Exception):
         raise outcome
@@ -344,13 +346,25 @@ async def sessions_on_cell_and_placement(driver: Driver) -> dict[str, Any]:
     return {"first": first, "prefixes": prefixes, "elsewhere": elsewhere, "second": calls[1], "other": other}
 
 
-def test_sessions_on_cell_reports_latest_ids_and_placement_reroutes(engines, tiny_model_dir) -> None:
-    out = run("sessions_on_cell_and_placement", engines, tiny_model_dir)
+def test_sessions_on_cell_reports_latest_ids_and_placement_reroutes(engines, tiny_model_dir, tmp_path) -> None:
+    log_path = tmp_path / "run.glog"
+    out = run("sessions_on_cell_and_placement", engines, tiny_model_dir, log_path=str(log_path))
     first: ModelCallCompleted = out["first"]
     assert out["prefixes"].cell == first.cell
     assert out["prefixes"].sessions == {"exec-p/": first.prompt_ids + first.output_ids}
     assert out["elsewhere"].sessions == {}
     assert out["second"].cell == out["other"]
+    # The run is recorded: the proxy's config (policy included), the asks and their replies, and every
+    # ModelCallCompleted the proxy published decode from the log.
+    codec = Codec()
+    records = [(record.envelope, record.decode(codec)) for record in read_log(log_path, codec)]
+    replies = [msg for _, msg in records if isinstance(msg, SessionPrefixes)]
+    assert replies[0] == out["prefixes"]
+    published = [msg for envelope, msg in records if isinstance(msg, ModelCallCompleted) and envelope.receiver == "driver"]
+    assert [m.call_index for m in published] == [0, 1]
+    started = [msg for _, msg in records if type(msg).__name__ == "ActorStarted" and msg.actor == "proxy"]
+    config = decode_config(started[0].config_blob)
+    assert isinstance(config.routing.policy, StickyLeastLoaded)
 
 
 @scenario

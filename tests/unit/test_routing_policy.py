@@ -88,7 +88,7 @@ holders = st.one_of(st.none(), st.sampled_from(["a", "b", "c", "d", "e", "gone"]
 
 
 @pytest.mark.parametrize("policy", [StickyLeastLoaded(), FirstEligible()], ids=lambda p: type(p).__name__)
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(cells=views, holder=holders)
 def test_valid_policies_keep_the_contract(policy: RoutingPolicy, cells: list[CellView], holder: str | None) -> None:
     choice = checked_choice(policy, "exec-1/main", holder, cells)
@@ -158,7 +158,7 @@ def test_no_cell_accepts_calls() -> None:
     assert checked_choice(policy, "s", None, []) is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(cells=views)
 def test_sticky_least_loaded_spreads_new_sessions_evenly(cells: list[CellView]) -> None:
     """Placing sessions one by one on equal cells never lets two cells differ by more than one session."""

@@ -17,6 +17,7 @@ Run this file directly to print the comparison table:  python tests/unit/test_sc
 from __future__ import annotations
 
 import collections
+import random
 from pathlib import Path
 
 import attrs
@@ -32,6 +33,7 @@ from gyre.messages.scheduling import (
     ClaimerStatistics,
     ClaimerStatisticsAsked,
     SchedulerStatistics,
+    TrainingBacklog,
     SchedulerStatisticsAsked,
 )
 from gyre.messages.training import (
@@ -173,7 +175,7 @@ class SimCell(Actor):
     """Rollout: processor-sharing sessions. Train: claim, compute, MicroStepDone. Core: count, apply, StepApplied."""
 
     config_cls = SimCellConfig
-    subscriptions = (StepApplied, StepReady)
+    subscriptions = (StepApplied, StepReady, TrainingBacklog)
 
     async def on_start(self) -> None:
         self.started_s = self.clock.now()
@@ -331,6 +333,12 @@ class SimCell(Actor):
             self.tell("core", done)
         self._claim_soon(0.0)
 
+    @handler(TrainingBacklog)
+    def on_backlog(self, msg: TrainingBacklog) -> None:
+        # Claim as soon as work shows up instead of waiting for the retry timer (fewer messages than polling).
+        if self.role == TRAIN and self.busy is None and msg.claimable_microsteps > 0:
+            self._claim_soon(0.0)
+
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:
         self.version = max(self.version, msg.version)
@@ -398,6 +406,8 @@ class SimSourceConfig:
     """If > 0: start a group only while started groups < (steps applied * groups_per_step + groups_ahead), the way a
     staleness-aware task source keeps rollouts from running further ahead of training than the bound allows."""
     groups_per_step: int = 1
+    workload_seed: int = 0
+    """The workload is a function of this seed and the group's index only, so every policy sees the same work."""
 
 
 def make_sample(execution: str, group: str, rank: int, tokens: int, version: int) -> TrainingSample:
@@ -439,7 +449,8 @@ class SimSource(Actor):
             while self.in_flight < c.max_groups_in_flight and (
                 not c.groups_ahead or self.groups_started < self.steps_applied * c.groups_per_step + c.groups_ahead
             ):
-                self._start_group(tuple(self._draw_work() for _ in range(c.group_size)))
+                draw = random.Random(f"{c.workload_seed}:g{self.groups_started}")
+                self._start_group(tuple(self._draw_work(draw) for _ in range(c.group_size)))
 
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:
@@ -447,10 +458,10 @@ class SimSource(Actor):
         if not self.config.scripted:
             self.on_start_groups(SimStartGroups())
 
-    def _draw_work(self) -> float:
+    def _draw_work(self, draw: random.Random) -> float:
         c = self.config
-        low, high = c.tail_work_s if self.rng.random() < c.tail_probability else c.short_work_s
-        return self.rng.uniform(low, high)
+        low, high = c.tail_work_s if draw.random() < c.tail_probability else c.short_work_s
+        return draw.uniform(low, high)
 
     def _start_group(self, works: tuple[float, ...]) -> None:
         group = f"g{self.groups_started}"
@@ -508,8 +519,9 @@ class SimSource(Actor):
         c = self.config
         samples = []
         for session in sessions:
-            for rank in range(self.rng.randint(*c.samples_per_execution)):
-                samples.append(make_sample(session.execution_id, group_id, rank, self.rng.randint(*c.sample_tokens),
+            draw = random.Random(f"{c.workload_seed}:{session.execution_id}")
+            for rank in range(draw.randint(*c.samples_per_execution)):
+                samples.append(make_sample(session.execution_id, group_id, rank, draw.randint(*c.sample_tokens),
                                            session.min_version))
         versions = [s.min_weight_version for s in samples]
         self.tell("claimer", SamplesLanded(

@@ -200,3 +200,13 @@ def test_scored_success() -> None:
     assert not scored_success(scored("e", 0.2, detail='{"success": "yes"}'))
     assert not scored_success(scored("e", 0.99, detail="{"))
     assert scored_success(scored("e", 0.5), success_reward=0.5)
+
+
+def test_calls_of_unannounced_executions_leave_no_tree_behind(tmp_path: Path) -> None:
+    stray_before = calls("g.7", "g", 7)[:1]  # before the announcement: a tree is made, then found to be stray
+    stray_after = calls("g.8", "g", 8)[:1]  # after it: refused at once
+    script = (*stray_before, announce("g", 1), *stray_after, *calls("g.0", "g", 0), scored("g.0", 1.0))
+    got = run(tmp_path, DriverConfig(script, expected_groups_done=1))
+    assert [m.execution_ids for m in got["SamplesLanded"]] == [("g.0",)]
+    stats = got["BuilderStatistics"][0]
+    assert (stats.live_trees, stats.messages_refused) == (0, 1)

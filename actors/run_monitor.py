@@ -1,0 +1,115 @@
+"""The run monitor: watches a training run's events, shows progress, ends the run after N steps, writes run.json.
+
+It reacts only to published events (roles, steps, finished groups), so any topology can add it without other
+actors knowing. The report (pictures, summary) is drawn from run.json afterwards, outside the actor system.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import attrs
+
+from gyre.messages.cells import RoleChanged, SwitchRole
+from gyre.messages.executions import GroupDone
+from gyre.messages.training import StepApplied
+from gyre.runtime import Actor, handler
+
+
+@attrs.frozen
+class RunMonitorConfig:
+    """What to watch for and where to write."""
+
+    report_dir: str
+    """Folder for run.json."""
+    steps: int
+    """End the run after this many optimizer steps."""
+    cells: tuple[str, ...]
+    """Cell names, in display order."""
+    progress: bool = True
+    """Draw a progress bar on stderr."""
+
+
+class RunMonitor(Actor):
+    """Collects the run's timeline; stops the topology when the configured number of steps has been applied."""
+
+    config_cls = RunMonitorConfig
+    subscriptions = (RoleChanged, StepApplied, GroupDone, SwitchRole)
+
+    async def on_start(self) -> None:
+        self.started_s = self.clock.now()
+        self.roles: dict[str, str] = {cell: "starting" for cell in self.config.cells}
+        self.role_changes: list[dict] = []
+        self.steps: list[dict] = []
+        self.groups: list[dict] = []
+        self.switch_requests = 0
+        self.bar = None
+        if self.config.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.config.steps, desc="GSPO steps", unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+        self._write()
+
+    def _elapsed(self) -> float:
+        return self.clock.now() - self.started_s
+
+    def _refresh(self) -> None:
+        if self.bar is None:
+            return
+        recent = self.groups[-8:]
+        reward = sum(g["mean_reward"] for g in recent) / len(recent) if recent else float("nan")
+        success = sum(g["success_rate"] for g in recent) / len(recent) if recent else float("nan")
+        roles = " ".join(f"{cell}:{self.roles[cell][:5]}" for cell in self.config.cells)
+        self.bar.set_postfix_str(f"reward {reward:.2f} success {success:.2f} | {roles}", refresh=True)
+
+    @handler(RoleChanged)
+    def on_role(self, msg: RoleChanged) -> None:
+        self.roles[msg.cell] = msg.role
+        self.role_changes.append({
+            "t_s": self._elapsed(), "cell": msg.cell, "role": msg.role, "previous": msg.previous_role,
+            "switch_s": msg.switch_s, "sessions_migrated": msg.sessions_migrated,
+        })
+        self._refresh()
+
+    @handler(SwitchRole)
+    def on_switch_request(self, msg: SwitchRole) -> None:
+        self.switch_requests += 1
+
+    @handler(GroupDone)
+    def on_group(self, msg: GroupDone) -> None:
+        self.groups.append({
+            "t_s": self._elapsed(), "group_id": msg.group_id, "landed": msg.landed, "mean_reward": msg.mean_reward,
+            "success_rate": msg.success_rate, "scored": msg.num_scored, "dropped": msg.num_dropped,
+        })
+        self._refresh()
+
+    @handler(StepApplied)
+    def on_step(self, msg: StepApplied) -> None:
+        self.steps.append({
+            "t_s": self._elapsed(), "step": msg.step_id, "version": msg.version, "loss": msg.loss,
+            "grad_norm": msg.grad_norm, "tokens": msg.num_tokens, "samples": msg.num_samples,
+            "stale_dropped": msg.stale_samples_dropped,
+        })
+        if self.bar is not None:
+            self.bar.update(1)
+        self._refresh()
+        self._write()
+        if len(self.steps) >= self.config.steps:
+            self.stop_topology(f"trained {len(self.steps)} steps")
+
+    async def on_stop(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self._write()
+
+    def _write(self) -> None:
+        folder = Path(self.config.report_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {
+            "cells": list(self.config.cells), "elapsed_s": self._elapsed(), "steps": self.steps,
+            "groups": self.groups, "role_changes": self.role_changes, "switch_requests": self.switch_requests,
+        }
+        (folder / "run.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

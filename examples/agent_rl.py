@@ -1,0 +1,199 @@
+"""The main job: an agent that learns, end to end on one CPU machine.
+
+    gyre run examples/agent_rl.py --report report                   # elastic cells (the default)
+    gyre run examples/agent_rl.py --report report --policy async    # the baselines, same cells and staleness
+    gyre run examples/agent_rl.py --report report --policy colocate
+
+What happens:
+1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised, the scripted expert's demonstrations
+   warm-start it with SFT (cached under ~/.cache/gyre, keyed by the demonstrations, model and config), and the
+   warm-started model is scored on held-out tasks (greedy).
+2. the topology: one core cell and two satellites (each its own process; the core holds weights and optimizer),
+   the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
+   executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
+   runs until `--steps` optimizer steps are applied; the core saves the final weights.
+3. finish: the final model is scored on the same held-out tasks and the report is written: summary.json, the
+   reward curve, each cell's role over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "toolbox"))
+sys.path.insert(0, str(HERE))
+
+from gyre.actors.cell import Cell, CellConfig  # noqa: E402
+from gyre.actors.evaluator import Evaluator, EvaluatorConfig  # noqa: E402
+from gyre.actors.executor import Executor, ExecutorConfig  # noqa: E402
+from gyre.actors.kv_migrator import KVMigrator, KVMigratorConfig  # noqa: E402
+from gyre.actors.microstep_claimer import ClaimerConfig, MicroStepClaimer  # noqa: E402
+from gyre.actors.proxy import Proxy, ProxyConfig  # noqa: E402
+from gyre.actors.run_monitor import RunMonitor, RunMonitorConfig  # noqa: E402
+from gyre.actors.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from gyre.actors.task_source import TaskSource, TaskSourceConfig  # noqa: E402
+from gyre.actors.trajectory_builder import TrajectoryBuilder, TrajectoryBuilderConfig  # noqa: E402
+from gyre.actors.weight_broker import WeightBroker, WeightBrokerConfig  # noqa: E402
+from gyre.engines.embedded_engine import EngineConfig  # noqa: E402
+from gyre.engines.trainer import TrainerConfig  # noqa: E402
+from gyre.messages.executions import TaskSpec  # noqa: E402
+from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy  # noqa: E402
+from gyre.policies.staleness import MaxVersionLag  # noqa: E402
+from gyre.runtime import Topology  # noqa: E402
+
+CELLS = ("core", "sat1", "sat2")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="agent_rl", description="GSPO on the toolbox tasks with elastic cells")
+    parser.add_argument("--report", default="report", help="report folder")
+    parser.add_argument("--policy", choices=("elastic", "async", "colocate"), default="elastic")
+    parser.add_argument("--async-train-cells", default="core", help="comma-separated train cells for --policy async")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps to train")
+    parser.add_argument("--group-size", type=int, default=16, help="executions per GSPO group")
+    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--train-tasks", type=int, default=400)
+    parser.add_argument("--heldout-tasks", type=int, default=28)
+    parser.add_argument("--sft-tasks", type=int, default=300, help="expert demonstrations for the warm start")
+    parser.add_argument("--sft-epochs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
+    parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
+    return parser.parse_args(argv)
+
+
+def _toolbox():
+    from agent import load_sibling
+
+    return load_sibling("tasks"), load_sibling("agent"), load_sibling("expert")
+
+
+# ---- prepare: base model, warm start, held-out score before RL ----------------------------------------------------
+def prepare(argv: list[str]) -> None:
+    from gyre.engines.model_format import init_model_dir
+    from gyre.engines.sft import SFTConfig, demonstrations_digest, run_sft
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    report = Path(args.report)
+    report.mkdir(parents=True, exist_ok=True)
+    cache = Path(args.cache) / "agent_rl"
+    base = cache / "base-tiny"
+    if not (base / "model.safetensors").is_file():
+        init_model_dir(base, "tiny", seed=args.seed)
+    tasks, _, expert = _toolbox()
+    demos = expert.demonstrations(args.sft_tasks, seed=args.seed)
+    lines = [json.dumps(d.to_json(), sort_keys=True) for d in demos]
+    config = SFTConfig(epochs=args.sft_epochs, seed=args.seed)
+    key = demonstrations_digest(lines, base, config)
+    sft_dir = cache / f"sft-{key}"
+    if not (sft_dir / "sft.json").is_file():
+        print(f"agent_rl: warm start on {len(demos)} demonstrations (cached for later runs in {sft_dir})",
+              file=sys.stderr)
+        pairs = [(d.messages, d.tools) for d in demos]
+        run_sft(base, pairs, sft_dir, config,
+                progress=lambda step, total, loss: print(f"  sft step {step}/{total} loss {loss:.3f}", file=sys.stderr)
+                if step % 10 == 0 or step == total else None)
+    before = {"success_rate": float("nan"), "mean_reward": float("nan")}
+    if not args.skip_eval:
+        cached = sft_dir / f"eval-{args.heldout_tasks}-{args.seed}.json"
+        if cached.is_file():
+            before = json.loads(cached.read_text())
+        else:
+            from evaluate import evaluate
+
+            held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
+            result = evaluate(sft_dir, held_out)
+            before = {"success_rate": result.success_rate, "mean_reward": result.mean_reward}
+            cached.write_text(json.dumps(before))
+        print(f"agent_rl: held-out success before RL: {before['success_rate']:.2f}", file=sys.stderr)
+    (report / "prepare.json").write_text(json.dumps({
+        "model_dir": str(sft_dir), "before": before, "prepare_s": time.perf_counter() - started,
+        "started_at": time.time(),
+    }, indent=1))
+
+
+# ---- the topology --------------------------------------------------------------------------------------------------
+def _task_specs(args: argparse.Namespace) -> tuple[TaskSpec, ...]:
+    tasks, agent, _ = _toolbox()
+    command = agent.agent_argv("")[:-1] + ("--temperature", "1.0")
+    return tuple(
+        TaskSpec(
+            task_id=t.task_id, prompt=t.prompt, workspace_files=dict(t.workspace_files), agent_argv=command,
+            scorer_argv=tuple(t.scorer_argv), timeout_s=180.0, scorer_timeout_s=30.0,
+        )
+        for t in tasks.generate_tasks(args.seed, "train", args.train_tasks)
+    )
+
+
+def _policy(args: argparse.Namespace):
+    if args.policy == "async":
+        return AsyncPolicy(train_cells=tuple(c for c in args.async_train_cells.split(",") if c))
+    if args.policy == "colocate":
+        return ColocatePolicy()
+    return ElasticPolicy(min_dwell_s=5.0, dry_grace_s=3.0)
+
+
+def topology(argv: list[str]) -> Topology:
+    args = parse_args(argv)
+    prepared = Path(args.report) / "prepare.json"
+    if not prepared.is_file():
+        raise SystemExit(f"agent_rl: {prepared} is missing: run this file with `gyre run`, which prepares it")
+    model_dir = json.loads(prepared.read_text())["model_dir"]
+    result = Topology("agent_rl", seed=args.seed)
+    engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=32, num_threads=1)
+    trainer = TrainerConfig(lr=args.lr, num_threads=1, seed=args.seed)
+    for name in CELLS:
+        result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
+                                          trainer=trainer, save_dir=str(Path(args.report) / "final_model")
+                                          if name == "core" else ""))
+    result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir))
+    result.add("kv_migrator", KVMigrator, KVMigratorConfig(), process="control")
+    result.add("weight_broker", WeightBroker, WeightBrokerConfig(), process="control")
+    result.add("claimer", MicroStepClaimer, ClaimerConfig(
+        groups_per_step=args.groups_per_step, group_size=args.group_size, microstep_token_budget=8192,
+        staleness=MaxVersionLag(args.staleness)), process="control")
+    result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=CELLS), process="control")
+    result.add("executor", Executor, ExecutorConfig(
+        workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.group_size * 2), process="runs")
+    result.add("evaluator", Evaluator, EvaluatorConfig(remove_workspace=True), process="runs")
+    result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(), process="control")
+    result.add("task_source", TaskSource, TaskSourceConfig(
+        tasks=_task_specs(args), group_size=args.group_size, groups_in_flight=args.groups_per_step * 2,
+        groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),
+        seed=args.seed, stop_topology_when_done=False), process="control")
+    result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=CELLS),
+               process="control")
+    return result
+
+
+# ---- finish: held-out score after RL, the report ------------------------------------------------------------------
+def finish(argv: list[str], run_result) -> int:
+    from report import write_report
+
+    args = parse_args(argv)
+    report = Path(args.report)
+    prepared = json.loads((report / "prepare.json").read_text())
+    final_model = report / "final_model"
+    after = {"success_rate": float("nan"), "mean_reward": float("nan")}
+    if not args.skip_eval and (final_model / "model.safetensors").is_file():
+        from evaluate import evaluate
+
+        tasks, _, _ = _toolbox()
+        held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
+        result = evaluate(final_model, held_out)
+        after = {"success_rate": result.success_rate, "mean_reward": result.mean_reward}
+    summary = write_report(report, prepared["before"], after, {
+        "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
+        "groups_per_step": args.groups_per_step, "staleness": args.staleness, "exit_reason": run_result.reason,
+    })
+    print(json.dumps(summary, indent=1))
+    return run_result.exit_code

@@ -1,0 +1,263 @@
+"""`gyre bench bus [--json]`: the bus's round-trip rate and latency, one-way throughput with and without recording,
+against Ray actor calls measured in the same run on the same machine.
+
+Gyre side: two actors in two OS processes started by the real `LocalProcessLauncher` (this file is also the
+topology file), talking over ZeroMQ ipc://. The driver asks the echo actor `Echo` messages one at a time (round
+trips: rate, p50, p99), then sends a stream of tells with `send` (waiting for room, as a producer should) and asks
+for the count at the end: the reply comes after every tell was handled, because one sender's messages keep their
+order (one-way throughput). Runs alternate without and with the event log on, so that load from other processes on
+a shared machine hits both alike; each figure is the median over every repeat of every run.
+
+Ray side: `ray.init(num_cpus=2)`, one remote actor with a method, sequential `ray.get(a.m.remote(x))` round trips.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from gyre.messages.ping_pong import Echo, Score, ScoreAsked
+from gyre.runtime.actor import Actor, handler
+from gyre.runtime.launch import LocalProcessLauncher, RunOptions
+from gyre.runtime.topology import Topology
+
+TARGET_RATIO = 5.0
+TARGET_P99_MS = 1.0
+TARGET_RECORDING_OVERHEAD = 0.15
+
+
+@attrs.frozen
+class BenchConfig:
+    """One benchmark run's sizes."""
+
+    roundtrips: int = 2000
+    """Sequential asks per repeat."""
+    oneway: int = 20000
+    """Tells per repeat of the one-way phase."""
+    repeats: int = 3
+    """Repeats of both phases within one run."""
+    warmup: int = 300
+    """Asks before measuring (sockets connected, caches warm)."""
+    payload_bytes: int = 64
+    """Size of each Echo's payload."""
+    out_path: str = ""
+    """Where the driver writes its measurements (JSON)."""
+
+
+class BenchEcho(Actor):
+    """Answers an Echo ask with the same Echo; counts Echo tells; tells the count when asked for the score."""
+
+    async def on_start(self) -> None:
+        self.count = 0
+
+    @handler(Echo)
+    def on_echo(self, msg: Echo) -> Echo:
+        self.count += 1
+        return msg  # the reply of an ask; ignored for a tell
+
+    @handler(ScoreAsked)
+    def on_count(self, msg: ScoreAsked) -> Score:
+        return Score(self.count)
+
+
+class BenchDriver(Actor):
+    """Runs the phases in a background task (handlers must not hold the mailbox for seconds) and ends the run."""
+
+    config_cls = BenchConfig
+
+    async def on_start(self) -> None:
+        self.spawn(self._measure(), name="bench")
+
+    async def _measure(self) -> None:
+        config: BenchConfig = self.config
+        payload = bytes(config.payload_bytes)
+        now = self.clock.now
+        for number in range(config.warmup):
+            await self.ask("echo", Echo(number, payload), timeout_s=60.0)
+        results: dict[str, list] = {"roundtrip_per_s": [], "p50_ms": [], "p99_ms": [], "oneway_per_s": []}
+        for _ in range(config.repeats):
+            latencies_s = []
+            start = now()
+            for number in range(config.roundtrips):
+                sent = now()
+                await self.ask("echo", Echo(number, payload), timeout_s=60.0)
+                latencies_s.append(now() - sent)
+            elapsed_s = now() - start
+            latencies_s.sort()
+            results["roundtrip_per_s"].append(config.roundtrips / elapsed_s)
+            results["p50_ms"].append(_percentile(latencies_s, 0.50) * 1e3)
+            results["p99_ms"].append(_percentile(latencies_s, 0.99) * 1e3)
+
+            before = (await self.ask("echo", ScoreAsked(), timeout_s=60.0)).returned
+            start = now()
+            for number in range(config.oneway):
+                await self.send("echo", Echo(number, payload), timeout_s=60.0)
+            after = (await self.ask("echo", ScoreAsked(), timeout_s=120.0)).returned
+            elapsed_s = now() - start
+            if after - before != config.oneway:
+                raise RuntimeError(f"the echo actor counted {after - before} of {config.oneway} tells")
+            results["oneway_per_s"].append(config.oneway / elapsed_s)
+        Path(config.out_path).write_text(json.dumps(results))
+        self.stop_topology("bench done")
+
+
+def _percentile(sorted_values: list[float], fraction: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def topology(argv: list[str]) -> Topology:
+    """The benchmark's topology: driver and echo in two processes."""
+    parser = argparse.ArgumentParser(prog="bus_bench")
+    for field in attrs.fields(BenchConfig):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    args = parser.parse_args(argv)
+    config = BenchConfig(**{field.name: getattr(args, field.name) for field in attrs.fields(BenchConfig)})
+    result = Topology("bus_bench", seed=0)
+    result.add("driver", BenchDriver, config, process="driver")
+    result.add("echo", BenchEcho, process="echo")
+    return result
+
+
+def _gyre_run(config: BenchConfig, record: bool, work_dir: Path, run_number: int) -> dict[str, list]:
+    out_path = work_dir / f"run{run_number}.json"
+    argv = [
+        f"--{name.replace('_', '-')}={value}"
+        for name, value in attrs.asdict(attrs.evolve(config, out_path=str(out_path))).items()
+    ]
+    topology_file = str(Path(__file__).resolve())
+    log_path = str(work_dir / f"run{run_number}.glog") if record else None
+    result = LocalProcessLauncher(topology_file, tuple(argv)).run(topology(argv), RunOptions(log_path=log_path))
+    if result.exit_code != 0 or not out_path.exists():
+        raise RuntimeError(f"benchmark run failed: {result.reason} (exit {result.exit_code})")
+    if log_path:
+        os.unlink(log_path)
+    return json.loads(out_path.read_text())
+
+
+def _ray_roundtrips(calls: int, repeats: int, warmup: int) -> dict[str, list]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+
+        @ray.remote
+        class EchoActor:
+            def m(self, x: Any) -> Any:
+                return x
+
+        actor = EchoActor.remote()
+        for number in range(warmup):
+            ray.get(actor.m.remote(number))
+        results: dict[str, list] = {"roundtrip_per_s": [], "p50_ms": [], "p99_ms": []}
+        for _ in range(repeats):
+            latencies_s = []
+            start = time.perf_counter()
+            for number in range(calls):
+                sent = time.perf_counter()
+                ray.get(actor.m.remote(number))
+                latencies_s.append(time.perf_counter() - sent)
+            elapsed_s = time.perf_counter() - start
+            latencies_s.sort()
+            results["roundtrip_per_s"].append(calls / elapsed_s)
+            results["p50_ms"].append(_percentile(latencies_s, 0.50) * 1e3)
+            results["p99_ms"].append(_percentile(latencies_s, 0.99) * 1e3)
+        return results
+    finally:
+        ray.shutdown()
+
+
+def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = True) -> dict[str, Any]:
+    """Measure and return the figures (medians over every repeat of every run)."""
+    plain: dict[str, list] = {}
+    recorded: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as work:
+        for run_number in range(runs):
+            for record, into in ((False, plain), (True, recorded)):
+                got = _gyre_run(config, record, Path(work), 2 * run_number + record)
+                for key, values in got.items():
+                    into.setdefault(key, []).extend(values)
+    median = statistics.median
+    figures: dict[str, Any] = {
+        "gyre_roundtrip_per_s": median(plain["roundtrip_per_s"]),
+        "gyre_roundtrip_p50_ms": median(plain["p50_ms"]),
+        "gyre_roundtrip_p99_ms": median(plain["p99_ms"]),
+        "gyre_oneway_per_s": median(plain["oneway_per_s"]),
+        "gyre_roundtrip_recorded_per_s": median(recorded["roundtrip_per_s"]),
+        "gyre_oneway_recorded_per_s": median(recorded["oneway_per_s"]),
+    }
+    figures["recording_overhead"] = 1.0 - figures["gyre_oneway_recorded_per_s"] / figures["gyre_oneway_per_s"]
+    if with_ray:
+        ray_results = _ray_roundtrips(ray_calls, config.repeats, warmup=min(200, ray_calls))
+        figures["ray_roundtrip_per_s"] = median(ray_results["roundtrip_per_s"])
+        figures["ray_roundtrip_p50_ms"] = median(ray_results["p50_ms"])
+        figures["ray_roundtrip_p99_ms"] = median(ray_results["p99_ms"])
+        figures["ratio"] = figures["gyre_roundtrip_per_s"] / figures["ray_roundtrip_per_s"]
+    figures["targets_met"] = {
+        "ratio_at_least_5x": figures.get("ratio", 0.0) >= TARGET_RATIO,
+        "p99_at_most_1ms": figures["gyre_roundtrip_p99_ms"] <= TARGET_P99_MS,
+        "recording_overhead_at_most_15pct": figures["recording_overhead"] <= TARGET_RECORDING_OVERHEAD,
+    }
+    figures["setup"] = {
+        "runs": runs,
+        "repeats_per_run": config.repeats,
+        "roundtrips_per_repeat": config.roundtrips,
+        "oneway_per_repeat": config.oneway,
+        "payload_bytes": config.payload_bytes,
+        "ray_calls_per_repeat": ray_calls if with_ray else 0,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "load_average_1m": os.getloadavg()[0],
+    }
+    return figures
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    defaults = BenchConfig()
+    parser = subparsers.add_parser("bus", help="bus round trips and throughput vs Ray actor calls")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--runs", type=int, default=3, help="launcher runs of each kind (plain, recorded)")
+    parser.add_argument("--repeats", type=int, default=defaults.repeats, help="repeats per run")
+    parser.add_argument("--roundtrips", type=int, default=defaults.roundtrips, help="asks per repeat")
+    parser.add_argument("--oneway", type=int, default=defaults.oneway, help="tells per repeat")
+    parser.add_argument("--payload-bytes", type=int, default=defaults.payload_bytes)
+    parser.add_argument("--ray-calls", type=int, default=1000, help="Ray round trips per repeat")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray baseline")
+    parser.set_defaults(func=bench_command)
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging("warning")
+    config = BenchConfig(
+        roundtrips=args.roundtrips, oneway=args.oneway, repeats=args.repeats, payload_bytes=args.payload_bytes
+    )
+    figures = run_bench(config, args.runs, args.ray_calls, with_ray=not args.no_ray)
+    if args.json:
+        print(json.dumps(figures, indent=None, sort_keys=True))
+        return 0
+    out = sys.stdout
+    print("gyre bus (two processes, ZeroMQ ipc://), medians:", file=out)
+    print(f"  round trips      {figures['gyre_roundtrip_per_s']:10.0f} /s   p50 "
+          f"{figures['gyre_roundtrip_p50_ms']:.3f} ms   p99 {figures['gyre_roundtrip_p99_ms']:.3f} ms", file=out)
+    print(f"  one-way          {figures['gyre_oneway_per_s']:10.0f} /s", file=out)
+    print(f"  one-way recorded {figures['gyre_oneway_recorded_per_s']:10.0f} /s   overhead "
+          f"{figures['recording_overhead'] * 100:.1f}%", file=out)
+    if "ray_roundtrip_per_s" in figures:
+        print(f"ray actor calls    {figures['ray_roundtrip_per_s']:10.0f} /s   p50 "
+              f"{figures['ray_roundtrip_p50_ms']:.3f} ms   p99 {figures['ray_roundtrip_p99_ms']:.3f} ms", file=out)
+        print(f"ratio gyre/ray     {figures['ratio']:10.1f}x", file=out)
+    print(f"targets met: {figures['targets_met']}", file=out)
+    return 0

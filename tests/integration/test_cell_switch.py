@@ -1,0 +1,202 @@
+"""Role switches of a cell with a live engine, under agent calls, with the real proxy and KV migrator.
+
+Two satellites serve rollouts, a core trains (no samples come, so it only waits), the proxy fronts four agent
+sessions (the openai SDK) and the KV migrator moves sessions between the cells. Each round, the agents make one
+more call each (their sessions stick to a cell), and while those calls generate the cell holding the sessions is
+switched to training and back. Checked:
+- every agent call completes (none lost, none failed) and its tokens equal an unswitched call's (greedy decoding);
+- the switch announces itself in order: CellDraining, SessionPlaced for the moved sessions, RoleChanged(train),
+  then RoleChanged(rollout) with a working server;
+- the switched cell holds no engine memory while it trains and no trainer once it is back.
+The switch latencies each way are printed (run with -s) and their medians checked to be finite and positive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+
+import openai
+import pytest
+import torch
+
+from gyre.actors.cell import Cell, CellConfig
+from gyre.actors.kv_migrator import KVMigrator, KVMigratorConfig
+from gyre.actors.microstep_claimer import ClaimerConfig, MicroStepClaimer
+from gyre.actors.proxy import Proxy, ProxyConfig
+from gyre.actors.proxy_http import ProxyHttpConfig
+from gyre.actors.weight_broker import WeightBroker
+from gyre.engines.chat_template import ChatTemplate
+from gyre.engines.embedded_engine import EngineConfig
+from gyre.engines.sglang_client import SGLangClient
+from gyre.engines.trainer import TrainerConfig
+from gyre.messages.cell_internal import CellStatusQuery
+from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, RoleChanged, SessionPlaced, SwitchRole
+from gyre.messages.executions import IssueKey
+from gyre.messages.model_calls import ModelCallCompleted
+from gyre.messages.proxy import ProxyStatusAsked
+from gyre.runtime import Actor, Topology, handler
+from gyre.runtime.testing import run_actors
+
+ROUNDS = 3
+AGENTS = 4
+MAX_TOKENS = 96
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud ember field".split()
+
+
+class Recorder(Actor):
+    """Keeps (time, message) of every announcement it hears."""
+
+    subscriptions = (RoleChanged, CellDraining, SessionPlaced, ModelCallCompleted)
+
+    async def on_start(self) -> None:
+        self.events: list = []
+
+    @handler(RoleChanged, CellDraining, SessionPlaced, ModelCallCompleted)
+    def on_event(self, msg) -> None:
+        self.events.append((self.clock.now(), msg))
+
+    def of(self, kind, **fields) -> list:
+        return [m for _, m in self.events if isinstance(m, kind)
+                and all(getattr(m, k) == v for k, v in fields.items())]
+
+
+def topology(model_dir: str) -> Topology:
+    engine = EngineConfig(num_blocks=256, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
+    cells = dict(model_dir=model_dir, engine=engine, trainer=TrainerConfig(num_threads=1), report_interval_s=0.25)
+    result = Topology("switch", seed=0)
+    result.add("recorder", Recorder)
+    result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir, http=ProxyHttpConfig(
+        max_context_tokens=1024, default_max_tokens=MAX_TOKENS)))
+    result.add("kv_migrator", KVMigrator, KVMigratorConfig())
+    result.add("claimer", MicroStepClaimer, ClaimerConfig(groups_per_step=1, group_size=4, retry_after_s=0.1))
+    result.add("weight_broker", WeightBroker)
+    result.add("core", Cell, CellConfig(is_core=True, initial_role=TRAIN, **cells))
+    result.add("cell-a", Cell, CellConfig(initial_role=ROLLOUT, **cells))
+    result.add("cell-b", Cell, CellConfig(initial_role=ROLLOUT, **cells))
+    return result
+
+
+async def running_on(url: str) -> int:
+    async with SGLangClient(url) as client:
+        load = await client._get("/get_load")  # the engine server's statistics record
+    return int(load["running"]) + int(load["waiting"])
+
+
+@pytest.fixture(scope="module")
+def switched(tiny_model_dir):
+    torch.set_num_threads(1)
+    rng = random.Random(3)
+    stop_ids = ChatTemplate.from_model_dir(tiny_model_dir).stop_token_ids
+
+    async def driver(h):
+        recorder = h.actor("recorder")
+        await h.wait_until(lambda: len(recorder.of(RoleChanged)) >= 3, timeout_s=180, what="cells up")
+        clients = []
+        for i in range(AGENTS):
+            key = await h.ask("proxy", IssueKey(f"exec-{i}", "group-0"))
+            clients.append(openai.AsyncOpenAI(base_url=key.openai_base_url, api_key=key.api_key, max_retries=0,
+                                              timeout=300))
+        conversations = [[{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(40))}]
+                         for _ in range(AGENTS)]
+        rounds = []
+        for round_index in range(ROUNDS):
+            calls = [asyncio.ensure_future(client.chat.completions.create(
+                model="gyre", messages=list(messages), max_tokens=MAX_TOKENS, temperature=0))
+                for client, messages in zip(clients, conversations)]
+            # The cell to switch: the one whose engine is busy with the sessions' calls.
+            source = None
+            for _ in range(400):
+                urls = {m.cell: m.engine_url for m in recorder.of(RoleChanged) if m.role == ROLLOUT}
+                latest = {c: recorder.of(RoleChanged, cell=c)[-1] for c in ("cell-a", "cell-b")}
+                loads = {c: await running_on(urls[c]) for c in latest if latest[c].role == ROLLOUT}
+                busy = [c for c, n in sorted(loads.items()) if n > 0]
+                if busy:
+                    source = max(busy, key=lambda c: loads[c])
+                    break
+                await asyncio.sleep(0.01)
+            assert source is not None, "no cell got busy"
+            mark = len(recorder.events)
+            before = len(recorder.of(RoleChanged, cell=source))
+            h.tell(source, SwitchRole(source, TRAIN, "test"))
+            await h.wait_until(lambda: len(recorder.of(RoleChanged, cell=source)) > before,
+                               timeout_s=120, what="switch to train")
+            training = await h.ask(source, CellStatusQuery(with_digest=False))
+            replies = await asyncio.gather(*calls)
+            h.tell(source, SwitchRole(source, ROLLOUT, "test"))
+            await h.wait_until(lambda: len(recorder.of(RoleChanged, cell=source)) > before + 1,
+                               timeout_s=120, what="switch back")
+            back = await h.ask(source, CellStatusQuery(with_digest=False))
+            async with SGLangClient(back.engine_url) as client:
+                served = await client.generate([5, 6, 7], {"max_new_tokens": 2, "temperature": 0.0})
+            for messages, reply in zip(conversations, replies):
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+                messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(8))})
+            rounds.append({"source": source, "events": [m for _, m in recorder.events[mark:]],
+                           "training": training, "back": back, "served": served, "replies": replies})
+        switched_calls = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
+        proxy_status = await h.ask("proxy", ProxyStatusAsked())
+        # The unswitched run: every call's exact prompt ids again, straight to an engine that nothing disturbs.
+        url = (await h.ask("cell-a", CellStatusQuery(with_digest=False))).engine_url
+        references = {}
+        async with SGLangClient(url) as client:
+            for call in switched_calls:
+                out = await client.generate(call.prompt_ids, {
+                    "max_new_tokens": MAX_TOKENS, "temperature": 0.0, "stop_token_ids": list(stop_ids)})
+                references[call.prompt_ids] = tuple(out["output_ids"])
+        return {"rounds": rounds, "switched_calls": switched_calls, "references": references,
+                "proxy": proxy_status}
+
+    run = run_actors(topology(str(tiny_model_dir)), driver, transport="zmq", timeout_s=500)
+    assert run.stop_reason is None, run.stop_reason
+    return run.value
+
+
+def test_no_call_lost_and_tokens_match_an_unswitched_run(switched):
+    rounds = switched["rounds"]
+    for r in rounds:
+        assert all(reply.choices[0].finish_reason in ("stop", "length") for reply in r["replies"])
+    assert switched["proxy"].calls_failed == 0 and switched["proxy"].calls_rejected == 0
+    assert switched["proxy"].resumed_generations >= 1  # calls really were cut and continued elsewhere
+    done = switched["switched_calls"]
+    assert len(done) == ROUNDS * AGENTS
+    for call in done:
+        assert switched["references"][call.prompt_ids] == call.output_ids
+
+
+def test_switch_announcements_in_order(switched):
+    for r in switched["rounds"]:
+        source, events = r["source"], r["events"]
+        kinds = [(type(m).__name__, getattr(m, "cell", None), getattr(m, "role", None)) for m in events
+                 if not isinstance(m, ModelCallCompleted)]
+        draining = kinds.index(("CellDraining", source, None))
+        to_train = kinds.index(("RoleChanged", source, TRAIN))
+        to_rollout = kinds.index(("RoleChanged", source, ROLLOUT))
+        placed = [i for i, k in enumerate(kinds) if k[0] == "SessionPlaced"]
+        assert placed, "the migrator placed no session"
+        assert draining < min(placed) and max(placed) < to_train < to_rollout
+        assert all(m.cell != source for m in events if isinstance(m, SessionPlaced))
+        changed = [m for m in events if isinstance(m, RoleChanged) and m.cell == source]
+        assert changed[0].sessions_migrated >= 1 and changed[0].previous_role == ROLLOUT
+        assert changed[1].engine_url and changed[1].previous_role == TRAIN
+
+
+def test_memory_follows_the_role(switched):
+    for r in switched["rounds"]:
+        training, back = r["training"], r["back"]
+        assert training.role == TRAIN and training.has_trainer and not training.has_engine_memory
+        assert back.role == ROLLOUT and not back.has_trainer and back.has_engine_memory
+        assert back.switches == training.switches + 1
+        assert len(r["served"]["output_ids"]) == 2
+
+
+def test_switch_latencies(switched):
+    to_train = [m.switch_s for r in switched["rounds"] for m in r["events"]
+                if isinstance(m, RoleChanged) and m.cell == r["source"] and m.role == TRAIN]
+    to_rollout = [m.switch_s for r in switched["rounds"] for m in r["events"]
+                  if isinstance(m, RoleChanged) and m.cell == r["source"] and m.role == ROLLOUT]
+    assert len(to_train) == len(to_rollout) == ROUNDS
+    print(f"\nrollout->train s: {[round(s, 3) for s in to_train]} median {statistics.median(to_train):.3f}")
+    print(f"train->rollout s: {[round(s, 3) for s in to_rollout]} median {statistics.median(to_rollout):.3f}")
+    assert 0 < statistics.median(to_train) < 60 and 0 < statistics.median(to_rollout) < 60

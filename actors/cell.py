@@ -35,19 +35,19 @@ from typing import Any
 import attrs
 import torch
 
-from gyre.actors.cell_rollout import RolloutHost
+from gyre.actors.cell_rollout import EngineWeights, PeerView, RecentSessions, RolloutHost
 from gyre.actors.cell_training import ClaimLoop, CoreSteps, TrainerHost
-from gyre.actors.weight_broker import StaleWeights, flat_to_hf, pull_weights
+from gyre.actors.weight_broker import WeightPuller
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.model_format import ModelSpec
 from gyre.engines.trainer import TrainerConfig
+from gyre.engines.transfer import TransferAgent, TransferConfig
 from gyre.messages.cell_internal import (
     CellStatus,
     CellStatusQuery,
     ReportTick,
     SwitchFinished,
     WeightSource,
-    WeightsQuery,
 )
 from gyre.messages.cells import (
     ROLLOUT,
@@ -57,13 +57,14 @@ from gyre.messages.cells import (
     LoadReport,
     MigrateSessions,
     RoleChanged,
+    SessionPlaced,
     SessionsMigrated,
     SwitchRole,
 )
 from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
-from gyre.runtime import Actor, GyreError, UnknownAddress, handler
+from gyre.runtime import Actor, GyreError, handler
 
-__all__ = ["Cell", "CellConfig", "PeerView"]
+__all__ = ["Cell", "CellConfig"]
 
 ROLES = (ROLLOUT, TRAIN)
 
@@ -121,59 +122,18 @@ class CellConfig:
     """Attempts at a weight pull (a torn read, a step in progress, the broker busy) before the cell fails."""
     pull_retry_s: float = attrs.field(default=0.02, validator=_positive)
     """Pause between pull attempts."""
-
-
-@attrs.define
-class _Peer:
-    role: str
-    engine_url: str
-    draining: bool
-
-
-class PeerView:
-    """What a cell knows of the other cells from their announcements: role, URL, whether they drain."""
-
-    def __init__(self, me: str, max_cells: int = 4096) -> None:
-        self.me = me
-        self.max_cells = max_cells
-        self.cells: dict[str, _Peer] = {}
-
-    def _update(self, cell: str, role: str | None = None, url: str | None = None,
-                draining: bool | None = None) -> None:
-        if cell == self.me:
-            return
-        peer = self.cells.get(cell)
-        if peer is None:
-            if len(self.cells) >= self.max_cells:
-                return
-            peer = self.cells[cell] = _Peer("", "", False)
-        if role is not None:
-            peer.role = role
-        if url is not None:
-            peer.engine_url = url
-        if draining is not None:
-            peer.draining = draining
-
-    def on_role_changed(self, msg: RoleChanged) -> None:
-        self._update(msg.cell, msg.role, msg.engine_url, draining=False)
-
-    def on_load(self, msg: LoadReport) -> None:
-        self._update(msg.cell, msg.role, msg.engine_url)
-
-    def on_draining(self, msg: CellDraining) -> None:
-        self._update(msg.cell, draining=True)
-
-    def rollout_targets(self) -> dict[str, str]:
-        """Cell -> URL of every other cell that serves rollouts now and is not draining."""
-        return {name: p.engine_url for name, p in sorted(self.cells.items())
-                if p.role == ROLLOUT and p.engine_url and not p.draining}
+    session_ttl_s: float = attrs.field(default=600.0, validator=_positive)
+    """A session counts as live on this cell (LoadReport.live_sessions) until this long after its last call here:
+    agents run tools between calls. The proxy knows sessions exactly; this is the cell's estimate."""
+    max_sessions: int = attrs.field(default=65536, validator=_positive)
+    """Sessions the estimate remembers at most."""
 
 
 class Cell(Actor):
     """See the module docstring."""
 
     config_cls = CellConfig
-    subscriptions = (RoleChanged, LoadReport, CellDraining, WeightsPublished, StepReady)
+    subscriptions = (RoleChanged, LoadReport, CellDraining, SessionPlaced, WeightsPublished, StepReady)
 
     async def on_start(self) -> None:
         config = self.config
@@ -194,8 +154,11 @@ class Cell(Actor):
         self.pending_role: str | None = None
         self.switches = 0
         self.switches_refused = 0
-        self._refresh_task: asyncio.Task | None = None
-        self.spawn(self._guarded(self._start_role(config.initial_role)), name=f"{self.name}.start")
+        self.puller = WeightPuller(self, config.broker, config.broker_timeout_s, config.pull_attempts,
+                                   config.pull_retry_s)
+        self.engine_weights = EngineWeights(self)
+        self.sessions = RecentSessions(config.session_ttl_s, config.max_sessions, self.clock.now)
+        self.spawn(self.guarded(self._start_role(config.initial_role)), name=f"{self.name}.start")
         self.send_later(config.report_interval_s, ReportTick())
 
     async def on_stop(self) -> None:
@@ -214,15 +177,16 @@ class Cell(Actor):
             self.agent.close()
             self.agent = None
 
-    async def _guarded(self, work: Any) -> None:
-        """Run a switch; if it fails, free the server, engine and buffers before the actor fails (its restart
-        builds everything anew, and nothing of this incarnation may stay listening or registered)."""
+    async def guarded(self, work: Any) -> None:
+        """Run a role's background work (a switch, the claim loop); if it fails, free the server, engine and
+        buffers before the actor fails (its restart builds everything anew, and nothing of this incarnation may
+        stay listening or registered)."""
         try:
             await work
         except asyncio.CancelledError:
             raise
         except BaseException:
-            self.log.exception("switch_failed")
+            self.log.exception("role_task_failed")
             await self._release_all()
             raise
 
@@ -233,105 +197,33 @@ class Cell(Actor):
 
     # ---- weights ------------------------------------------------------------------------------------------
 
-    async def _ask_source(self) -> WeightSource | None:
-        """The broker's newest source; None when it does not answer now."""
-        try:
-            return await self.ask(self.config.broker, WeightsQuery(self.name), timeout_s=self.config.broker_timeout_s)
-        except UnknownAddress:
-            raise
-        except GyreError as error:
-            self.log.warning("broker_unavailable", error=str(error))
-            return None
-
-    async def _pull(self, into_trainer: bool) -> tuple[WeightSource | None, bool]:
-        """Pull the newest weights (retrying torn or stale reads) into the trainer or the engine's staging buffer.
-        Returns (source, pulled): pulled is False when there was nothing newer than what the target holds."""
-        config = self.config
-        for _ in range(config.pull_attempts):
-            try:
-                source = await self._ask_source()
-            except UnknownAddress:  # no broker in this topology: everyone keeps the model directory's weights
-                return None, False
-            if source is not None:
-                if into_trainer:
-                    assert self.training is not None
-                    held = self.training.version
-                else:
-                    assert self.rollout is not None
-                    held = self.rollout.weight_version
-                if source.version <= max(held, 0):
-                    return source, False
-                try:
-                    if into_trainer:
-                        async with self.compute_lock:
-                            await self.offload(self.training.pull, source)
-                    else:
-                        buffer = self.rollout.pull_buffer(source.nbytes)
-                        await self.offload(pull_weights, self.agent, source, buffer, self.fence_scratch)
-                        self.rollout.pulled_version = source.version
-                    self.latest_version = max(self.latest_version, source.version)
-                    return source, True
-                except StaleWeights as stale:
-                    self.log.debug("weights_stale_retry", wanted=stale.wanted, found=stale.found)
-            await asyncio.sleep(config.pull_retry_s)
-        raise RuntimeError(f"{self.name}: no clean weight pull in {config.pull_attempts} attempts")
-
-    async def _engine_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:
-        """The newest weights for this cell's engine as an HF state dict (None: keep what it has) and their version."""
-        if self.training is not None and self.config.is_core:
-            async with self.compute_lock:
-                weights = await self.offload(self.training.trainer.hf_state_dict)
-                return weights, self.training.version
-        source, pulled = await self._pull(into_trainer=False)
-        if not pulled:
-            return None, self.rollout.weight_version if self.rollout else 0
-        assert source is not None and self.rollout is not None and self.rollout.pulled is not None
-        return await self.offload(flat_to_hf, self.rollout.pulled, source, self.spec), source.version
-
-    def _tell_broker(self, msg: Any) -> None:
+    def tell_broker(self, msg: Any) -> None:
         try:
             self.tell(self.config.broker, msg)
         except GyreError as error:
             self.log.warning("broker_not_told", type=type(msg).__name__, error=str(error))
 
     async def catch_up_trainer(self, always_ask: bool = False) -> None:
-        """Satellite in the train role: pull the newest weights if a newer version than the trainer's exists."""
-        assert self.training is not None
-        if not always_ask and self.latest_version <= self.training.version:
+        """Satellite in the train role: pull the newest weights straight into the trainer if they are newer than
+        its own (asking the broker only when a newer version was announced, unless `always_ask`)."""
+        host = self.training
+        assert host is not None
+        if not always_ask and self.latest_version <= host.version:
             return
         started = self.clock.now()
-        source, pulled = await self._pull(into_trainer=True)
-        if pulled and source is not None:
-            self._tell_broker(WeightsLoaded(self.name, source.version, self.clock.now() - started))
+
+        async def pull_into_trainer(source: WeightSource) -> None:
+            async with self.compute_lock:
+                await self.offload(host.pull, source)
+
+        source = await self.puller.pull(lambda: host.version, pull_into_trainer)
+        if source is not None:
+            self.latest_version = max(self.latest_version, source.version)
+            self.tell_broker(WeightsLoaded(self.name, source.version, self.clock.now() - started))
 
     def on_core_weights_changed(self) -> None:
         """Core: a step was applied; an engine it serves from follows."""
-        self._want_refresh()
-
-    def _want_refresh(self) -> None:
-        if self.role != ROLLOUT or (self._refresh_task is not None and not self._refresh_task.done()):
-            return
-        self._refresh_task = self.spawn(self._refresh(), name=f"{self.name}.weights")
-
-    async def _refresh(self) -> None:
-        """Rollout role: load newer weights into the serving engine until it has the newest."""
-        while self.role == ROLLOUT and self.rollout is not None and self.rollout.serving:
-            current = self.rollout.weight_version
-            newest = self.training.version if self.config.is_core and self.training else self.latest_version
-            if newest <= current:
-                return
-            started = self.clock.now()
-            weights, version = await self._engine_weights()
-            if weights is None or version <= current or self.role != ROLLOUT:
-                return
-            await self.rollout.load_weights(weights, version)
-            seconds = self.clock.now() - started
-            self.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4))
-            self._tell_broker(WeightsLoaded(self.name, version, seconds))
-
-    async def _stop_refresh(self) -> None:
-        if self._refresh_task is not None and not self._refresh_task.done():
-            await asyncio.shield(self._refresh_task)
+        self.engine_weights.follow()
 
     # ---- roles --------------------------------------------------------------------------------------------
 
@@ -339,16 +231,14 @@ class Cell(Actor):
         """The initial role (a switch from nothing)."""
         config = self.config
         started = self.clock.now()
-        from gyre.engines.transfer import TransferAgent, TransferConfig  # Mooncake loads only where cells run
-
         self.agent = await self.offload(TransferAgent, TransferConfig(hostname=config.host))
         self.agent.register_tensor(self.fence_scratch)
         self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, config.host, config.port,
-                                   config.server_shutdown_s, self.offload)
+                                   config.server_shutdown_s, self.offload, self.sessions)
         if config.is_core:
             await self._build_trainer()
             assert self.training is not None
-            self._tell_broker(self.training.source(self.name))
+            self.tell_broker(self.training.source(self.name))
             self.core_ready.set()
         url = ""
         if role == TRAIN:
@@ -358,10 +248,10 @@ class Cell(Actor):
                 await self.catch_up_trainer(always_ask=True)
             version = self.training.version
         else:
-            weights, version = await self._engine_weights()
+            weights, version = await self.engine_weights.newest()
             url = await self.rollout.start(weights, version)
             version = self.rollout.weight_version
-            self._tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
+            self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
         self.tell(self.name, SwitchFinished(role, "", url, version, self.clock.now() - started, 0))
 
     def _begin_switch(self, role: str, reason: str) -> None:
@@ -373,10 +263,10 @@ class Cell(Actor):
                                  why="no other rollout cell is known to take this cell's sessions")
                 return
             self.role = SWITCHING
-            self.spawn(self._guarded(self._rollout_to_train(targets)), name=f"{self.name}.to_train")
+            self.spawn(self.guarded(self._rollout_to_train(targets)), name=f"{self.name}.to_train")
         else:
             self.role = SWITCHING
-            self.spawn(self._guarded(self._train_to_rollout()), name=f"{self.name}.to_rollout")
+            self.spawn(self.guarded(self._train_to_rollout()), name=f"{self.name}.to_rollout")
         self.log.info("switch_started", role=role, reason=reason)
 
     async def _rollout_to_train(self, targets: dict[str, str]) -> None:
@@ -390,7 +280,7 @@ class Cell(Actor):
         building = (asyncio.ensure_future(self._timed(phases, "trainer_built_s", self._build_trainer()))
                     if self.training is None else None)
         try:
-            await self._stop_refresh()
+            await self.engine_weights.settle()
             paused = await self._timed(phases, "paused_s", self.rollout.pause_in_place())
             migrated = await self._timed(phases, "migrated_s", self._migrate(targets))
             aborted = await self._timed(phases, "engine_released_s", self.rollout.shutdown())
@@ -436,10 +326,10 @@ class Cell(Actor):
                 phases["trainer_released_s"] = self.clock.now() - released
         finally:
             await preparing
-        weights, version = await self._timed(phases, "weights_s", self._engine_weights())
+        weights, version = await self._timed(phases, "weights_s", self.engine_weights.newest())
         await self._timed(phases, "server_s", self.rollout.start(weights, version))
         version = self.rollout.weight_version
-        self._tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
+        self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
         self.log.info("back_to_rollout", **{k: round(v, 4) for k, v in phases.items()})
         self.tell(self.name, SwitchFinished(ROLLOUT, TRAIN, self.rollout.url, version, self.clock.now() - started, 0))
 
@@ -470,7 +360,7 @@ class Cell(Actor):
         if stats is not None:
             report = LoadReport(
                 cell=self.name, role=self.role, engine_url=self.engine_url,
-                live_sessions=stats.running + stats.waiting,  # the proxy knows sessions; the engine knows calls
+                live_sessions=max(self.sessions.count(), stats.running + stats.waiting),
                 running_requests=stats.running, waiting_requests=stats.waiting,
                 free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
                 capacity_requests=self.config.engine.max_running_requests,
@@ -517,7 +407,7 @@ class Cell(Actor):
         if msg.role == TRAIN:
             self.claims.start()
         else:
-            self._want_refresh()
+            self.engine_weights.follow()
         await self._publish_load()
         pending, self.pending_role = self.pending_role, None
         if pending is not None and pending != self.role:
@@ -540,11 +430,16 @@ class Cell(Actor):
     def on_cell_draining(self, msg: CellDraining) -> None:
         self.peers.on_draining(msg)
 
+    @handler(SessionPlaced)
+    def on_session_placed(self, msg: SessionPlaced) -> None:
+        if msg.cell == self.name:
+            self.sessions.seen(msg.session)
+
     @handler(WeightsPublished)
     def on_weights_published(self, msg: WeightsPublished) -> None:
         self.latest_version = max(self.latest_version, msg.version)
         if not self.config.is_core:
-            self._want_refresh()
+            self.engine_weights.follow()
 
     @handler(StepReady)
     async def on_step_ready(self, msg: StepReady) -> None:

@@ -11,27 +11,95 @@ Draining (rollout -> train) happens in steps the cell orders: `pause_in_place` (
 boundary and keep their KV, so the migrator can export everything computed so far), then `shutdown`: abort what is
 still in flight (the proxy resubmits prompt + partial output to the cell that took the session), stop the server
 while aborting any late arrival, release the memory.
+
+Also here: `EngineWeights` keeps the engine on the newest weights (at a start or switch, and after every
+publication while serving), and `PeerView` is what a cell knows of the other cells, so that a draining cell knows
+who can take its sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any, Awaitable, Callable, Mapping
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
+import attrs
 import structlog
 import torch
 from aiohttp import web
 
+from gyre.actors.weight_broker import WeightsUnavailable, flat_to_hf, pull_weights
 from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig, EngineStats
 from gyre.engines.engine_server import build_engine_app
+from gyre.messages.cell_internal import WeightSource
+from gyre.messages.cells import ROLLOUT, CellDraining, LoadReport, RoleChanged
+from gyre.messages.training import WeightsLoaded
 
-__all__ = ["RolloutHost"]
+if TYPE_CHECKING:
+    from gyre.actors.cell import Cell
+
+__all__ = ["EngineWeights", "PeerView", "RecentSessions", "RolloutHost"]
 
 log = structlog.get_logger(__name__)
 
 Offload = Callable[..., Awaitable[Any]]
+
+
+class RecentSessions:
+    """The sessions (executions) that called this engine lately: the cell's estimate of its live sessions.
+
+    The proxy knows its sessions exactly; a cell sees only request ids, which the proxy makes
+    "<execution_id>/<call_index>". An agent runs tools between its calls, so a session counts as live for `ttl_s`
+    after its last call here (or after the KV migrator placed it here). Bounded: the stalest are forgotten first.
+    """
+
+    def __init__(self, ttl_s: float, max_sessions: int, clock: Callable[[], float]) -> None:
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self._last_s: OrderedDict[str, float] = OrderedDict()
+
+    @staticmethod
+    def session_of(key: str) -> str:
+        """The execution id in a request id or a proxy session key ("<execution_id>/<...>")."""
+        return key.rsplit("/", 1)[0]
+
+    def seen(self, key: str) -> None:
+        session = self.session_of(key)
+        self._last_s[session] = self.clock()
+        self._last_s.move_to_end(session)
+        while len(self._last_s) > self.max_sessions:
+            self._last_s.popitem(last=False)
+
+    def count(self) -> int:
+        horizon = self.clock() - self.ttl_s
+        while self._last_s and next(iter(self._last_s.values())) < horizon:
+            self._last_s.popitem(last=False)
+        return len(self._last_s)
+
+    def clear(self) -> None:
+        self._last_s.clear()
+
+    def middleware(self) -> Callable:
+        """An aiohttp middleware noting the session of every /generate call (the body is read once and cached)."""
+        sessions = self
+
+        @web.middleware
+        async def note_session(request: web.Request, handler: Callable) -> web.StreamResponse:
+            if request.method == "POST" and request.path == "/generate":
+                try:
+                    body = json.loads(await request.read())
+                except (ValueError, UnicodeDecodeError):
+                    body = None  # the handler answers 400
+                rid = body.get("rid") if isinstance(body, dict) else None
+                if isinstance(rid, str) and rid:
+                    sessions.seen(rid)
+            return await handler(request)
+
+        return note_session
 
 
 class RolloutHost:
@@ -46,7 +114,9 @@ class RolloutHost:
         port: int,
         shutdown_timeout_s: float,
         offload: Offload,
+        sessions: RecentSessions,
     ) -> None:
+        self.sessions = sessions
         self.model_dir = model_dir
         self.engine_config = engine_config
         self.agent = agent
@@ -110,6 +180,7 @@ class RolloutHost:
             await self.async_engine.load_weights(weights, version)
         await self.async_engine.continue_generation()
         app = build_engine_app(self.async_engine, self.agent, model_path=self.model_dir)
+        app.middlewares.append(self.sessions.middleware())
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=self.shutdown_timeout_s)
         await runner.setup()  # registers the KV pool with the transfer agent
         try:
@@ -147,6 +218,7 @@ class RolloutHost:
         aborted = await engine.abort_all()
         runner, self._runner = self._runner, None
         self.url = ""
+        self.sessions.clear()  # placed elsewhere by the migrator, or re-prefilled elsewhere
         if runner is not None:
             stopped = asyncio.Event()
 
@@ -218,3 +290,118 @@ class RolloutHost:
         if self.pulled is None or self.pulled_version < 0:
             return ""
         return hashlib.sha256(self.pulled.numpy().tobytes()).hexdigest()
+
+
+class EngineWeights:
+    """Keeps a cell's engine on the newest weights: at a start or switch (`newest`) and, in the rollout role, after
+    every publication (`follow`): pause in place, load, continue; in-flight requests keep their tokens' versions.
+
+    The core loads straight from its own trainer. A satellite pulls the flat buffer from the core into the engine's
+    registered staging buffer (a clean copy, see actors/weight_broker.py) and converts it to Hugging Face names.
+    """
+
+    def __init__(self, cell: Cell) -> None:
+        self.cell = cell
+        self._task: asyncio.Task | None = None
+
+    async def newest(self) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """The newest weights as an HF state dict and their version; (None, version held) when there is nothing
+        newer than what the engine holds. Raises WeightsUnavailable."""
+        cell = self.cell
+        rollout = cell.rollout
+        assert rollout is not None
+        if cell.config.is_core:
+            assert cell.training is not None
+            async with cell.compute_lock:
+                weights = await cell.offload(cell.training.trainer.hf_state_dict)
+                return weights, cell.training.version
+
+        async def pull_into_staging(source: WeightSource) -> None:
+            buffer = rollout.pull_buffer(source.nbytes)
+            rollout.pulled_version = -1
+            await cell.offload(pull_weights, cell.agent, source, buffer, cell.fence_scratch)
+            rollout.pulled_version = source.version
+
+        source = await cell.puller.pull(lambda: rollout.weight_version, pull_into_staging)
+        if source is None:
+            return None, rollout.weight_version
+        cell.latest_version = max(cell.latest_version, source.version)
+        assert rollout.pulled is not None
+        return await cell.offload(flat_to_hf, rollout.pulled, source, cell.spec), source.version
+
+    def follow(self) -> None:
+        """In the rollout role: start loading newer weights unless that is already under way."""
+        if self.cell.role != ROLLOUT or (self._task is not None and not self._task.done()):
+            return
+        self._task = self.cell.spawn(self._follow(), name=f"{self.cell.name}.weights")
+
+    async def settle(self) -> None:
+        """Wait for a load under way to end (a switch must not stop the engine under it)."""
+        if self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def _follow(self) -> None:
+        cell = self.cell
+        while cell.role == ROLLOUT and cell.rollout is not None and cell.rollout.serving:
+            current = cell.rollout.weight_version
+            newest = cell.training.version if cell.config.is_core and cell.training else cell.latest_version
+            if newest <= current:
+                return
+            started = cell.clock.now()
+            try:
+                weights, version = await self.newest()
+            except WeightsUnavailable as error:  # keep serving the weights it has; the next publication retries
+                cell.log.error("engine_weights_not_updated", version=current, newest=newest, error=str(error))
+                return
+            if weights is None or version <= current or cell.role != ROLLOUT:
+                return
+            await cell.rollout.load_weights(weights, version)
+            seconds = cell.clock.now() - started
+            cell.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4))
+            cell.tell_broker(WeightsLoaded(cell.name, version, seconds))
+
+
+@attrs.define
+class _Peer:
+    role: str
+    engine_url: str
+    draining: bool
+
+
+class PeerView:
+    """What a cell knows of the other cells from their announcements: role, URL, whether they drain."""
+
+    def __init__(self, me: str, max_cells: int = 4096) -> None:
+        self.me = me
+        self.max_cells = max_cells
+        self.cells: dict[str, _Peer] = {}
+
+    def _update(self, cell: str, role: str | None = None, url: str | None = None,
+                draining: bool | None = None) -> None:
+        if cell == self.me:
+            return
+        peer = self.cells.get(cell)
+        if peer is None:
+            if len(self.cells) >= self.max_cells:
+                return
+            peer = self.cells[cell] = _Peer("", "", False)
+        if role is not None:
+            peer.role = role
+        if url is not None:
+            peer.engine_url = url
+        if draining is not None:
+            peer.draining = draining
+
+    def on_role_changed(self, msg: RoleChanged) -> None:
+        self._update(msg.cell, msg.role, msg.engine_url, draining=False)
+
+    def on_load(self, msg: LoadReport) -> None:
+        self._update(msg.cell, msg.role, msg.engine_url)
+
+    def on_draining(self, msg: CellDraining) -> None:
+        self._update(msg.cell, draining=True)
+
+    def rollout_targets(self) -> dict[str, str]:
+        """Cell -> URL of every other cell that serves rollouts now and is not draining."""
+        return {name: p.engine_url for name, p in sorted(self.cells.items())
+                if p.role == ROLLOUT and p.engine_url and not p.draining}

@@ -7,10 +7,13 @@ Gradient exchange, end to end:
   itself; a satellite copies its gradients into a registered send buffer, zeroes its trainer and tells the core
   `MicroStepDone` with the buffer's descriptor; it reuses the buffer only after the core's `GradientsTaken`, and
   meanwhile already computes the next micro-step;
-- the core pulls a satellite's gradients through Mooncake and adds them, frees the buffer (GradientsTaken), and
-  only then forwards the `MicroStepDone` to the claimer. So the claimer counts a micro-step done exactly when its
-  gradients are in the core: if the pull fails (the satellite died or switched away) the core hands the micro-step
-  back with `ReleaseMicroStep` and it is trained again elsewhere, never lost and never counted twice;
+- the core pulls a satellite's gradients through Mooncake and adds them, and only then forwards the
+  `MicroStepDone` to the claimer (and frees the satellite's buffer with GradientsTaken). So the claimer counts a
+  micro-step done exactly when its gradients are in the core: if the pull fails (the satellite died or switched
+  away) the core hands the micro-step back with `ReleaseMicroStep` and it is trained again elsewhere;
+- the core adds each (step, micro-step) once: a second copy (the claimer re-queued a micro-step whose gradients
+  were on their way) is dropped, and a micro-step the core computes itself is reserved before its compute starts,
+  because its gradients land in the trainer as they are computed and could not be taken out again;
 - when the claimer's `StepReady` has fixed the step's size and all its micro-steps are in, the core runs the
   optimizer step (fence -1 while it writes, see actors/weight_broker.py) and publishes `StepApplied`; the broker
   announces the new weights.
@@ -172,6 +175,9 @@ class StepProgress:
     """The claimer's StepReady (the step's size), once it came."""
     done: dict[int, MicroStepDone] = attrs.field(factory=dict)
     """Micro-step index -> its report, for micro-steps whose gradients are in."""
+    reserved: set[int] = attrs.field(factory=set)
+    """Micro-steps the core is computing itself: their gradients land in its trainer as they are computed, so a
+    satellite's copy of the same micro-step (the claimer re-queued it) must not be added too."""
 
     @property
     def complete(self) -> bool:
@@ -205,14 +211,35 @@ class StepTracker:
         progress.ready = msg
         return True
 
-    def accept(self, msg: MicroStepDone) -> bool:
-        """Count a micro-step in. False (nothing recorded) for an applied step, a duplicate or an index outside
-        the step."""
+    def _fits(self, progress: StepProgress | None, index: int) -> bool:
+        if progress is None or index < 0 or index in progress.done:
+            return False
+        return progress.ready is None or index < progress.ready.num_microsteps
+
+    def reserve(self, step_id: int, microstep_index: int) -> bool:
+        """The core is about to compute this micro-step itself. False when its gradients are already in (or it is
+        reserved, applied, outside the step): the core must then not compute it."""
+        progress = self._progress(step_id)
+        if not self._fits(progress, microstep_index) or microstep_index in progress.reserved:
+            return False
+        progress.reserved.add(microstep_index)
+        return True
+
+    def unreserve(self, step_id: int, microstep_index: int) -> None:
+        progress = self.open.get(step_id)
+        if progress is not None:
+            progress.reserved.discard(microstep_index)
+
+    def accept(self, msg: MicroStepDone, own: bool = False) -> bool:
+        """Count a micro-step in (`own`: the core computed it). False (nothing recorded) for an applied step, a
+        duplicate, an index outside the step, or another cell's copy of a micro-step the core computes itself."""
         progress = self._progress(msg.step_id)
-        if progress is None or msg.microstep_index in progress.done or msg.microstep_index < 0:
+        if not self._fits(progress, msg.microstep_index):
             return False
-        if progress.ready is not None and msg.microstep_index >= progress.ready.num_microsteps:
-            return False
+        if msg.microstep_index in progress.reserved:
+            if not own:
+                return False
+            progress.reserved.discard(msg.microstep_index)
         progress.done[msg.microstep_index] = msg
         return True
 
@@ -246,11 +273,11 @@ class CoreSteps:
         cell, config = self.cell, self.cell.config
         host = cell.training
         assert host is not None
-        if not self.tracker.accept(msg):
+        if not self.tracker.accept(msg, own=msg.cell == cell.name):
             cell.log.warning("microstep_done_ignored", from_cell=msg.cell, step_id=msg.step_id,
                              index=msg.microstep_index, applied_through=self.tracker.applied_through)
             if msg.grad_peer:
-                cell.tell(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
+                await cell.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
             return
         if msg.grad_peer:
             try:
@@ -260,10 +287,13 @@ class CoreSteps:
                 self.tracker.forget(msg.step_id, msg.microstep_index)
                 cell.log.error("gradients_lost_requeued", from_cell=msg.cell, step_id=msg.step_id,
                                index=msg.microstep_index, error=str(error))
-                cell.tell(config.claimer, ReleaseMicroStep(msg.cell, msg.step_id, msg.microstep_index))
+                await cell.send(config.claimer, ReleaseMicroStep(msg.cell, msg.step_id, msg.microstep_index))
                 return
-            cell.tell(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
-        cell.tell(config.claimer, msg)
+        # The claimer hears first, the satellite second: a satellite that switches away after GradientsTaken then
+        # announces it only after the claimer already counted its last micro-step (no needless re-queue).
+        await cell.send(config.claimer, msg)
+        if msg.grad_peer:
+            await cell.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
         await self.apply_ready()
 
     async def on_ready(self, msg: StepReady) -> None:
@@ -319,7 +349,7 @@ class ClaimLoop:
     def start(self) -> None:
         assert self._task is None or self._task.done(), "the claim loop is running"
         self._halt.clear()
-        self._task = self.cell.spawn(self._run(), name=f"{self.cell.name}.claims")
+        self._task = self.cell.spawn(self.cell.guarded(self._run()), name=f"{self.cell.name}.claims")
 
     @property
     def running(self) -> bool:
@@ -372,7 +402,7 @@ class ClaimLoop:
                 self.released += 1
                 if not grant.samples:
                     cell.log.error("empty_microstep_released", step_id=grant.step_id, index=grant.microstep_index)
-                cell.tell(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
+                await cell.send(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
                 continue
             await self._compute_and_report(grant)
 
@@ -380,22 +410,30 @@ class ClaimLoop:
         cell, config = self.cell, self.cell.config
         host = cell.training
         assert host is not None
+        core_steps = cell.core_steps
+        if core_steps is not None and not core_steps.tracker.reserve(grant.step_id, grant.microstep_index):
+            # A satellite's gradients for it reached the core already (the claimer re-queued it in between).
+            cell.log.info("microstep_already_in", step_id=grant.step_id, index=grant.microstep_index)
+            return
         try:
             async with cell.compute_lock:
                 metrics = await cell.offload(host.compute, grant.samples, grant.num_executions_in_step,
                                              config.clip_low, config.clip_high)
         except ValueError as error:  # bad samples (LossInputError, TrainerError): hand it back, say loudly why
+            if core_steps is not None:
+                core_steps.tracker.unreserve(grant.step_id, grant.microstep_index)
             self.released += 1
             cell.log.error("microstep_failed_released", step_id=grant.step_id, index=grant.microstep_index,
                            error=str(error))
             if not config.is_core:
                 host.trainer.zero_grads()
-            cell.tell(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
+            await cell.send(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
             return
         self.computed += 1
         tokens, loss = int(metrics["num_tokens"]), float(metrics["loss"])
         if config.is_core:
-            cell.tell(cell.name, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, "", 0, 0, tokens, loss))
+            await cell.send(cell.name, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, "", 0, 0, tokens,
+                                                     loss))
             return
         if not await self.wait_grads_taken():
             cell.log.error("gradients_never_taken", outstanding=self._outstanding)
@@ -405,5 +443,5 @@ class ClaimLoop:
             addr, nbytes = await cell.offload(host.export_grads)
         self._outstanding = (grant.step_id, grant.microstep_index)
         self._grads_free.clear()
-        cell.tell(config.core, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, host.agent.peer,
-                                             addr, nbytes, tokens, loss))
+        await cell.send(config.core, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, host.agent.peer,
+                                                   addr, nbytes, tokens, loss))

@@ -84,8 +84,9 @@ class ClaimerConfig:
     """Micro-steps filling at once (first-fit packing among them)."""
     early_close_fraction: float = attrs.field(default=0.5, validator=_positive)
     """A claim that finds nothing queued closes the fullest open micro-step if it is at least this full."""
-    max_claims_per_cell: int = attrs.field(default=1, validator=_positive)
-    """Micro-steps one cell may hold at once."""
+    max_claims_per_cell: int = attrs.field(default=2, validator=_positive)
+    """Micro-steps one cell may hold at once. Two, because a satellite already computes its next micro-step while the
+    core is still pulling the gradients of the previous one (the core tells us it is done only after the pull)."""
     retry_after_s: float = attrs.field(default=1.0, validator=_positive)
     """Told to a cell that gets no work: when to ask again."""
     max_pending_executions: int = attrs.field(default=4096, validator=_positive)

@@ -58,12 +58,17 @@ class SchedulerConfig:
     """Decide nothing until every one of these cells has announced itself (a partial view misleads a policy)."""
     switch_timeout_s: float = 300.0
     """Give up waiting for a switch's RoleChanged after this long."""
+    cell_silence_limit_s: float | None = 120.0
+    """A cell heard from (RoleChanged, LoadReport) no later than this long ago is left out of the view: a dead cell
+    shown as an idle trainer would make the policy believe someone takes the waiting work. None: never."""
 
     def __attrs_post_init__(self) -> None:
         if self.tick_s is not None and self.tick_s <= 0:
             raise SchedulerConfigError(f"tick_s must be > 0 or None, got {self.tick_s}")
         if self.switch_timeout_s <= 0:
             raise SchedulerConfigError(f"switch_timeout_s must be > 0, got {self.switch_timeout_s}")
+        if self.cell_silence_limit_s is not None and self.cell_silence_limit_s <= 0:
+            raise SchedulerConfigError(f"cell_silence_limit_s must be > 0 or None, got {self.cell_silence_limit_s}")
 
 
 @attrs.define
@@ -76,6 +81,8 @@ class _CellState:
     switch_sent_s: float = 0.0
     load: LoadReport | None = None
     announced: bool = False
+    last_heard_s: float = 0.0
+    silent: bool = False
 
 
 class Scheduler(Actor):
@@ -94,9 +101,15 @@ class Scheduler(Actor):
 
     # ---- the view -------------------------------------------------------------------------------------------------
     def _cell(self, name: str) -> _CellState:
+        """The cell's state, marked as heard from now (every caller handles a message from or about it)."""
         if name not in self.cells:
             self.cells[name] = _CellState(name, role_since_s=self.clock.now())
-        return self.cells[name]
+        state = self.cells[name]
+        state.last_heard_s = self.clock.now()
+        if state.silent:
+            self.log.info("cell heard from again", cell=name)
+            state.silent = False
+        return state
 
     @handler(RoleChanged)
     def on_role_changed(self, msg: RoleChanged) -> None:
@@ -158,8 +171,14 @@ class Scheduler(Actor):
     def view(self) -> SchedulerView:
         now = self.clock.now()
         cells = []
+        limit = self.config.cell_silence_limit_s
         for name in sorted(self.cells):
             state = self.cells[name]
+            if limit is not None and now - state.last_heard_s > limit:
+                if not state.silent:
+                    self.log.warning("cell silent; left out of the view", cell=name, silent_s=now - state.last_heard_s)
+                    state.silent = True
+                continue
             load = state.load
             cells.append(CellView(
                 name=name,
@@ -189,9 +208,9 @@ class Scheduler(Actor):
                 state.role_since_s = now
         if any(name not in self.cells or not self.cells[name].announced for name in self.config.expected_cells):
             return
-        if not self.cells:
-            return
         view = self.view()
+        if not view.cells:
+            return
         self.counts["evaluations"] += 1
         decisions = self.config.policy.decide(view)
         try:

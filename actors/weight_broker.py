@@ -4,8 +4,9 @@ Weights never travel on the bus. The core registers its live flat parameter buff
 and an int64 *fence* beside it with its transfer agent, and tells the broker once where both are
 (`WeightSource`, with the buffer's layout). After every optimizer step the core publishes `StepApplied`; the
 broker turns it into `WeightsPublished(version, peer, addr, nbytes)` for everyone. A cell that wants the weights
-asks the broker for the newest source (`WeightsQuery`) and pulls with `pull_weights`; rollout cells then tell the
-broker `WeightsLoaded`, and the broker keeps who holds which version (`WeightsStatusQuery`).
+asks the broker for the newest source (`WeightsQuery`) and pulls with `pull_weights` (`WeightPuller` does both and
+retries what can be retried); cells then tell the broker `WeightsLoaded`, and the broker keeps who holds which
+version (`WeightsStatusQuery`).
 
 Why a fence instead of a copy per version: the core's parameters change only inside an optimizer step, so a pull
 that starts and ends while the fence shows the version it wants read a clean buffer. The core writes -1 into
@@ -18,24 +19,28 @@ instruction around the -1 store.)
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
 import torch
 
 from gyre.engines.model_format import ModelSpec
+from gyre.engines.transfer import TransferError
 from gyre.engines.weight_convert import megatron_to_hf
 from gyre.messages.cell_internal import WeightSource, WeightsQuery, WeightsStatus, WeightsStatusQuery
 from gyre.messages.training import StepApplied, WeightsLoaded, WeightsPublished
-from gyre.runtime import Actor, handler
+from gyre.runtime import Actor, GyreError, UnknownAddress, handler
 
 __all__ = [
     "NO_SOURCE",
     "StaleWeights",
     "WeightBroker",
     "WeightBrokerConfig",
+    "WeightPuller",
+    "WeightsUnavailable",
     "flat_to_hf",
     "pull_weights",
     "read_fence",
@@ -96,6 +101,51 @@ def pull_weights(agent: Any, source: WeightSource, into: torch.Tensor, scratch: 
     if found != source.version:
         raise StaleWeights(source.version, found)
     return moved
+
+
+class WeightsUnavailable(RuntimeError):
+    """No clean pull of the newest weights in the allowed attempts (the broker or the core did not answer)."""
+
+
+class WeightPuller:
+    """A cell's side of the broker: find the newest weights and pull them cleanly, retrying what can be retried
+    (a torn or stale read, a step in progress, a broker or core that does not answer now), boundedly."""
+
+    def __init__(self, actor: Actor, broker: str, timeout_s: float, attempts: int, retry_s: float) -> None:
+        self.actor = actor
+        self.broker = broker
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self.retry_s = retry_s
+
+    async def pull(
+        self, held: Callable[[], int], pull_into: Callable[[WeightSource], Awaitable[Any]]
+    ) -> WeightSource | None:
+        """If the broker knows a newer version than `held()` (-1, holding none, counts as the model directory's
+        version 0), pull it with `pull_into(source)` (which raises StaleWeights or TransferError when the copy is
+        not clean) and return its source. None when there is nothing newer, or no broker in the topology (everyone
+        keeps the model directory's weights). WeightsUnavailable after `attempts` failed tries."""
+        log = self.actor.log
+        for _ in range(self.attempts):
+            try:
+                source = await self.actor.ask(self.broker, WeightsQuery(self.actor.name), timeout_s=self.timeout_s)
+            except UnknownAddress:
+                return None
+            except GyreError as error:
+                log.warning("broker_unavailable", error=str(error))
+                source = None
+            if source is not None:
+                if source.version <= max(held(), 0):
+                    return None
+                try:
+                    await pull_into(source)
+                    return source
+                except StaleWeights as stale:
+                    log.debug("weights_stale_retry", wanted=stale.wanted, found=stale.found)
+                except TransferError as error:  # the core is gone or restarting: maybe it is back soon
+                    log.warning("weights_pull_failed_retry", version=source.version, error=str(error))
+            await asyncio.sleep(self.retry_s)
+        raise WeightsUnavailable(f"{self.actor.name}: no clean weight pull in {self.attempts} attempts")
 
 
 def flat_to_hf(flat: torch.Tensor, source: WeightSource, spec: ModelSpec) -> dict[str, torch.Tensor]:

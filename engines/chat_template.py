@@ -40,15 +40,11 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 END_OF_TEXT = "<|endoftext|>"
 
-TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-TOOLS_EPILOGUE = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-    "</tool_call>"
-)
+# The tools section is compact on purpose: one line per tool, `name(arg, ...): description`. Full JSON schemas
+# cost a small model hundreds of context tokens per call that carry no loss and teach nothing; checkpoints that
+# bring their own template (any Qwen3) keep theirs.
+TOOLS_PREAMBLE = "Tools:"
+TOOLS_EPILOGUE = '\nCall a tool as <tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>'
 
 # Whitespace matters: transformers compiles templates with trim_blocks and lstrip_blocks, and every piece of
 # output below is an explicit `{{- ... }}` string so that the layout of this source never leaks into the text.
@@ -59,7 +55,12 @@ CHAT_TEMPLATE = (
     "    {{- '<|im_start|>system\\n' }}\n"
     "    {%- if ns.start == 1 and messages[0].content %}{{- messages[0].content + '\\n\\n' }}{%- endif %}\n"
     "    {{- " + json.dumps(TOOLS_PREAMBLE) + " }}\n"
-    "    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}\n"
+    "    {%- for tool in tools %}{%- set f = tool.function if tool.function is defined else tool %}\n"
+    "        {%- set p = f.parameters.properties if (f.parameters is defined and f.parameters.properties is defined)"
+    " else {} %}\n"
+    "        {{- '\\n' + f.name + '(' + (p | list | join(', ')) + ')' }}\n"
+    "        {%- if f.description %}{{- ': ' + f.description }}{%- endif %}\n"
+    "    {%- endfor %}\n"
     "    {{- " + json.dumps(TOOLS_EPILOGUE) + " + '<|im_end|>\\n' }}\n"
     "{%- elif ns.start == 1 %}\n"
     "    {{- '<|im_start|>system\\n' + (messages[0].content or '') + '<|im_end|>\\n' }}\n"

@@ -85,21 +85,22 @@ class EngineConfig:
     """KV blocks in the pool."""
     max_running_requests: int = attrs.field(default=64, validator=_positive)
     """Requests decoded together at most."""
-    max_waiting_requests: int = attrs.field(default=1024, validator=_positive)
-    """Queued requests at most; beyond it `submit` raises EngineOverloaded."""
     max_context_tokens: int = attrs.field(default=8192, validator=_positive)
     """Prompt plus output tokens of one request at most."""
     max_prefill_tokens: int = attrs.field(default=4096, validator=_positive)
     """Prompt tokens computed per step at most (chunked prefill budget)."""
+    dtype: str = "float32"
+    """Weights and KV element type: float32, bfloat16 or float16."""
+    num_threads: int | None = None
+    """torch intra-op threads; None leaves torch's setting alone."""
+    # Fields beyond INTERFACES.md's list; the ones above keep its order, so positional use still works.
+    max_waiting_requests: int = attrs.field(default=1024, validator=_positive)
+    """Queued requests at most; beyond it `submit` raises EngineOverloaded."""
     max_exports: int = attrs.field(default=256, validator=_positive)
     """Exported prefixes pinned at once at most."""
     decode_staging_bytes: int = 256 << 20
     """Memory for contiguous copies of the decoding requests' K/V (saves a gather of every context per layer
     per step); a decode group that needs more falls back to gathering. 0 disables staging."""
-    dtype: str = "float32"
-    """Weights and KV element type: float32, bfloat16 or float16."""
-    num_threads: int | None = None
-    """torch intra-op threads; None leaves torch's setting alone."""
     seed: int = 0
     """Seeds the per-request seeds of requests that give none, so a run is reproducible."""
 

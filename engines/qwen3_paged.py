@@ -30,6 +30,10 @@ import torch.nn.functional as F
 from gyre.engines.kv_pool import KVPool, torch_dtype
 
 
+# Tokens a staged decode group can grow before its buffer is rebuilt (see `_Staging`).
+STAGING_HEADROOM_TOKENS = 32
+
+
 class ModelFormatError(ValueError):
     """The model directory or a weight update does not describe a Qwen3 model this engine can run."""
 
@@ -165,7 +169,7 @@ class _Plan:
     __slots__ = (
         "tokens", "positions", "slots", "cos", "sin", "num_decode", "decode_tables", "decode_starts",
         "decode_keys", "decode_blocks", "decode_mask", "decode_context", "prefills", "logit_rows", "staged",
-        "stage_rows", "stage_pos", "stage_identity", "stage_len", "stage_mask",
+        "stage_rows", "stage_pos", "stage_identity", "stage_mask",
     )
 
 
@@ -441,7 +445,9 @@ class Qwen3Paged:
                     rows[b] = free.pop(0)
                     self._stage_fill(staging, rows[b], tables[b], starts[b], pool)
         if rows is None:
-            capacity = longest + max(32, longest // 4)  # headroom: the group decodes for a while before a rebuild
+            # Attention reads the whole buffer (SDPA is about a third faster on contiguous K/V than on a slice of
+            # it), so headroom is wasted work each step and a rebuild every STAGING_HEADROOM_TOKENS steps.
+            capacity = longest + STAGING_HEADROOM_TOKENS
             s = self.spec
             shape = (s.num_layers, 2, n, s.num_kv_heads, capacity, s.head_dim)
             nbytes = 2 * n * s.num_layers * s.num_kv_heads * capacity * s.head_dim * pool.tensor.element_size()
@@ -461,9 +467,8 @@ class Qwen3Paged:
         plan.stage_rows = torch.tensor(rows, dtype=torch.long)
         plan.stage_pos = torch.tensor(starts, dtype=torch.long)
         plan.stage_identity = rows == list(range(total_rows))
-        plan.stage_len = longest
         filled = torch.tensor([max(f, 1) for f in staging.filled], dtype=torch.long)  # holes attend to a dummy
-        plan.stage_mask = (torch.arange(longest).unsqueeze(0) < filled.unsqueeze(1))[:, None, None, :]
+        plan.stage_mask = (torch.arange(staging.capacity).unsqueeze(0) < filled.unsqueeze(1))[:, None, None, :]
         return True
 
     def _stage_fill(self, staging: _Staging, row: int, table: list[int], count: int, pool: KVPool) -> None:
@@ -592,15 +597,12 @@ class Qwen3Paged:
             k_stage, v_stage = staging.tensor[layer, 0], staging.tensor[layer, 1]  # [rows, kvh, capacity, hd]
             k_stage[plan.stage_rows, :, plan.stage_pos] = k[:n]
             v_stage[plan.stage_rows, :, plan.stage_pos] = v[:n]
-            length = plan.stage_len
             query = q[:n].reshape(n, kvh, group, hd)
             if not plan.stage_identity:
                 full = torch.zeros(len(staging.keys), kvh, group, hd, dtype=q.dtype)
                 full[plan.stage_rows] = query
                 query = full
-            result = F.scaled_dot_product_attention(
-                query, k_stage[:, :, :length], v_stage[:, :, :length], attn_mask=plan.stage_mask
-            )
+            result = F.scaled_dot_product_attention(query, k_stage, v_stage, attn_mask=plan.stage_mask)
             if not plan.stage_identity:
                 result = result[plan.stage_rows]
             if out is None:

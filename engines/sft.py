@@ -33,12 +33,13 @@ class SFTError(ValueError):
 class SFTConfig:
     """Fine-tuning knobs."""
 
-    epochs: int = 4
+    epochs: int = 6
     """Passes over the demonstrations."""
     lr: float = 2e-3
     """AdamW learning rate (peak; linear decay to 10% over the run)."""
-    batch_tokens: int = 8192
-    """Padded tokens per optimizer step (batches group conversations of similar length)."""
+    batch_tokens: int = 2048
+    """Padded tokens per optimizer step (batches group conversations of similar length). Small batches: a tiny
+    model learns the tool-call format from many small steps far better than from a few large ones."""
     max_tokens: int = 1536
     """Longest conversation kept; longer ones are skipped and counted."""
     seed: int = 0

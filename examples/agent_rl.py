@@ -63,7 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--train-tasks", type=int, default=400)
     parser.add_argument("--heldout-tasks", type=int, default=28)
     parser.add_argument("--sft-tasks", type=int, default=300, help="expert demonstrations for the warm start")
-    parser.add_argument("--sft-epochs", type=int, default=3)
+    parser.add_argument("--sft-epochs", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))

@@ -192,9 +192,8 @@ class ElasticPolicy:
         waiting = backlog.claimable_microsteps - takers
         if waiting >= self.grow_min_waiting:
             rollout_cells = [c for c in view.cells if c.role == ROLLOUT and not c.is_core]
-            candidates = sorted(
-                (c for c in rollout_cells if _settled(c, view, self.min_dwell_s)), key=lambda c: (c.live_sessions, c.name)
-            )
+            settled = (c for c in rollout_cells if _settled(c, view, self.min_dwell_s))
+            candidates = sorted(settled, key=lambda c: (c.live_sessions, c.name))
             staying = sum(1 for c in view.cells if c.role == ROLLOUT and not c.is_core)
             for cell in candidates:
                 if staying - 1 < self.min_rollout_cells:

@@ -81,6 +81,8 @@ def check_staleness_policy(policy: object, versions: range = range(0, 12)) -> No
             if not answers[(sample, base)]:
                 continue
             if sample + 1 in versions and not answers[(sample + 1, base)]:
-                raise StalenessPolicyError(f"not monotone: admits({sample}, {base}) but not admits({sample + 1}, {base})")
+                raise StalenessPolicyError(
+                    f"not monotone: admits({sample}, {base}) but not admits({sample + 1}, {base})")
             if base - 1 in versions and not answers[(sample, base - 1)]:
-                raise StalenessPolicyError(f"not monotone: admits({sample}, {base}) but not admits({sample}, {base - 1})")
+                raise StalenessPolicyError(
+                    f"not monotone: admits({sample}, {base}) but not admits({sample}, {base - 1})")

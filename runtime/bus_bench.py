@@ -9,12 +9,17 @@ order (one-way throughput). Runs alternate without and with the event log on, so
 a shared machine hits both alike; each figure is the median over every repeat of every run.
 
 Ray side: `ray.init(num_cpus=2)`, one remote actor with a method, sequential `ray.get(a.m.remote(x))` round trips.
+
+Floor: the same round trips as a blocking pyzmq + msgpack loop between two processes (no runtime at all), measured
+in the same run, so a reader can tell the runtime's own cost from the machine's (on a loaded machine the scheduler,
+not Python, sets both).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -145,21 +150,26 @@ def _gyre_run(config: BenchConfig, record: bool, work_dir: Path, run_number: int
     return json.loads(out_path.read_text())
 
 
-def _ray_roundtrips(calls: int, repeats: int, warmup: int) -> dict[str, list]:
-    import ray
+class _RayBaseline:
+    """A Ray cluster on this machine with one echo actor; `measure` runs sequential `ray.get(a.m.remote(x))`."""
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
+    def __init__(self, warmup: int) -> None:
+        import ray
+
+        self._ray = ray
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
         @ray.remote
         class EchoActor:
             def m(self, x: Any) -> Any:
                 return x
 
-        actor = EchoActor.remote()
+        self._actor = EchoActor.remote()
         for number in range(warmup):
-            ray.get(actor.m.remote(number))
-        results: dict[str, list] = {"roundtrip_per_s": [], "p50_ms": [], "p99_ms": []}
+            ray.get(self._actor.m.remote(number))
+
+    def measure(self, calls: int, repeats: int, into: dict[str, list]) -> None:
+        ray, actor = self._ray, self._actor
         for _ in range(repeats):
             latencies_s = []
             start = time.perf_counter()
@@ -169,24 +179,102 @@ def _ray_roundtrips(calls: int, repeats: int, warmup: int) -> dict[str, list]:
                 latencies_s.append(time.perf_counter() - sent)
             elapsed_s = time.perf_counter() - start
             latencies_s.sort()
-            results["roundtrip_per_s"].append(calls / elapsed_s)
-            results["p50_ms"].append(_percentile(latencies_s, 0.50) * 1e3)
-            results["p99_ms"].append(_percentile(latencies_s, 0.99) * 1e3)
-        return results
-    finally:
-        ray.shutdown()
+            into.setdefault("roundtrip_per_s", []).append(calls / elapsed_s)
+            into.setdefault("p50_ms", []).append(_percentile(latencies_s, 0.50) * 1e3)
+            into.setdefault("p99_ms", []).append(_percentile(latencies_s, 0.99) * 1e3)
+
+    def close(self) -> None:
+        self._ray.shutdown()
+
+
+def _raw_echo(pull_endpoint: str, push_endpoint: str, count: int) -> None:
+    import msgpack
+    import zmq
+
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.bind(pull_endpoint)
+    push = context.socket(zmq.PUSH)
+    push.connect(push_endpoint)
+    for _ in range(count):
+        header, body = pull.recv_multipart()
+        msgpack.unpackb(header)
+        push.send_multipart([header, msgpack.packb(msgpack.unpackb(body))])
+    context.destroy(linger=1000)
+
+
+def _raw_zmq_roundtrips(calls: int, repeats: int, warmup: int, payload_bytes: int) -> dict[str, list]:
+    """The floor: blocking pyzmq + msgpack round trips between two processes over ipc://."""
+    import msgpack
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="gyre-raw-") as folder:
+        there, back = f"ipc://{folder}/there", f"ipc://{folder}/back"
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        pull.bind(back)
+        echo = multiprocessing.get_context("spawn").Process(
+            target=_raw_echo, args=(there, back, warmup + calls * repeats), daemon=True
+        )
+        echo.start()
+        push = context.socket(zmq.PUSH)
+        push.connect(there)
+        payload = bytes(payload_bytes)
+
+        def roundtrip(number: int) -> None:
+            push.send_multipart([msgpack.packb((1, number, "driver", "echo")), msgpack.packb([number, payload])])
+            msgpack.unpackb(pull.recv_multipart()[1])
+
+        try:
+            for number in range(warmup):
+                roundtrip(number)
+            results: dict[str, list] = {"roundtrip_per_s": [], "p50_ms": [], "p99_ms": []}
+            for _ in range(repeats):
+                latencies_s = []
+                start = time.perf_counter()
+                for number in range(calls):
+                    sent = time.perf_counter()
+                    roundtrip(number)
+                    latencies_s.append(time.perf_counter() - sent)
+                elapsed_s = time.perf_counter() - start
+                latencies_s.sort()
+                results["roundtrip_per_s"].append(calls / elapsed_s)
+                results["p50_ms"].append(_percentile(latencies_s, 0.50) * 1e3)
+                results["p99_ms"].append(_percentile(latencies_s, 0.99) * 1e3)
+            return results
+        finally:
+            echo.join(timeout=10)
+            if echo.is_alive():
+                echo.kill()
+            context.destroy(linger=0)
 
 
 def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = True) -> dict[str, Any]:
-    """Measure and return the figures (medians over every repeat of every run)."""
+    """Measure and return the figures: medians over every repeat of every run.
+
+    Each of the `runs` cycles measures Ray, gyre without recording, gyre with recording and the raw pyzmq floor
+    one after the other, so that a burst of load from other processes falls on all of them alike."""
     plain: dict[str, list] = {}
     recorded: dict[str, list] = {}
-    with tempfile.TemporaryDirectory(prefix="gyre-bench-") as work:
-        for run_number in range(runs):
-            for record, into in ((False, plain), (True, recorded)):
-                got = _gyre_run(config, record, Path(work), 2 * run_number + record)
-                for key, values in got.items():
-                    into.setdefault(key, []).extend(values)
+    raw: dict[str, list] = {}
+    ray_results: dict[str, list] = {}
+    baseline = _RayBaseline(warmup=min(200, ray_calls)) if with_ray else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="gyre-bench-") as work:
+            for run_number in range(runs):
+                if baseline is not None:
+                    baseline.measure(ray_calls, config.repeats, ray_results)
+                for record, into in ((False, plain), (True, recorded)):
+                    got = _gyre_run(config, record, Path(work), 2 * run_number + record)
+                    for key, values in got.items():
+                        into.setdefault(key, []).extend(values)
+                for key, values in _raw_zmq_roundtrips(
+                    config.roundtrips, config.repeats, config.warmup, config.payload_bytes
+                ).items():
+                    raw.setdefault(key, []).extend(values)
+    finally:
+        if baseline is not None:
+            baseline.close()
     median = statistics.median
     figures: dict[str, Any] = {
         "gyre_roundtrip_per_s": median(plain["roundtrip_per_s"]),
@@ -197,8 +285,9 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
         "gyre_oneway_recorded_per_s": median(recorded["oneway_per_s"]),
     }
     figures["recording_overhead"] = 1.0 - figures["gyre_oneway_recorded_per_s"] / figures["gyre_oneway_per_s"]
+    figures["raw_zmq_roundtrip_per_s"] = median(raw["roundtrip_per_s"])
+    figures["raw_zmq_roundtrip_p99_ms"] = median(raw["p99_ms"])
     if with_ray:
-        ray_results = _ray_roundtrips(ray_calls, config.repeats, warmup=min(200, ray_calls))
         figures["ray_roundtrip_per_s"] = median(ray_results["roundtrip_per_s"])
         figures["ray_roundtrip_p50_ms"] = median(ray_results["p50_ms"])
         figures["ray_roundtrip_p99_ms"] = median(ray_results["p99_ms"])
@@ -255,6 +344,8 @@ def bench_command(args: argparse.Namespace) -> int:
     print(f"  one-way          {figures['gyre_oneway_per_s']:10.0f} /s", file=out)
     print(f"  one-way recorded {figures['gyre_oneway_recorded_per_s']:10.0f} /s   overhead "
           f"{figures['recording_overhead'] * 100:.1f}%", file=out)
+    print(f"raw pyzmq loop     {figures['raw_zmq_roundtrip_per_s']:10.0f} /s   p99 "
+          f"{figures['raw_zmq_roundtrip_p99_ms']:.3f} ms (the floor: no runtime)", file=out)
     if "ray_roundtrip_per_s" in figures:
         print(f"ray actor calls    {figures['ray_roundtrip_per_s']:10.0f} /s   p50 "
               f"{figures['ray_roundtrip_p50_ms']:.3f} ms   p99 {figures['ray_roundtrip_p99_ms']:.3f} ms", file=out)

@@ -8,6 +8,7 @@ against its annotation, so a garbage frame becomes a `MalformedFrame` error inst
 
 from __future__ import annotations
 
+import operator
 import types
 import typing
 from typing import Any, Callable, Iterable
@@ -75,14 +76,31 @@ class _Entry:
     version: int
     field_names: tuple[str, ...]
     checkers: tuple[Checker, ...]
+    values: Callable[[Any], tuple]
+    """The message's field values in declaration order (an attrgetter: a Python loop costs more per message)."""
+
+
+def _values_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    if not names:
+        return lambda msg: ()
+    if len(names) == 1:
+        name = names[0]
+        return lambda msg: (getattr(msg, name),)
+    return operator.attrgetter(*names)
 
 
 class Codec:
-    """Encodes and decodes (envelope, message) pairs for every registered message class."""
+    """Encodes and decodes (envelope, message) pairs for every registered message class.
+
+    A codec reuses its msgpack packers (building one per call costs more than the packing of a small message), so
+    one instance must not be used from two threads at once; each node has its own.
+    """
 
     def __init__(self, classes: Iterable[type] | None = None) -> None:
         self._by_name: dict[str, _Entry] = {}
         self._by_class: dict[type, _Entry] = {}
+        self._header_packer = msgpack.Packer(use_bin_type=True)
+        self._body_packer = msgpack.Packer(default=self._default, use_bin_type=True)
         for cls in REGISTERED if classes is None else classes:
             self.register(cls)
 
@@ -94,12 +112,14 @@ class Codec:
             raise TypeError(f"two message classes claim the wire name {name!r}")
         hints = typing.get_type_hints(cls)
         fields = attrs.fields(cls)
+        names = tuple(f.name for f in fields)
         entry = _Entry(
             cls=cls,
             type_name=name,
             version=cls.__gyre_version__,
-            field_names=tuple(f.name for f in fields),
+            field_names=names,
             checkers=tuple(_checker_for(hints[f.name]) for f in fields),
+            values=_values_getter(names),
         )
         self._by_name[name] = entry
         self._by_class[cls] = entry
@@ -128,10 +148,9 @@ class Codec:
         entry = self._by_class.get(type(value))
         if entry is None:
             raise MalformedFrame(f"cannot encode a value of type {type(value).__qualname__}")
+        # A fresh packer: this runs inside the body packer, which must not be re-entered.
         packed = msgpack.packb(
-            (entry.type_name, entry.version, [getattr(value, n) for n in entry.field_names]),
-            default=self._default,
-            use_bin_type=True,
+            (entry.type_name, entry.version, entry.values(value)), default=self._default, use_bin_type=True
         )
         return msgpack.ExtType(_NESTED_EXT, packed)
 
@@ -171,10 +190,8 @@ class Codec:
             raise MalformedFrame(f"{entry.type_name} refused its fields: {type(error).__name__}: {error}") from error
 
     def encode_body(self, msg: Any) -> bytes:
-        entry = self._entry_for_class(type(msg))
-        return msgpack.packb(
-            [getattr(msg, n) for n in entry.field_names], default=self._default, use_bin_type=True
-        )
+        entry = self._by_class.get(type(msg)) or self._entry_for_class(type(msg))
+        return self._body_packer.pack(entry.values(msg))
 
     def decode_body(self, type_name: str, version: int, body: bytes) -> Any:
         entry = self._lookup(type_name, version)
@@ -202,8 +219,8 @@ class Codec:
 
     # ---- envelopes ------------------------------------------------------------------------------------------------
     def encode(self, envelope: Envelope, msg: Any) -> tuple[bytes, bytes]:
-        entry = self._entry_for_class(type(msg))
-        header = msgpack.packb(
+        entry = self._by_class.get(type(msg)) or self._entry_for_class(type(msg))
+        header = self._header_packer.pack(
             (
                 FORMAT_VERSION,
                 envelope.msg_id,
@@ -216,10 +233,9 @@ class Codec:
                 int(envelope.kind),
                 entry.type_name,
                 entry.version,
-            ),
-            use_bin_type=True,
+            )
         )
-        return header, self.encode_body(msg)
+        return header, self._body_packer.pack(entry.values(msg))
 
     def decode_header(self, header: bytes) -> tuple[Envelope, str, int]:
         """The envelope plus the body's type name and version; the body is left for `decode_body`."""

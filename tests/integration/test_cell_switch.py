@@ -32,7 +32,7 @@ from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.sglang_client import SGLangClient
 from gyre.engines.trainer import TrainerConfig
 from gyre.messages.cell_internal import CellStatusQuery
-from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, RoleChanged, SessionPlaced, SwitchRole
+from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleChanged, SessionPlaced, SwitchRole
 from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import ProxyStatusAsked
@@ -48,10 +48,15 @@ WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega rive
 class Recorder(Actor):
     """Keeps (time, message) of every announcement it hears."""
 
-    subscriptions = (RoleChanged, CellDraining, SessionPlaced, ModelCallCompleted)
+    subscriptions = (RoleChanged, CellDraining, SessionPlaced, ModelCallCompleted, LoadReport)
 
     async def on_start(self) -> None:
         self.events: list = []
+        self.loads: dict[str, LoadReport] = {}
+
+    @handler(LoadReport)
+    def on_load(self, msg: LoadReport) -> None:
+        self.loads[msg.cell] = msg
 
     @handler(RoleChanged, CellDraining, SessionPlaced, ModelCallCompleted)
     def on_event(self, msg) -> None:
@@ -135,6 +140,11 @@ def switched(tiny_model_dir):
                 messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(8))})
             rounds.append({"source": source, "events": [m for _, m in recorder.events[mark:]],
                            "training": training, "back": back, "served": served, "replies": replies})
+        last = rounds[-1]["source"]
+        other = "cell-a" if last == "cell-b" else "cell-b"
+        await h.wait_until(lambda: recorder.loads[last].role == ROLLOUT and recorder.loads[other].live_sessions,
+                           timeout_s=30, what="load reports after the last switch")
+        live = {cell: recorder.loads[cell].live_sessions for cell in (last, other)}
         switched_calls = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
         proxy_status = await h.ask("proxy", ProxyStatusAsked())
         # The unswitched run: every call's exact prompt ids again, straight to an engine that nothing disturbs.
@@ -146,7 +156,7 @@ def switched(tiny_model_dir):
                     "max_new_tokens": MAX_TOKENS, "temperature": 0.0, "stop_token_ids": list(stop_ids)})
                 references[call.prompt_ids] = tuple(out["output_ids"])
         return {"rounds": rounds, "switched_calls": switched_calls, "references": references,
-                "proxy": proxy_status}
+                "proxy": proxy_status, "live": live, "last": last, "other": other}
 
     run = run_actors(topology(str(tiny_model_dir)), driver, transport="zmq", timeout_s=500)
     assert run.stop_reason is None, run.stop_reason
@@ -189,6 +199,11 @@ def test_memory_follows_the_role(switched):
         assert back.role == ROLLOUT and not back.has_trainer and back.has_engine_memory
         assert back.switches == training.switches + 1
         assert len(r["served"]["output_ids"]) == 2
+
+
+def test_load_reports_count_the_sessions_a_cell_holds(switched):
+    # The last switch moved every session to the other cell, whose engine then finished their calls.
+    assert switched["live"] == {switched["other"]: AGENTS, switched["last"]: 0}
 
 
 def test_switch_latencies(switched):

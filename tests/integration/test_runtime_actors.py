@@ -614,3 +614,19 @@ def test_background_failure_during_an_ask_restarts_and_answers_the_asker(transpo
 
     result = run_actors(_topology(worker=RestartPolicy("restart", 3)), driver, transport=transport)
     assert result.value == ("RuntimeError", 1, "running")
+
+
+def test_waiting_sends_keep_ids_gap_free_so_replay_matches(tmp_path) -> None:
+    from gyre.runtime.replay import replay_actor
+
+    log_path = tmp_path / "flood.glog"
+
+    async def driver(h: Harness) -> int:
+        await h.ask("flooder", Flood("sink", 100, wait=True), timeout_s=60.0)
+        await h.wait_until(lambda: len(h.actor("sink").received) == 100, 30.0, "the sink took every item")
+        return h.statistics()["send_waits"]
+
+    waits = run_actors(_flood_topology(), driver, transport="virtual", node_config=_SMALL, log_path=log_path).value
+    assert waits > 0  # the flooder did wait for room
+    result = replay_actor(log_path, "flooder")
+    assert result.identical and result.compared == 101  # 100 items and the reply

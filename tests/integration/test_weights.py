@@ -2,14 +2,16 @@
 
 One core and one satellite train, a third cell serves rollouts, the micro-step claimer hands out work and the
 broker announces weights; every actor runs on its own node with ZeroMQ between them (one process, so the test can
-look inside). Two steps of synthetic samples are trained:
-- (a) the core's weights after them equal one trainer's trained on the union of each step's micro-steps;
+look inside). Three steps of synthetic samples are trained (in the third the satellite switches to rollout mid-step):
+- (a) the core's weights after them equal one trainer's trained on the union of each step's micro-steps, and
+  every micro-step was computed exactly once;
 - (b) after each step the rollout cell pulls the new weights through Mooncake (the same bytes as the core's) and its
   engine's output tokens carry the new version.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -22,7 +24,7 @@ from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.sglang_client import SGLangClient
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 from gyre.messages.cell_internal import CellStatusQuery, WeightsStatusQuery
-from gyre.messages.cells import RoleChanged
+from gyre.messages.cells import ROLLOUT, RoleChanged, SwitchRole
 from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.messages.scheduling import ClaimerStatisticsAsked
 from gyre.messages.training import StepApplied, WeightsPublished
@@ -101,7 +103,7 @@ async def generate_versions(url: str) -> list[int]:
 def trained(tiny_model_dir):
     """Run the topology through two steps; return what the driver saw."""
     torch.set_num_threads(1)
-    groups = [make_group("g0", 0, version=0), make_group("g1", 1, version=0)]
+    groups = [make_group("g0", 0, version=0), make_group("g1", 1, version=0), make_group("g2", 2, version=1)]
 
     async def driver(h):
         recorder = h.actor("recorder")
@@ -113,7 +115,7 @@ def trained(tiny_model_dir):
         await h.wait_until(lambda: len(seen(RoleChanged)) >= 3, timeout_s=180, what="three cells up")
         roller_url = seen(RoleChanged, cell="roller")[0].engine_url
         result = {"versions": [await generate_versions(roller_url)], "digests": []}
-        for step, group in enumerate(groups):
+        for step, group in enumerate(groups[:2]):
             h.tell("claimer", group)
             await h.wait_until(lambda: seen(StepApplied, step_id=step), timeout_s=120, what=f"step {step} applied")
 
@@ -124,12 +126,26 @@ def trained(tiny_model_dir):
             for _ in range(400):
                 if await roller_caught_up():
                     break
-                await __import__("asyncio").sleep(0.05)
+                await asyncio.sleep(0.05)
             result["versions"].append(await generate_versions(roller_url))
             core = await h.ask("core", CellStatusQuery(with_digest=True))
             roller = await h.ask("roller", CellStatusQuery(with_digest=True))
             result["digests"].append((core.weights_sha256, roller.weights_sha256, core.weight_version,
                                       roller.weight_version))
+        # Step 2: the satellite leaves for rollout while the step is under way (holding a claim if it got one).
+        h.tell("claimer", groups[2])
+        ledger = h.actor("claimer").ledger
+        await h.wait_until(lambda: ledger.backlog(0.0).claims_by_cell.get("satellite", 0) > 0
+                           or seen(StepApplied, step_id=2), timeout_s=120, what="satellite claims in step 2")
+        result["switched_holding_claim"] = not seen(StepApplied, step_id=2)
+        h.tell("satellite", SwitchRole("satellite", ROLLOUT, "test: away mid-step"))
+        await h.wait_until(lambda: seen(StepApplied, step_id=2), timeout_s=120, what="step 2 applied")
+        await h.wait_until(lambda: seen(RoleChanged, cell="satellite", role=ROLLOUT), timeout_s=120,
+                           what="satellite serving")
+        for _ in range(400):
+            if (await h.ask("weight_broker", WeightsStatusQuery())).cell_versions.get("roller") == 3:
+                break
+            await asyncio.sleep(0.05)
         result["core_params"] = h.actor("core").training.trainer.flat_params()
         result["status"] = {name: await h.ask(name, CellStatusQuery(with_digest=False))
                             for name in ("core", "satellite", "roller")}
@@ -163,12 +179,15 @@ def test_micro_steps_were_shared_and_counted_once(trained):
     _, seen = trained
     stats = seen["claimer"]
     check_exactly_once(stats)
-    assert stats.samples_trained == 2 * EXECUTIONS_PER_STEP and stats.steps_applied == 2
+    assert stats.samples_trained == 3 * EXECUTIONS_PER_STEP and stats.steps_applied == 3
     computed = {name: s.microsteps_computed for name, s in seen["status"].items()}
     assert computed["core"] >= 1 and computed["satellite"] >= 1, computed
-    assert computed["core"] + computed["satellite"] == stats.microsteps_done == 2 * EXECUTIONS_PER_STEP
-    assert seen["status"]["core"].steps_applied == 2
-    assert not seen["status"]["roller"].has_trainer  # a rollout satellite holds no trainer
+    # Every micro-step computed once, even the one the satellite held when it left (finished or handed back).
+    assert computed["core"] + computed["satellite"] == stats.microsteps_done == 3 * EXECUTIONS_PER_STEP
+    assert seen["status"]["core"].steps_applied == 3
+    for name in ("roller", "satellite"):  # rollout satellites hold no trainer
+        assert seen["status"][name].role == ROLLOUT and not seen["status"][name].has_trainer
+    print(f"\nsatellite left step 2 holding a claim: {seen['switched_holding_claim']}")
 
 
 def test_rollout_cell_pulls_each_version(trained):
@@ -178,6 +197,6 @@ def test_rollout_cell_pulls_each_version(trained):
         assert core_digest and core_digest == roller_digest
         assert core_version == roller_version
     published = [e.version for e in seen["events"] if isinstance(e, WeightsPublished)]
-    assert published == [0, 1, 2]
-    assert seen["broker"].cell_versions["roller"] == 2
+    assert published == [0, 1, 2, 3]
+    assert seen["broker"].cell_versions["roller"] == 3
 

@@ -107,8 +107,10 @@ def test_layout_of_a_tool_using_conversation(chat_template, hf_tokenizer):
     ]
     text = chat_template.render_text(msgs, TOOLS, add_generation_prompt=False)
     assert text == hf_tokenizer.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
-    assert text.startswith("<|im_start|>system\n# Tools\n")
-    assert json.dumps(TOOLS[0], ensure_ascii=False) in text
+    assert text.startswith("<|im_start|>system\nTools:\n")
+    function = TOOLS[0].get("function", TOOLS[0])
+    signature = f"{function['name']}({', '.join(function['parameters']['properties'])})"
+    assert f"\n{signature}" in text  # one compact line per tool
     assert ("<|im_start|>assistant\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": "
             "\"12 * 7\"}}\n</tool_call><|im_end|>\n") in text
     assert "<|im_start|>tool\n<tool_response>\n84\n</tool_response><|im_end|>\n" in text
@@ -122,7 +124,7 @@ def test_system_without_tools_and_empty_system(chat_template):
     system = chat_template.decode(chat_template.system_ids(None, "Be brief."))
     assert system == "<|im_start|>system\nBe brief.<|im_end|>\n"
     with_tools = chat_template.decode(chat_template.system_ids(TOOLS, "Be brief."))
-    assert with_tools.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert with_tools.startswith("<|im_start|>system\nBe brief.\n\nTools:")
 
 
 def test_header_trailer_and_stop_tokens(chat_template):

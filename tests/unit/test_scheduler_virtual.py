@@ -46,7 +46,18 @@ from gyre.messages.training import (
 )
 from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy
 from gyre.policies.staleness import MaxVersionLag
-from gyre.runtime import Actor, Codec, RestartPolicy, RunOptions, RunResult, Topology, VirtualLauncher, handler, read_log
+from gyre.runtime import (
+    Actor,
+    Codec,
+    RestartPolicy,
+    RunOptions,
+    RunResult,
+    Topology,
+    VirtualLauncher,
+    handler,
+    read_log,
+)
+from gyre.runtime.replay import replay_actor
 
 
 # ---- simulation messages (test-only wire names) -------------------------------------------------------------------
@@ -625,6 +636,16 @@ def test_elastic_lends_an_idle_satellite_to_training_and_takes_it_back_when_work
     assert outcome.scheduler.switches_to_train == outcome.scheduler.switches_to_rollout == 2
 
 
+def test_the_claimer_and_the_scheduler_replay_identically_from_the_log(tmp_path):
+    """Their configs (policies included) are recorded and every output depends only on their inputs."""
+    policy = ElasticPolicy(min_dwell_s=5.0, dry_grace_s=5.0)
+    outcome = run(topology(policy, three_cells(max_steps=2, linger_s=30.0), SimSourceConfig(scripted=SCRIPT),
+                           scripted_claimer()), tmp_path / "replay.glog")
+    for actor in ("claimer", "scheduler"):
+        result = replay_actor(outcome.log_path, actor)
+        assert result.identical and result.compared > 100, result
+
+
 def test_async_makes_its_fixed_split_once_and_never_switches_again(tmp_path):
     outcome = run(topology(AsyncPolicy(train_cells=("core", "s1")), three_cells(max_steps=2, linger_s=30.0),
                            SimSourceConfig(scripted=SCRIPT), scripted_claimer()), tmp_path / "async.glog")
@@ -645,6 +666,80 @@ def test_colocate_trains_everyone_per_step_and_rolls_everyone_out_in_between(tmp
     # g1's long execution was paused while everyone trained: it lands later than under elastic (t=200.5 there)
     assert outcome.ready[1].base_version == 1
     check_exactly_once(outcome.claimer)
+
+
+# ---- the scheduler on its own ---------------------------------------------------------------------------------------
+@message("gyre.tests.sim.DriverTick")
+class DriverTick:
+    """Driver timer."""
+
+    number: int
+    """Which tick."""
+
+
+class Quiet(Actor):
+    """A cell that only takes SwitchRole (the event log shows what it got)."""
+
+    @handler(SwitchRole)
+    def on_switch(self, msg: SwitchRole) -> None:
+        pass
+
+
+class ViewDriver(Actor):
+    """Speaks for four cells: s1 trains idly, one micro-step waits; at t=100 every cell but s1 reports again."""
+
+    def _reports(self, cells: tuple[str, ...]) -> None:
+        for name in cells:
+            role = TRAIN if name in ("core", "s1") else ROLLOUT
+            self.publish(LoadReport(name, role, "", 0, 0, 0, 0, 0, 4, 0, self.clock.now()))
+        self.publish(TrainingBacklog(0, 0, True, 1, 1, 0, 0, 16, 16, 0, {"core": 1}, self.clock.now()))
+
+    async def on_start(self) -> None:
+        for name in ("core", "s1", "s2", "s3"):
+            role = TRAIN if name in ("core", "s1") else ROLLOUT
+            self.publish(RoleChanged(name, role, "", "", 0, 0.0, 0, name == "core"))
+        self._reports(("core", "s1", "s2", "s3"))
+        self.send_later(100.0, DriverTick(1))
+
+    @handler(DriverTick)
+    def on_tick(self, msg: DriverTick) -> None:
+        if msg.number == 1:
+            self._reports(("core", "s2", "s3"))
+            self.send_later(10.0, DriverTick(2))
+        else:
+            self.stop_topology("done")
+
+
+def scheduler_only(policy, tmp_path: Path, restart: RestartPolicy = RestartPolicy()) -> Outcome:
+    topo = Topology("scheduler", seed=0)
+    topo.add("scheduler", Scheduler, SchedulerConfig(policy=policy, tick_s=10.0, cell_silence_limit_s=50.0,
+                                                     expected_cells=("core", "s1", "s2", "s3")), restart=restart)
+    for name in ("core", "s1", "s2", "s3"):
+        topo.add(name, Quiet)
+    topo.add("driver", ViewDriver)
+    return run(topo, tmp_path / "scheduler.glog", until_s=1000.0)
+
+
+def test_the_scheduler_leaves_a_silent_cell_out_of_its_view(tmp_path):
+    """While s1 looks like an idle trainer it would take the waiting micro-step, so nobody moves; once it has been
+    silent past the limit, the waiting work needs a satellite and s2 (no sessions, first by name) goes."""
+    outcome = scheduler_only(ElasticPolicy(min_dwell_s=0.0, dry_grace_s=0.0), tmp_path)
+    assert [(when, cell, role) for when, cell, role in outcome.switches] == [(100.0, "s2", TRAIN)]
+
+
+@attrs.frozen
+class SwitchesAStranger:
+    """Breaks the contract: decides about a cell that does not exist."""
+
+    def decide(self, view):
+        return (SwitchRole("stranger", TRAIN, "why not"),)
+
+
+def test_a_policy_that_breaks_the_contract_fails_the_scheduler_loudly(tmp_path):
+    outcome = scheduler_only(SwitchesAStranger(), tmp_path, RestartPolicy("stop_topology"))
+    assert outcome.result.exit_code == 1
+    assert "PolicyContractError" in outcome.result.reason and "unknown cell 'stranger'" in outcome.result.reason
+    assert outcome.switches == []
 
 
 # ---- exactly once, staleness, determinism -------------------------------------------------------------------------
@@ -678,30 +773,41 @@ def test_a_microstep_held_by_a_cell_that_leaves_is_trained_exactly_once(tmp_path
     assert len(outcome.granted) == len(by_key) + stats.microsteps_requeued
 
 
+# The long-tail workload: groups of G=8 executions, 2 groups per step (E=16), most executions need 20-60 s of
+# generation, one in ten 300-600 s (a group waits for its slowest member). The source keeps at most 4 groups beyond
+# the applied steps in flight (the staleness bound of 1 step), so a burst of 32 sessions follows every step while
+# the tail leaves only a few live. Six cells of 4 sessions each; a step is ~22k tokens, ~450 cell-seconds of
+# training at 0.02 s/token; a switch costs 2 s into training and 1 s back.
 def long_tail_cells(n_satellites: int, max_steps: int, core_role: str = TRAIN) -> dict[str, SimCellConfig]:
-    common = dict(capacity=4, rollout_to_train_s=2.0, train_to_rollout_s=1.0, train_s_per_token=0.01,
-                  load_period_s=5.0, optimizer_s=1.0)
+    common = dict(capacity=4, rollout_to_train_s=2.0, train_to_rollout_s=1.0, train_s_per_token=0.02,
+                  load_period_s=30.0, optimizer_s=1.0)
     cells = {"core": SimCellConfig(is_core=True, initial_role=core_role, max_steps=max_steps, **common)}
     for i in range(1, n_satellites + 1):
         cells[f"s{i}"] = SimCellConfig(**common)
     return cells
 
 
-LONG_TAIL = SimSourceConfig(group_size=4, max_groups_in_flight=6, short_work_s=(20.0, 60.0), tail_probability=0.1,
-                            tail_work_s=(300.0, 600.0), samples_per_execution=(1, 3), sample_tokens=(200, 1200))
+LONG_TAIL = SimSourceConfig(group_size=8, groups_per_step=2, groups_ahead=4, max_groups_in_flight=1000,
+                            short_work_s=(20.0, 60.0), tail_probability=0.1, tail_work_s=(300.0, 600.0),
+                            samples_per_execution=(1, 3), sample_tokens=(200, 1200))
 
 
-def long_tail_claimer(max_lag: int = 2) -> ClaimerConfig:
-    return ClaimerConfig(groups_per_step=2, group_size=4, microstep_token_budget=2048, staleness=MaxVersionLag(max_lag),
-                         retry_after_s=2.0, cell_silence_limit_s=60.0, liveness_check_s=10.0)
+def long_tail_claimer(max_lag: int = 1) -> ClaimerConfig:
+    return ClaimerConfig(groups_per_step=2, group_size=8, microstep_token_budget=2048, staleness=MaxVersionLag(max_lag),
+                         retry_after_s=10.0, cell_silence_limit_s=90.0, liveness_check_s=10.0)
+
+
+ELASTIC_LONG_TAIL = ElasticPolicy(min_dwell_s=10.0, dry_grace_s=5.0)
 
 
 def test_staleness_is_enforced_under_a_long_tail(tmp_path):
-    outcome = run(topology(ElasticPolicy(min_dwell_s=10.0, dry_grace_s=5.0), long_tail_cells(3, max_steps=8),
-                           LONG_TAIL, long_tail_claimer(max_lag=0), seed=1), tmp_path / "stale.glog", until_s=5000.0)
+    """With a bound of 0 the groups started for the next step while this one trains are all too stale."""
+    outcome = run(topology(ELASTIC_LONG_TAIL, long_tail_cells(3, max_steps=6), LONG_TAIL,
+                           long_tail_claimer(max_lag=0), seed=1, tick_s=10.0), tmp_path / "stale.glog", until_s=1e5)
     stats = outcome.claimer
-    assert stats is not None and stats.steps_applied >= 8
-    assert stats.samples_dropped_stale > 0  # long executions outlived the bound
+    assert stats is not None and stats.steps_applied == 6
+    assert stats.samples_dropped_stale > 0
+    assert outcome.granted
     for grant in outcome.granted:
         base = outcome.ready[grant.step_id].base_version
         assert all(base - s.min_weight_version <= 0 for s in grant.samples)
@@ -710,36 +816,42 @@ def test_staleness_is_enforced_under_a_long_tail(tmp_path):
 
 def test_one_seed_gives_one_byte_identical_event_log(tmp_path):
     def once(name: str, seed: int) -> bytes:
-        run(topology(ElasticPolicy(min_dwell_s=10.0, dry_grace_s=5.0), long_tail_cells(3, max_steps=4), LONG_TAIL,
-                     long_tail_claimer(), seed=seed), tmp_path / name, until_s=3000.0)
+        run(topology(ELASTIC_LONG_TAIL, long_tail_cells(3, max_steps=3), LONG_TAIL, long_tail_claimer(), seed=seed,
+                     tick_s=10.0), tmp_path / name, until_s=1e5)
         return (tmp_path / name).read_bytes()
 
     first = once("a.glog", 7)
     assert first == once("b.glog", 7)
-    assert first != once("c.glog", 8)
+    assert first != once("c.glog", 8)  # the seed orders deliveries that become ready together
 
 
 # ---- elastic vs async vs colocate ---------------------------------------------------------------------------------
-def steps_per_virtual_second(policy, n_satellites: int, max_steps: int, seed: int, core_role: str = TRAIN) -> float:
-    topo = topology(policy, long_tail_cells(n_satellites, max_steps, core_role), LONG_TAIL, long_tail_claimer(),
-                    seed=seed, tick_s=2.0)
-    result = VirtualLauncher().run(topo, RunOptions(until_s=100000.0))
-    assert result.reason.startswith(f"steps={max_steps}"), result.reason
+def steps_per_virtual_second(policy, max_steps: int, workload_seed: int, n_satellites: int = 5,
+                             core_role: str = TRAIN) -> float:
+    """Steps applied per virtual second until the last of `max_steps` (control plane only: see the module doc)."""
+    topo = topology(policy, long_tail_cells(n_satellites, max_steps, core_role),
+                    attrs.evolve(LONG_TAIL, workload_seed=workload_seed), long_tail_claimer(), tick_s=10.0)
+    result = VirtualLauncher().run(topo, RunOptions(until_s=1e6))
+    assert result.reason.startswith(f"steps={max_steps} "), result.reason
     return max_steps / float(result.reason.split("last_step_s=")[1])
 
 
-def compare(n_satellites: int = 5, max_steps: int = 12, seed: int = 0) -> dict[str, float]:
-    rates = {"elastic": steps_per_virtual_second(ElasticPolicy(min_dwell_s=10.0, dry_grace_s=5.0), n_satellites,
-                                                 max_steps, seed)}
+def compare(max_steps: int = 20, workload_seed: int = 0, n_satellites: int = 5) -> dict[str, float]:
+    """Elastic, every fixed split (the core plus 0..n-1 satellites training), and colocate on one workload."""
+    rates = {"elastic": steps_per_virtual_second(ELASTIC_LONG_TAIL, max_steps, workload_seed, n_satellites)}
     for k in range(n_satellites):
         split = ("core",) + tuple(f"s{i}" for i in range(1, k + 1))
-        rates[f"async train={len(split)}"] = steps_per_virtual_second(AsyncPolicy(train_cells=split), n_satellites,
-                                                                       max_steps, seed)
-    rates["colocate"] = steps_per_virtual_second(ColocatePolicy(), n_satellites, max_steps, seed, core_role=ROLLOUT)
+        rates[f"async train={len(split)}"] = steps_per_virtual_second(
+            AsyncPolicy(train_cells=split), max_steps, workload_seed, n_satellites)
+    rates["colocate"] = steps_per_virtual_second(ColocatePolicy(), max_steps, workload_seed, n_satellites, ROLLOUT)
     return rates
 
 
 def test_elastic_beats_the_best_fixed_split_and_colocate_under_a_long_tail():
+    """Measured (python tests/unit/test_scheduler_virtual.py, workloads 0-3, steps per 1000 virtual s): elastic 2.46,
+    best fixed split (core + 2 satellites training) 2.24, colocate 1.83. Elastic lends satellites to training while
+    the tail leaves them idle and takes them back for the burst that follows each step; a fixed split leaves either
+    rollout cells idle in the tail or rollouts slowed in the burst; colocate stops every rollout while it trains."""
     rates = compare()
     best_async = max(v for k, v in rates.items() if k.startswith("async"))
     assert rates["elastic"] > best_async and rates["elastic"] > rates["colocate"], rates
@@ -747,6 +859,10 @@ def test_elastic_beats_the_best_fixed_split_and_colocate_under_a_long_tail():
 
 if __name__ == "__main__":
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    for seed in (0, 1, 2):
-        rates = compare(seed=seed)
-        print(f"seed {seed}: " + ", ".join(f"{k}: {v * 1000:.2f} steps/1000 s" for k, v in rates.items()))
+    totals: dict[str, list[float]] = collections.defaultdict(list)
+    for workload_seed in (0, 1, 2, 3):
+        rates = compare(workload_seed=workload_seed)
+        for name, rate in rates.items():
+            totals[name].append(rate)
+        print(f"workload {workload_seed}: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in rates.items()))
+    print("mean steps per 1000 virtual s: " + ", ".join(f"{k} {sum(v) / len(v) * 1000:.2f}" for k, v in totals.items()))

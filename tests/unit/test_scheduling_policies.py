@@ -236,9 +236,15 @@ class NoReason:
 
 
 @attrs.frozen
-class CoinFlip:
+class KeepsState:
+    """Answers every other call differently: a hidden state the view does not show."""
+
+    calls: list = attrs.field(factory=list)
+
     def decide(self, view):
-        return tuple(SwitchRole(c.name, "train", "x") for c in view.cells if c.role == "rollout" and random.random() < .5)
+        self.calls.append(None)
+        rollout = [c for c in view.cells if c.role == "rollout"][: len(self.calls) % 2]
+        return tuple(SwitchRole(c.name, "train", "x") for c in rollout)
 
 
 class NotAttrs:
@@ -254,7 +260,7 @@ class NoDecide:
 @pytest.mark.parametrize("policy, problem", [
     (ReturnsList(), "must be a tuple"), (SwitchesSwitchingCells(), "already switching"),
     (DecidesTwice(), "two decisions"), (SameRole(), "already in role"), (UnknownCell(), "unknown cell"),
-    (BadRole(), "neither rollout nor train"), (NoReason(), "gives no reason"), (CoinFlip(), "differently"),
+    (BadRole(), "neither rollout nor train"), (NoReason(), "gives no reason"), (KeepsState(), "differently"),
     (NotAttrs(), "not an attrs class"), (NoDecide(), "has no decide"),
 ])
 def test_broken_policies_fail_the_contract_loudly(policy, problem):

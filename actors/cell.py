@@ -127,6 +127,8 @@ class CellConfig:
     agents run tools between calls. The proxy knows sessions exactly; this is the cell's estimate."""
     max_sessions: int = attrs.field(default=65536, validator=_positive)
     """Sessions the estimate remembers at most."""
+    save_dir: str = ""
+    """Core only: when the cell stops, save its authoritative weights here as an HF model directory ("" = don't)."""
 
 
 class Cell(Actor):
@@ -162,6 +164,10 @@ class Cell(Actor):
         self.send_later(config.report_interval_s, ReportTick())
 
     async def on_stop(self) -> None:
+        if self.config.is_core and self.config.save_dir and self.training is not None:
+            trainer = self.training.trainer
+            await self.offload(trainer.save_hf, self.config.save_dir)
+            self.log.info("final_weights_saved", path=self.config.save_dir, version=trainer.version)
         await self._release_all()
 
     # ---- resources ----------------------------------------------------------------------------------------

@@ -283,17 +283,16 @@ class TrajectoryBuilder(Actor):
             self.log.warning("group_dropped", group_id=group.group_id, reason=why)
         rewards = [s.reward for s in scores]
         successes = [scored_success(s, self.config.success_reward) for s in scores]
-        await self.send(
-            self.config.task_source,
-            GroupDone(
-                group_id=group.group_id,
-                landed=landing is not None,
-                mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
-                success_rate=sum(successes) / len(successes) if successes else 0.0,
-                num_scored=len(scores),
-                num_dropped=len(group.drops),
-            ),
+        done = GroupDone(
+            group_id=group.group_id,
+            landed=landing is not None,
+            mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+            success_rate=sum(successes) / len(successes) if successes else 0.0,
+            num_scored=len(scores),
+            num_dropped=len(group.drops),
         )
+        await self.send(self.config.task_source, done)
+        self.publish(done)  # for observers (progress, reports); the task source gets its own copy above
 
     def _build(
         self, group_id: str, trees: dict[str, TrajectoryTree], survivors: list[ExecutionScored], num_dropped: int

@@ -21,6 +21,7 @@ from gyre.actors.cell import Cell, CellConfig
 from gyre.actors.microstep_claimer import ClaimerConfig, MicroStepClaimer, check_exactly_once
 from gyre.actors.weight_broker import WeightBroker
 from gyre.engines.embedded_engine import EngineConfig
+from gyre.engines.model_format import load_hf_state_dict
 from gyre.engines.sglang_client import SGLangClient
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 from gyre.messages.cell_internal import CellStatusQuery, WeightsStatusQuery
@@ -79,7 +80,7 @@ def make_group(name: str, seed: int, version: int) -> SamplesLanded:
     )
 
 
-def topology(model_dir: str) -> Topology:
+def topology(model_dir: str, save_dir: str) -> Topology:
     engine = EngineConfig(num_blocks=128, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
     common = dict(model_dir=model_dir, engine=engine, trainer=TRAINER, report_interval_s=0.5)
     result = Topology("weights", seed=0)
@@ -87,7 +88,7 @@ def topology(model_dir: str) -> Topology:
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
         groups_per_step=1, group_size=EXECUTIONS_PER_STEP, microstep_token_budget=30, retry_after_s=0.05))
     result.add("weight_broker", WeightBroker)
-    result.add("core", Cell, CellConfig(is_core=True, initial_role="train", **common))
+    result.add("core", Cell, CellConfig(is_core=True, initial_role="train", save_dir=save_dir, **common))
     result.add("satellite", Cell, CellConfig(initial_role="train", **common))
     result.add("roller", Cell, CellConfig(initial_role="rollout", **common))
     return result
@@ -99,9 +100,19 @@ async def generate_versions(url: str) -> list[int]:
     return out["meta_info"]["output_token_versions"]
 
 
+async def roller_loaded(h, version: int, timeout_s: float = 60.0) -> None:
+    """Until the broker hears that the rollout cell loaded `version` (the test's assertions say if it never did)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if (await h.ask("weight_broker", WeightsStatusQuery())).cell_versions.get("roller") == version:
+            return
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
-def trained(tiny_model_dir):
-    """Run the topology through two steps; return what the driver saw."""
+def trained(tiny_model_dir, tmp_path_factory):
+    """Run the topology through three steps; return what the driver saw."""
     torch.set_num_threads(1)
     groups = [make_group("g0", 0, version=0), make_group("g1", 1, version=0), make_group("g2", 2, version=1)]
 
@@ -119,14 +130,7 @@ def trained(tiny_model_dir):
             h.tell("claimer", group)
             await h.wait_until(lambda: seen(StepApplied, step_id=step), timeout_s=120, what=f"step {step} applied")
 
-            async def roller_caught_up(version=step + 1):
-                status = await h.ask("weight_broker", WeightsStatusQuery())
-                return status.cell_versions.get("roller") == version
-
-            for _ in range(400):
-                if await roller_caught_up():
-                    break
-                await asyncio.sleep(0.05)
+            await roller_loaded(h, step + 1)
             result["versions"].append(await generate_versions(roller_url))
             core = await h.ask("core", CellStatusQuery(with_digest=True))
             roller = await h.ask("roller", CellStatusQuery(with_digest=True))
@@ -142,10 +146,7 @@ def trained(tiny_model_dir):
         await h.wait_until(lambda: seen(StepApplied, step_id=2), timeout_s=120, what="step 2 applied")
         await h.wait_until(lambda: seen(RoleChanged, cell="satellite", role=ROLLOUT), timeout_s=120,
                            what="satellite serving")
-        for _ in range(400):
-            if (await h.ask("weight_broker", WeightsStatusQuery())).cell_versions.get("roller") == 3:
-                break
-            await asyncio.sleep(0.05)
+        await roller_loaded(h, 3)
         result["core_params"] = h.actor("core").training.trainer.flat_params()
         result["status"] = {name: await h.ask(name, CellStatusQuery(with_digest=False))
                             for name in ("core", "satellite", "roller")}
@@ -154,9 +155,10 @@ def trained(tiny_model_dir):
         result["events"] = list(recorder.events)
         return result
 
-    run = run_actors(topology(str(tiny_model_dir)), driver, transport="zmq", timeout_s=400)
+    save_dir = tmp_path_factory.mktemp("final") / "model"
+    run = run_actors(topology(str(tiny_model_dir), str(save_dir)), driver, transport="zmq", timeout_s=400)
     assert run.stop_reason is None, run.stop_reason
-    return groups, run.value
+    return groups, dict(run.value, save_dir=save_dir)
 
 
 def test_core_weights_equal_one_trainer_on_the_union(trained, tiny_model_dir):
@@ -173,6 +175,10 @@ def test_core_weights_equal_one_trainer_on_the_union(trained, tiny_model_dir):
     core = seen["core_params"]
     assert float((core - initial).abs().max()) > 1e-4  # the steps did move the weights
     assert float((core - reference.flat_params()).abs().max()) < 1e-5
+    saved = load_hf_state_dict(seen["save_dir"])  # the core saved its weights when it stopped
+    expected = reference.hf_state_dict()
+    assert saved.keys() == expected.keys()
+    assert max(float((saved[k] - expected[k]).abs().max()) for k in expected) < 1e-5
 
 
 def test_micro_steps_were_shared_and_counted_once(trained):

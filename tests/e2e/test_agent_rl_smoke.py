@@ -1,0 +1,39 @@
+"""A short run of the main job: real cells, proxy, agents, scorer, trainer, a couple of GSPO steps.
+
+Small on purpose (groups of 4, one group per step, a 1-epoch warm start on 20 demonstrations, no held-out
+evaluation) so CI can afford it; it checks that samples were trained and that weight versions advanced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(900)
+def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
+    report = tmp_path / "report"
+    env = dict(os.environ, GYRE_CACHE=str(tmp_path / "cache"), GYRE_LOG_JSON="1")
+    command = [
+        sys.executable, "-m", "gyre.runtime.cli", "run", str(ROOT / "examples" / "agent_rl.py"),
+        "--report", str(report), "--steps", "2", "--group-size", "4", "--groups-per-step", "1",
+        "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20", "--skip-eval",
+    ]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert summary["samples_trained"] > 0 and summary["tokens_trained"] > 0
+    timeline = json.loads((report / "run.json").read_text())
+    assert [step["version"] for step in timeline["steps"]] == [1, 2]
+    assert any(group["landed"] for group in timeline["groups"])
+    assert (report / "reward_curve.png").stat().st_size > 0
+    assert (report / "cell_roles.png").stat().st_size > 0
+    assert (report / "final_model" / "model.safetensors").is_file()

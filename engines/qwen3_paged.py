@@ -454,7 +454,9 @@ class Qwen3Paged:
             self._staging = None
             if nbytes > self.staging_max_bytes:
                 return False
-            staging = _Staging(torch.empty(shape, dtype=self.dtype), [None] * n, [0] * n, capacity)
+            # Zeros, not empty: positions past a row's length are masked, but SDPA turns masked NaN garbage into NaN
+            # outputs; stale finite values left by an earlier row are harmless once masked.
+            staging = _Staging(torch.zeros(shape, dtype=self.dtype), [None] * n, [0] * n, capacity)
             self._staging = staging
             rows = list(range(n))
             for b in range(n):

@@ -84,6 +84,82 @@ class NodeConfig:
     """Worker threads for offloaded compute."""
 
 
+class Mailbox:
+    """A bounded FIFO with a single consumer (the actor's mailbox task).
+
+    asyncio.Queue's interface where the node uses it, without what it does not need on every message (task_done
+    accounting, an Event to clear, a queue of getters): the mailbox is on the path of every message.
+    """
+
+    __slots__ = ("maxsize", "_items", "_getter", "_putters")
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: collections.deque = collections.deque()
+        self._getter: asyncio.Future | None = None
+        self._putters: collections.deque[asyncio.Future] = collections.deque()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def full(self) -> bool:
+        return len(self._items) >= self.maxsize
+
+    def put_nowait(self, item: Any) -> None:
+        if len(self._items) >= self.maxsize:
+            raise asyncio.QueueFull
+        self._items.append(item)
+        getter = self._getter
+        if getter is not None:
+            self._getter = None
+            if not getter.done():
+                getter.set_result(None)
+
+    async def put(self, item: Any) -> None:
+        """Wait for room, then put."""
+        while len(self._items) >= self.maxsize:
+            putter = asyncio.get_running_loop().create_future()
+            self._putters.append(putter)
+            try:
+                await putter
+            except BaseException:
+                putter.cancel()
+                if putter in self._putters:
+                    self._putters.remove(putter)
+                self._wake_putter()  # a wake-up this putter got but cannot use goes to the next one
+                raise
+        self.put_nowait(item)
+
+    def get_nowait(self) -> Any:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        item = self._items.popleft()
+        if self._putters:
+            self._wake_putter()
+        return item
+
+    async def get(self) -> Any:
+        while not self._items:
+            getter = asyncio.get_running_loop().create_future()
+            self._getter = getter
+            try:
+                await getter
+            finally:
+                if self._getter is getter:
+                    self._getter = None
+        return self.get_nowait()
+
+    def _wake_putter(self) -> None:
+        while self._putters and len(self._items) < self.maxsize:
+            putter = self._putters.popleft()
+            if not putter.done():
+                putter.set_result(None)
+                return
+
+
 class ActorSlot:
     """The runtime's side of one actor: its mailbox, sequence counter, status and the current instance."""
 
@@ -95,9 +171,7 @@ class ActorSlot:
         self.config = spec.config
         self.seed = seed
         self.rng = random.Random(seed)
-        self.mailbox: asyncio.Queue[tuple[Envelope, Any, tuple[bytes, bytes] | None]] = asyncio.Queue(
-            node.config.mailbox_size
-        )
+        self.mailbox = Mailbox(node.config.mailbox_size)  # of (envelope, message, frames or None)
         self.sequence = 0
         self.current_msg_id = 0
         #: The ask or tell being handled now (None between messages): an ask interrupted by a failure is answered.
@@ -474,7 +548,8 @@ class Node:
         return None
 
     def _resolve(self, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
-        self._record(envelope, msg, frames)
+        if self.recorder is not None:
+            self._record(envelope, msg, frames)
         entry = self._pending.get(envelope.correlation_id)
         if entry is None:
             self.statistics["late_replies"] += 1

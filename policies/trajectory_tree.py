@@ -50,6 +50,7 @@ main > main-summary > sub-agent > sub-agent-summary; `leaf_kind` is the kind of 
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Sequence
 
@@ -245,6 +246,9 @@ class TrajectoryTree:
                 f"{where}: {n} output ids but {len(call.output_logprobs)} log-probs and "
                 f"{len(call.output_versions)} versions"
             )
+        if not all(math.isfinite(lp) for lp in call.output_logprobs):
+            # A NaN or infinite behaviour log-prob (a broken engine) would turn the whole step's loss into NaN.
+            raise TrajectoryError(f"{where}: non-finite behaviour log-prob")
         if not call.agent_id and not call.call_kind:
             return None
         kind = call.call_kind or "turn"

@@ -69,9 +69,8 @@ class EventLogWriter:
         self.records_written = 0
 
     def append(self, handled_s: float, header: bytes, body: bytes) -> None:
-        payload = b"".join((_PREFIX.pack(handled_s, len(header)), header, body))
-        self._file.write(_RECORD.pack(len(payload), zlib.crc32(payload)))
-        self._file.write(payload)
+        payload = _PREFIX.pack(handled_s, len(header)) + header + body
+        self._file.write(_RECORD.pack(len(payload), zlib.crc32(payload)) + payload)  # one buffered write
         self.records_written += 1
 
     def flush(self) -> None:

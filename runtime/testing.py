@@ -297,6 +297,8 @@ def gyre_cli(argv: list[str]) -> int:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (cli_run, cli_replay, cli_log):
         module.register(commands)
-    args = parser.parse_args(argv)
-    args.passthrough = passthrough
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.passthrough = extra + passthrough  # as `gyre`: a command that takes extra arguments hands them on
     return int(args.func(args) or 0)

@@ -27,7 +27,6 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
-_RCVMORE = int(zmq.RCVMORE)
 _MAX_PARTS = 16  # a frame set longer than this is garbage: read it out and hand over only its start
 
 #: The node's receive hook: None when the frames were taken, else an awaitable that completes once they are in.
@@ -109,11 +108,13 @@ class ZmqTransport:
             # costs more than the question.
             if not pull.getsockopt(_EVENTS) & _POLLIN:
                 return
-            frames = [pull.recv(_NOBLOCK)]
-            while pull.getsockopt(_RCVMORE):
-                part = pull.recv(_NOBLOCK)
+            # Frames, not bytes: `frame.more` answers what getsockopt(RCVMORE) would, without its option lookup.
+            frame = pull.recv(_NOBLOCK, copy=False)
+            frames = [frame.bytes]
+            while frame.more:
+                frame = pull.recv(_NOBLOCK, copy=False)
                 if len(frames) < _MAX_PARTS:
-                    frames.append(part)
+                    frames.append(frame.bytes)
             try:
                 waiting = on_frames(frames)
             except Exception as error:  # the node must never lose its reader to one bad frame set

@@ -346,3 +346,15 @@ def test_tree_full_leaves_the_content_unchanged():
         tree.add_call(call(1, [1], [2, 3, 7, 8, 9, 10]))
     assert attrs.evolve(tree.path(0), segments=()) == attrs.evolve(before, segments=())
     assert tree.num_calls == 1 and tree.statistics().stored_tokens == 4
+
+
+def test_a_call_with_a_non_finite_log_prob_is_refused():
+    """A broken engine's NaN must not reach the loss: the tree refuses the call and the execution cannot train."""
+    from gyre.messages.model_calls import ModelCallCompleted
+    from gyre.policies.trajectory_tree import TrajectoryError, TrajectoryTree
+
+    tree = TrajectoryTree("e", "g")
+    call = ModelCallCompleted("e", "g", 0, "main", "turn", (1, 2), (3, 4), (-0.5, float("nan")), (0, 0), "stop", 0,
+                              "c", 0.0, 1.0)
+    with pytest.raises(TrajectoryError, match="non-finite"):
+        tree.add_call(call)

@@ -8,9 +8,11 @@ The message path, from `tell` to handler:
    Other node: the codec encodes two frames (header, body) and the transport pushes them without blocking
    (Backpressure if the peer's queue is full); the peer's reader decodes and waits for mailbox room, so a slow
    receiver slows its senders down instead of dropping anything.
-3. The receiver's mailbox task takes the pair, appends it to the event log (if recording), binds the log context,
-   and calls the handler for the message's type. An ask's return value goes back as a REPLY that resolves the
-   asker's future directly (replies never queue behind other messages).
+3. The receiver's mailbox task takes the pair, appends it to the event log (if recording), and calls the handler
+   for the message's type. An ask's return value goes back as a REPLY that resolves the asker's future directly
+   (replies never queue behind other messages). A message from another node that finds its actor idle (empty
+   mailbox, mailbox task parked) is handled the same way straight from the transport's reader callback, which
+   saves a turn of the event loop per message; an async handler started there is finished by the mailbox task.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ _ERRORS_BY_NAME = {"ActorDead": ActorDead, "NoHandler": NoHandler, "UnknownAddre
 # Enum members as module constants: `Kind.ASK` is a descriptor lookup (~0.4 us on Python 3.11), paid several times
 # per message on the hot path.
 _TELL, _ASK, _REPLY, _EVENT = Kind.TELL, Kind.ASK, Kind.REPLY, Kind.EVENT
+#: Mailbox marker: (envelope, _STARTED, coroutine) is an async handler started outside the mailbox task.
+_STARTED = object()
 
 
 class Transport(Protocol):
@@ -108,6 +112,11 @@ class Mailbox:
     def full(self) -> bool:
         return len(self._items) >= self.maxsize
 
+    def consumer_waiting(self) -> bool:
+        """Whether the consumer is parked in `get` on an empty mailbox (and not yet woken)."""
+        getter = self._getter
+        return getter is not None and not getter.done()
+
     def put_nowait(self, item: Any) -> None:
         if len(self._items) >= self.maxsize:
             raise asyncio.QueueFull
@@ -132,6 +141,10 @@ class Mailbox:
                 self._wake_putter()  # a wake-up this putter got but cannot use goes to the next one
                 raise
         self.put_nowait(item)
+
+    def peek(self) -> Any:
+        """The next item, left in place (None when empty)."""
+        return self._items[0] if self._items else None
 
     def get_nowait(self) -> Any:
         if not self._items:
@@ -239,6 +252,7 @@ class Node:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._capture: list[tuple[Envelope, Any]] | None = None
         self._flush_scheduled = False
+        self._debug = False
 
     # ---- set-up ---------------------------------------------------------------------------------------------------
     def add_actor(self, spec: ActorSpec, seed: int) -> ActorSlot:
@@ -247,6 +261,7 @@ class Node:
         return slot
 
     async def start(self) -> None:
+        self._debug = _debug_enabled()  # checked once: per-message lines are free when off
         loop = asyncio.get_running_loop()
         self.stop_requested = loop.create_future()
         if self.transport is not None:
@@ -540,6 +555,9 @@ class Node:
         if not slot.alive:
             self._refuse(slot, envelope, msg)
             return None
+        if slot.mailbox.consumer_waiting() and slot.task is not None and slot.status == "running":
+            self._dispatch_now(slot, envelope, msg, (header, body))
+            return None
         item = (envelope, msg, (header, body))
         try:
             slot.mailbox.put_nowait(item)
@@ -592,7 +610,13 @@ class Node:
 
     def _refuse_mailbox(self, slot: ActorSlot, why: str) -> None:
         while not slot.mailbox.empty():
-            envelope, msg, _ = slot.mailbox.get_nowait()
+            envelope, msg, frames = slot.mailbox.get_nowait()
+            if msg is _STARTED:  # a handler started but never run: its ask is answered like a queued one
+                frames.close()
+                slot.current_msg_id, slot.current_envelope = 0, None
+                if envelope.kind == _ASK:
+                    self._reply_error(envelope, "ActorDead", f"{slot.name} is {slot.status}")
+                continue
             self._refuse(slot, envelope, msg)
 
     def _record(self, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
@@ -603,8 +627,6 @@ class Node:
 
     # ---- the mailbox loop -----------------------------------------------------------------------------------------
     async def _run_mailbox(self, slot: ActorSlot) -> None:
-        table = type(slot.actor).handler_table
-        debug = _debug_enabled()
         while True:
             if slot.restarting is not None and not slot.restarting.done():
                 # The new instance's on_start comes before its first message (waiting before taking one, so a
@@ -613,47 +635,87 @@ class Node:
                 if not slot.alive:
                     return
             envelope, msg, frames = await slot.mailbox.get()
-            actor = slot.actor
-            if self.recorder is not None:
-                self._record(envelope, msg, frames)
-            slot.current_msg_id = envelope.msg_id
-            slot.current_envelope = envelope
-            slot.handled += 1
-            method_name = table.get(type(msg))
-            if method_name is None:
-                slot.current_msg_id, slot.current_envelope = 0, None
-                self.statistics["no_handler"] += 1
-                if envelope.kind == _ASK:
-                    self._reply_error(envelope, "NoHandler", f"{slot.name} has no handler for {type(msg).__qualname__}")
-                else:
-                    log.error("no handler", actor=slot.name, type=type(msg).__qualname__, seq=envelope.msg_id)
-                continue
-            if debug:
-                log.debug("handle", actor=slot.name, type=type(msg).__name__, seq=envelope.msg_id, sender=envelope.sender)
-            try:
-                result = getattr(actor, method_name)(msg)
-                if asyncio.iscoroutine(result):
-                    result = await result
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                if envelope.kind == _ASK:
-                    self._reply_error(envelope, type(error).__name__, str(error))
-                    continue
-                slot.current_envelope = None  # this tell failed the actor; nothing to answer
-                self._fail_actor(slot, error)
-                if not slot.alive:
-                    return
-                table = type(slot.actor).handler_table
-                continue
-            finally:
-                slot.current_msg_id = 0
-                slot.current_envelope = None
+            if msg is _STARTED:  # a handler the transport started while this loop was idle: finish it here
+                running = frames
+            else:
+                running = self._dispatch(slot, envelope, msg, frames)
+            if running is not None:
+                await self._finish(slot, envelope, running)
+            if not slot.alive:
+                return
+
+    def _dispatch(self, slot: ActorSlot, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> Any:
+        """Start handling one message: log it, find its handler, call it. Returns the coroutine of an async handler
+        (the mailbox task awaits it, then `_finish`), or None when the message is done with."""
+        if self.recorder is not None:
+            self._record(envelope, msg, frames)
+        slot.handled += 1
+        actor = slot.actor
+        method_name = type(actor).handler_table.get(type(msg))
+        if method_name is None:
+            self.statistics["no_handler"] += 1
             if envelope.kind == _ASK:
-                if result is None or not hasattr(type(result), "__gyre_type__"):
-                    self._reply_error(envelope, "TypeError", f"handler returned {type(result).__name__}, not a message")
-                else:
-                    self._reply(slot, envelope, result)
+                self._reply_error(envelope, "NoHandler", f"{slot.name} has no handler for {type(msg).__qualname__}")
+            else:
+                log.error("no handler", actor=slot.name, type=type(msg).__qualname__, seq=envelope.msg_id)
+            return None
+        if self._debug:
+            log.debug("handle", actor=slot.name, type=type(msg).__name__, seq=envelope.msg_id, sender=envelope.sender)
+        slot.current_msg_id = envelope.msg_id
+        slot.current_envelope = envelope
+        try:
+            result = getattr(actor, method_name)(msg)
+        except Exception as error:
+            self._handler_failed(slot, envelope, error)
+            return None
+        if asyncio.iscoroutine(result):
+            return result  # still the message being handled (current_msg_id stays) until _finish
+        self._handler_done(slot, envelope, result)
+        return None
+
+    async def _finish(self, slot: ActorSlot, envelope: Envelope, running: Any) -> None:
+        try:
+            result = await running
+        except asyncio.CancelledError:
+            slot.current_msg_id, slot.current_envelope = 0, None
+            raise
+        except Exception as error:
+            self._handler_failed(slot, envelope, error)
+        else:
+            self._handler_done(slot, envelope, result)
+
+    def _handler_done(self, slot: ActorSlot, envelope: Envelope, result: Any) -> None:
+        slot.current_msg_id, slot.current_envelope = 0, None
+        if envelope.kind == _ASK:
+            if result is None or not hasattr(type(result), "__gyre_type__"):
+                self._reply_error(envelope, "TypeError", f"handler returned {type(result).__name__}, not a message")
+            else:
+                self._reply(slot, envelope, result)
+
+    def _handler_failed(self, slot: ActorSlot, envelope: Envelope, error: Exception) -> None:
+        """An ask's error goes back to the asker and the actor goes on; a tell's error fails the actor."""
+        slot.current_msg_id, slot.current_envelope = 0, None  # nothing left to answer for this message
+        if envelope.kind == _ASK:
+            self._reply_error(envelope, type(error).__name__, str(error))
+        else:
+            self._fail_actor(slot, error)
+
+    def _dispatch_now(self, slot: ActorSlot, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes]) -> None:
+        """Handle a message from the transport right here, in the reader's callback, when the actor is idle.
+
+        Handing it to the mailbox task would cost one more turn of the event loop (a system call) per message, a
+        large share of a round trip between processes. It is the same handling, in the same order: the mailbox is
+        empty and its task is parked waiting for mail, so no handler of this actor is running, and a sync handler
+        runs to its end before anything else can. An async handler's coroutine goes to the mailbox task to finish,
+        ahead of any later message.
+        """
+        running = self._dispatch(slot, envelope, msg, frames)
+        if running is None:
+            return
+        if slot.alive and slot.task is not None:
+            slot.mailbox.put_nowait((envelope, _STARTED, running))
+        else:  # the actor ended while the handler started; its coroutine never runs
+            running.close()
 
     def _fail_actor(self, slot: ActorSlot, error: BaseException) -> None:
         """Supervision: restart, stop, or escalate, by the actor's RestartPolicy.
@@ -673,6 +735,10 @@ class Node:
         if not in_mailbox and slot.task is not None:
             slot.task.cancel()  # the failed instance's handler (if any) must not go on; a restart starts a new loop
             slot.task = None
+            head = slot.mailbox.peek()
+            if head is not None and head[1] is _STARTED:  # a started handler of the failed instance: never runs
+                slot.mailbox.get_nowait()
+                head[2].close()
         for task in list(slot.children):
             task.cancel()
         if policy.mode == "restart" and slot.restarts < policy.max_restarts:

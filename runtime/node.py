@@ -647,8 +647,10 @@ class Node:
     def _dispatch(self, slot: ActorSlot, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> Any:
         """Start handling one message: log it, find its handler, call it. Returns the coroutine of an async handler
         (the mailbox task awaits it, then `_finish`), or None when the message is done with."""
-        if self.recorder is not None:
-            self._record(envelope, msg, frames)
+        recorder = self.recorder
+        if recorder is not None:
+            header, body = frames if frames is not None else self.codec.encode(envelope, msg)
+            recorder.append(self.clock.now(), header, body)
         slot.handled += 1
         actor = slot.actor
         method_name = type(actor).handler_table.get(type(msg))

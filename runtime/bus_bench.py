@@ -10,9 +10,9 @@ a shared machine hits both alike; each figure is the median over every repeat of
 
 Ray side: `ray.init(num_cpus=2)`, one remote actor with a method, sequential `ray.get(a.m.remote(x))` round trips.
 
-Floor: the same round trips as a blocking pyzmq + msgpack loop between two processes (no runtime at all), measured
-in the same run, so a reader can tell the runtime's own cost from the machine's (on a loaded machine the scheduler,
-not Python, sets both).
+Floors: the same round trips as a plain pyzmq + msgpack loop between two processes, without any runtime: blocking
+calls (`raw_zmq_*`), and asyncio with a reader callback on the socket (`raw_asyncio_*`, the shape gyre has), measured
+in the same run, so a reader can tell the runtime's own cost from the machine's.
 """
 
 from __future__ import annotations
@@ -203,6 +203,101 @@ def _raw_echo(pull_endpoint: str, push_endpoint: str, count: int) -> None:
     context.destroy(linger=1000)
 
 
+def _raw_async_echo(pull_endpoint: str, push_endpoint: str) -> None:
+    import asyncio
+
+    import msgpack
+    import zmq
+
+    async def serve() -> None:
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        pull.bind(pull_endpoint)
+        push = context.socket(zmq.PUSH)
+        push.connect(push_endpoint)
+        done = asyncio.get_running_loop().create_future()
+
+        def on_readable() -> None:
+            while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                header, body = pull.recv_multipart()
+                if header == b"stop":
+                    done.set_result(None)
+                    return
+                msgpack.unpackb(header)
+                push.send_multipart([header, msgpack.packb(msgpack.unpackb(body))])
+
+        asyncio.get_running_loop().add_reader(pull.getsockopt(zmq.FD), on_readable)
+        asyncio.get_running_loop().call_soon(on_readable)
+        await done
+        context.destroy(linger=1000)
+
+    asyncio.run(serve())
+
+
+def _raw_asyncio_roundtrips(calls: int, repeats: int, warmup: int, payload_bytes: int) -> dict[str, list]:
+    """The asyncio floor: round trips between two asyncio processes that answer in the socket's reader callback."""
+    import asyncio
+
+    import msgpack
+    import zmq
+
+    async def drive(there: str, back: str) -> dict[str, list]:
+        loop = asyncio.get_running_loop()
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        pull.bind(back)
+        push = context.socket(zmq.PUSH)
+        push.connect(there)
+        waiting: dict[int, asyncio.Future] = {}
+
+        def on_readable() -> None:
+            while pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                header, body = pull.recv_multipart()
+                waiting.pop(msgpack.unpackb(header)[1]).set_result(msgpack.unpackb(body))
+
+        loop.add_reader(pull.getsockopt(zmq.FD), on_readable)
+        payload = bytes(payload_bytes)
+
+        async def roundtrip(number: int) -> None:
+            future = loop.create_future()
+            waiting[number] = future
+            push.send_multipart([msgpack.packb((1, number, "driver", "echo")), msgpack.packb([number, payload])])
+            await future
+
+        try:
+            for number in range(warmup):
+                await roundtrip(number)
+            results: dict[str, list] = {"roundtrip_per_s": [], "p50_ms": [], "p99_ms": []}
+            for _ in range(repeats):
+                latencies_s = []
+                start = time.perf_counter()
+                for number in range(calls):
+                    sent = time.perf_counter()
+                    await roundtrip(number)
+                    latencies_s.append(time.perf_counter() - sent)
+                elapsed_s = time.perf_counter() - start
+                latencies_s.sort()
+                results["roundtrip_per_s"].append(calls / elapsed_s)
+                results["p50_ms"].append(_percentile(latencies_s, 0.50) * 1e3)
+                results["p99_ms"].append(_percentile(latencies_s, 0.99) * 1e3)
+            push.send_multipart([b"stop", b""])
+            return results
+        finally:
+            loop.remove_reader(pull.getsockopt(zmq.FD))
+            context.destroy(linger=1000)
+
+    with tempfile.TemporaryDirectory(prefix="gyre-raw-") as folder:
+        there, back = f"ipc://{folder}/there", f"ipc://{folder}/back"
+        echo = multiprocessing.get_context("spawn").Process(target=_raw_async_echo, args=(there, back), daemon=True)
+        echo.start()
+        try:
+            return asyncio.run(drive(there, back))
+        finally:
+            echo.join(timeout=10)
+            if echo.is_alive():
+                echo.kill()
+
+
 def _raw_zmq_roundtrips(calls: int, repeats: int, warmup: int, payload_bytes: int) -> dict[str, list]:
     """The floor: blocking pyzmq + msgpack round trips between two processes over ipc://."""
     import msgpack
@@ -257,6 +352,7 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
     plain: dict[str, list] = {}
     recorded: dict[str, list] = {}
     raw: dict[str, list] = {}
+    raw_async: dict[str, list] = {}
     ray_results: dict[str, list] = {}
     baseline = _RayBaseline(warmup=min(200, ray_calls)) if with_ray else None
     try:
@@ -268,10 +364,10 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
                     got = _gyre_run(config, record, Path(work), 2 * run_number + record)
                     for key, values in got.items():
                         into.setdefault(key, []).extend(values)
-                for key, values in _raw_zmq_roundtrips(
-                    config.roundtrips, config.repeats, config.warmup, config.payload_bytes
-                ).items():
-                    raw.setdefault(key, []).extend(values)
+                for floor, into in ((_raw_zmq_roundtrips, raw), (_raw_asyncio_roundtrips, raw_async)):
+                    got = floor(config.roundtrips, config.repeats, config.warmup, config.payload_bytes)
+                    for key, values in got.items():
+                        into.setdefault(key, []).extend(values)
     finally:
         if baseline is not None:
             baseline.close()
@@ -287,6 +383,8 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
     figures["recording_overhead"] = 1.0 - figures["gyre_oneway_recorded_per_s"] / figures["gyre_oneway_per_s"]
     figures["raw_zmq_roundtrip_per_s"] = median(raw["roundtrip_per_s"])
     figures["raw_zmq_roundtrip_p99_ms"] = median(raw["p99_ms"])
+    figures["raw_asyncio_roundtrip_per_s"] = median(raw_async["roundtrip_per_s"])
+    figures["raw_asyncio_roundtrip_p99_ms"] = median(raw_async["p99_ms"])
     if with_ray:
         figures["ray_roundtrip_per_s"] = median(ray_results["roundtrip_per_s"])
         figures["ray_roundtrip_p50_ms"] = median(ray_results["p50_ms"])
@@ -344,8 +442,10 @@ def bench_command(args: argparse.Namespace) -> int:
     print(f"  one-way          {figures['gyre_oneway_per_s']:10.0f} /s", file=out)
     print(f"  one-way recorded {figures['gyre_oneway_recorded_per_s']:10.0f} /s   overhead "
           f"{figures['recording_overhead'] * 100:.1f}%", file=out)
-    print(f"raw pyzmq loop     {figures['raw_zmq_roundtrip_per_s']:10.0f} /s   p99 "
-          f"{figures['raw_zmq_roundtrip_p99_ms']:.3f} ms (the floor: no runtime)", file=out)
+    print(f"raw pyzmq, blocking{figures['raw_zmq_roundtrip_per_s']:10.0f} /s   p99 "
+          f"{figures['raw_zmq_roundtrip_p99_ms']:.3f} ms (a floor: no runtime)", file=out)
+    print(f"raw pyzmq, asyncio {figures['raw_asyncio_roundtrip_per_s']:10.0f} /s   p99 "
+          f"{figures['raw_asyncio_roundtrip_p99_ms']:.3f} ms (a floor: no runtime)", file=out)
     if "ray_roundtrip_per_s" in figures:
         print(f"ray actor calls    {figures['ray_roundtrip_per_s']:10.0f} /s   p50 "
               f"{figures['ray_roundtrip_p50_ms']:.3f} ms   p99 {figures['ray_roundtrip_p99_ms']:.3f} ms", file=out)

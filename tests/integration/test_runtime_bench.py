@@ -13,7 +13,7 @@ def test_bus_bench_measures_every_figure() -> None:
     config = BenchConfig(roundtrips=50, oneway=300, repeats=1, warmup=20)
     figures = run_bench(config, runs=1, ray_calls=0, with_ray=False)
     for key in ("gyre_roundtrip_per_s", "gyre_roundtrip_p50_ms", "gyre_roundtrip_p99_ms", "gyre_oneway_per_s",
-                "gyre_oneway_recorded_per_s", "raw_zmq_roundtrip_per_s"):
+                "gyre_oneway_recorded_per_s", "raw_zmq_roundtrip_per_s", "raw_asyncio_roundtrip_per_s"):
         assert figures[key] > 0, key
     assert figures["gyre_roundtrip_p50_ms"] <= figures["gyre_roundtrip_p99_ms"]
     assert figures["recording_overhead"] < 1.0

@@ -2,7 +2,8 @@
 
 Subcommands live beside the code they drive and are found through the `gyre.cli` entry-point group declared in
 pyproject.toml, so that `gyre.runtime` never imports the layers above it. A subcommand whose module cannot be
-imported is reported when it is asked for, not when another one runs.
+imported is reported when it is asked for, not when another one runs. Only the chosen subcommand's module is
+imported (the others pull in torch and megatron-core, seconds of start-up); `gyre --help` imports them all.
 """
 
 from __future__ import annotations
@@ -14,15 +15,32 @@ from importlib.metadata import entry_points
 from gyre.runtime.errors import GyreError
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
+def chosen_command(argv: list[str]) -> str | None:
+    """The entry-point name the words of `argv` ask for ("run", "bench.engine"), or None if they name none yet."""
+    words = [word for word in argv if not word.startswith("-")]
+    if not words:
+        return None
+    if words[0] == "bench":
+        return f"bench.{words[1]}" if len(words) > 1 else None
+    return words[0]
+
+
+def build_parser(wanted: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, str]]:
+    """The parser with every subcommand; only `wanted`'s module is imported when it names a known subcommand."""
     parser = argparse.ArgumentParser(prog="gyre", description="Train long-horizon LLM agents with RL.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     bench = commands.add_parser("bench", help="reproducible benchmarks").add_subparsers(
         dest="bench", metavar="BENCH", required=True
     )
     broken: dict[str, str] = {}
-    for point in sorted(entry_points(group="gyre.cli"), key=lambda p: p.name):
+    points = sorted(entry_points(group="gyre.cli"), key=lambda p: p.name)
+    if wanted not in {point.name for point in points}:
+        wanted = None  # unknown or no command: load everything so that argparse can list the choices
+    for point in points:
         target = bench if point.name.startswith("bench.") else commands
+        if wanted is not None and point.name != wanted:
+            target.add_parser(point.name.removeprefix("bench."))
+            continue
         try:
             register = point.load()
         except Exception as error:  # a broken plug-in must not take the other commands down
@@ -41,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
-    parser, broken = build_parser()
+    parser, broken = build_parser(chosen_command(argv))
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra_args", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -9,7 +9,9 @@ config, and can be swapped (or re-run on a recorded view) without touching any a
 - `ElasticPolicy`: hardware follows the work. A satellite moves into training when micro-steps are waiting and the
   remaining rollout cells' capacity still covers every live session, and back when training work has run dry for a
   grace period or rollout demand exceeds rollout capacity. The band between "covers with headroom" (to leave) and
-  "exceeds" (to come back), plus a minimum dwell time in a role, keeps cells from flapping.
+  "exceeds" (to come back), plus a minimum dwell time in a role, keeps cells from flapping. The core trains whenever
+  there is training work and, by default, lends itself to rollout while there is none (it keeps its weights and
+  optimizer state, so coming back costs a session migration, not a weight transfer).
 - `AsyncPolicy`: a fixed split chosen by the user (the baseline that isolates what switching adds to streaming).
 - `ColocatePolicy`: every cell rolls out until a step's samples are fixed, then every cell trains until the core has
   applied it, then every cell rolls out again.
@@ -151,6 +153,9 @@ class ElasticPolicy:
     """Switches per evaluation: one at a time lets load reports catch up with each move."""
     min_rollout_cells: int = 1
     """Never leave fewer rollout cells than this."""
+    core_rolls_out_when_dry: bool = True
+    """While no training work exists (nothing claimable or claimed, no step fixed) for `dry_grace_s`, the core rolls
+    out too; it returns to training as soon as a micro-step is claimable. False pins the core to training."""
 
     def __attrs_post_init__(self) -> None:
         if self.min_dwell_s < 0 or self.dry_grace_s < 0:
@@ -162,11 +167,18 @@ class ElasticPolicy:
 
     def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
         decisions: list[SwitchRole] = []
-        core = [c for c in view.cells if c.is_core]
-        for cell in core:  # the core applies every step: it belongs in training
-            if cell.role == ROLLOUT:
-                decisions.append(_switch(cell, TRAIN, "the core applies the optimizer step"))
         backlog = view.backlog
+        training_active = (backlog.claimable_microsteps > 0 or backlog.claimed_microsteps > 0 or backlog.step_fixed
+                           or any(c.claims > 0 for c in view.cells))
+        for cell in (c for c in view.cells if c.is_core):  # the core applies every step
+            if cell.role == ROLLOUT and (training_active or not self.core_rolls_out_when_dry):
+                decisions.append(_switch(cell, TRAIN, "the core applies the optimizer step"))
+            elif (
+                cell.role == TRAIN and self.core_rolls_out_when_dry and not training_active and cell.claims == 0
+                and _settled(cell, view, self.min_dwell_s) and backlog.dry_since_s is not None
+                and view.time_s - backlog.dry_since_s >= self.dry_grace_s
+            ):
+                decisions.append(_switch(cell, ROLLOUT, "no training work: the core lends itself to rollout"))
         demand, capacity = _rollout_supply(view)
         satellites_training = [c for c in view.cells if not c.is_core and c.role == TRAIN]
         movable_back = sorted(

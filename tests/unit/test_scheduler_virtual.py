@@ -623,8 +623,9 @@ def test_elastic_lends_an_idle_satellite_to_training_and_takes_it_back_when_work
     """g0 lands at t=10.5 (step 0) while g1's long execution keeps running on s2 (sessions are placed alternately:
     s1 gets g?.0 and g?.2, s2 gets g?.1 and g?.3). s1 is empty and s2's 4 slots cover the 1 live session, so s1
     joins the core in training; once training work stays dry for the grace period it goes back. When g1 finally
-    lands (step 1) the same happens again (both satellites are empty then; s1 wins the tie by name)."""
-    policy = ElasticPolicy(min_dwell_s=5.0, dry_grace_s=5.0, capacity_headroom=0.9)
+    lands (step 1) the same happens again (both satellites are empty then; s1 wins the tie by name). The core is
+    pinned to training here, to watch the satellites alone."""
+    policy = ElasticPolicy(min_dwell_s=5.0, dry_grace_s=5.0, capacity_headroom=0.9, core_rolls_out_when_dry=False)
     outcome = run(topology(policy, three_cells(max_steps=2, linger_s=30.0), SimSourceConfig(scripted=SCRIPT),
                            scripted_claimer()), tmp_path / "elastic.glog")
     assert outcome.result.reason.startswith("steps=2")
@@ -636,9 +637,22 @@ def test_elastic_lends_an_idle_satellite_to_training_and_takes_it_back_when_work
     assert outcome.scheduler.switches_to_train == outcome.scheduler.switches_to_rollout == 2
 
 
+def test_elastic_lends_the_idle_core_to_rollout_and_calls_it_back_when_a_microstep_lands(tmp_path):
+    """With nothing to train, the core rolls out as well; the first claimable micro-step brings it back."""
+    policy = ElasticPolicy(min_dwell_s=5.0, dry_grace_s=5.0, capacity_headroom=0.9)
+    outcome = run(topology(policy, three_cells(max_steps=2, linger_s=30.0), SimSourceConfig(scripted=SCRIPT),
+                           scripted_claimer()), tmp_path / "core.glog")
+    assert outcome.result.reason.startswith("steps=2")
+    core_moves = [(t, role) for t, cell, role in outcome.switches if cell == "core"]
+    assert [role for _, role in core_moves][:2] == ["rollout", "train"]
+    assert core_moves[0][0] < 10.5 <= core_moves[1][0]  # lent before g0 lands, back when its micro-steps do
+    assert outcome.claimer.samples_trained == 8 and outcome.claimer.microsteps_requeued == 0
+    check_exactly_once(outcome.claimer)
+
+
 def test_the_claimer_and_the_scheduler_replay_identically_from_the_log(tmp_path):
     """Their configs (policies included) are recorded and every output depends only on their inputs."""
-    policy = ElasticPolicy(min_dwell_s=5.0, dry_grace_s=5.0)
+    policy = ElasticPolicy(min_dwell_s=5.0, dry_grace_s=5.0, core_rolls_out_when_dry=False)
     outcome = run(topology(policy, three_cells(max_steps=2, linger_s=30.0), SimSourceConfig(scripted=SCRIPT),
                            scripted_claimer()), tmp_path / "replay.glog")
     for actor in ("claimer", "scheduler"):

@@ -112,7 +112,8 @@ def _batches(examples: list[SFTExample], batch_tokens: int, rng: random.Random) 
     return batches
 
 
-def _tensors(batch: list[SFTExample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch_tensors(batch: list[SFTExample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B, T] right-padded, lengths [B], loss mask [B, T] as floats) for the trainer's forward_backward."""
     width = max(len(e.token_ids) for e in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.float32)
@@ -152,7 +153,7 @@ def run_sft(
     first_loss = last_loss = float("nan")
     for epoch in plan:
         for batch in epoch:
-            ids, lengths, mask = _tensors(batch)
+            ids, lengths, mask = batch_tensors(batch)
             targets = mask.sum().clamp_min(1.0)
 
             def loss_fn(logprobs: torch.Tensor, mask=mask, targets=targets):

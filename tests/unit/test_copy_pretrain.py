@@ -1,0 +1,60 @@
+"""Synthetic copy pretraining (engines/pretrain.py): the corpus, the cache key, a short real run."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import attrs
+import pytest
+
+from gyre.engines.chat_template import ChatTemplate
+from gyre.engines.pretrain import CopyPretrainConfig, copy_examples, copy_pretrain_digest, run_copy_pretrain
+
+WORDS = ("pear", "plum", "kiwi", "lemon", "river")
+
+
+def test_examples_carry_loss_only_on_the_copy_and_the_copy_matches_its_source(tiny_model_dir):
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    config = CopyPretrainConfig(words=WORDS)
+    examples = copy_examples(template, config, random.Random(3), 60)
+    for example in examples:
+        assert len(example.token_ids) == len(example.loss_mask)
+        first_target = example.loss_mask.index(True)
+        assert not any(example.loss_mask[:first_target]) and all(example.loss_mask[first_target:])
+        source = template.decode(example.token_ids[:first_target]).rstrip("\n")
+        target = template.decode(example.token_ids[first_target:]).rstrip("\n")
+        if source.startswith("{"):  # look: the value of the named key
+            table, _, key = source.rpartition(" ")
+            assert target == str(json.loads(table)[key])
+        else:  # span or join: the same items, maybe with another separator
+            assert target.replace("+", " ").replace(",", " ").split() == source.split()
+    assert copy_examples(template, config, random.Random(3), 60) == examples  # a function of the seed
+
+
+def test_the_cache_key_follows_the_config_and_bad_configs_are_refused(tiny_model_dir):
+    one = copy_pretrain_digest(tiny_model_dir, CopyPretrainConfig(words=WORDS))
+    assert one == copy_pretrain_digest(tiny_model_dir, CopyPretrainConfig(words=WORDS))
+    assert one != copy_pretrain_digest(tiny_model_dir, CopyPretrainConfig(words=WORDS, steps=601))
+    with pytest.raises(ValueError, match="two entries"):
+        CopyPretrainConfig(words=("one",))
+    with pytest.raises(ValueError, match="number_share"):
+        CopyPretrainConfig(number_share=1.5)
+
+
+def test_a_short_run_lowers_the_loss_and_saves_a_model_the_engine_loads(tiny_model_dir, tmp_path):
+    config = CopyPretrainConfig(steps=12, batch_size=4, lr=3e-3, warmup_steps=1, max_items=3, words=WORDS,
+                                num_threads=1)
+    seen = []
+    result = run_copy_pretrain(tiny_model_dir, tmp_path / "out", config, lambda *args: seen.append(args))
+    assert [s[0] for s in seen] == list(range(1, 13)) and result.steps == 12
+    assert result.last_loss < result.first_loss
+    saved = json.loads((tmp_path / "out" / "copy_pretrain.json").read_text())
+    assert saved["steps"] == 12 and saved == json.loads(json.dumps(attrs.asdict(result)))
+    from safetensors.torch import load_file
+
+    from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
+
+    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert before.keys() == after.keys() and any(not before[k].equal(after[k]) for k in before)
+    EmbeddedEngine(str(tmp_path / "out"), EngineConfig(num_threads=1))  # raises if the directory is not a model

@@ -28,8 +28,16 @@ from gyre.actors.openai_api import (
     require_object,
     stop_field,
 )
+from gyre.engines.tool_calls import ToolCall
 
-__all__ = ["parse_messages_request", "parse_count_tokens_request", "message_body", "message_events", "error_body"]
+__all__ = [
+    "parse_messages_request",
+    "parse_count_tokens_request",
+    "message_body",
+    "message_events",
+    "MessageStream",
+    "error_body",
+]
 
 
 def _system_text(raw: Any) -> str | None:
@@ -259,26 +267,72 @@ def message_body(outcome: ChatOutcome) -> dict[str, Any]:
     }
 
 
-def message_events(outcome: ChatOutcome) -> list[tuple[str, dict[str, Any]]]:
-    """The streaming answer as (event name, data) pairs, in the order the SDK's stream accumulator expects:
-    message_start, per block content_block_start / _delta / _stop (text_delta, or input_json_delta carrying the
-    whole input), message_delta (stop reason, output tokens), message_stop."""
-    start = {**message_body(outcome), "content": [], "stop_reason": None, "stop_sequence": None}
-    start["usage"] = _usage(outcome, 0)
-    events: list[tuple[str, dict[str, Any]]] = [("message_start", {"type": "message_start", "message": start})]
-    for index, block in enumerate(_content_blocks(outcome)):
-        if block["type"] == "text":
-            opened = {"type": "text", "text": ""}
-            delta = {"type": "text_delta", "text": block["text"]}
-        else:
-            opened = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-        events.append(("content_block_start", {"type": "content_block_start", "index": index, "content_block": opened}))
-        if block["type"] != "text" or block["text"]:  # an empty text block gets no delta
-            events.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
-        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-    events.append(
-        (
+Event = tuple[str, dict[str, Any]]
+
+
+class MessageStream:
+    """The streaming answer as (event name, data) pairs, built while the turn is generated, in the order the SDK's
+    stream accumulator expects: message_start, per block content_block_start / _delta / _stop (text_delta, or
+    input_json_delta carrying the whole input), message_delta (stop reason and the final usage), message_stop.
+
+    Content and tool calls come in the order the model wrote them, so text after a tool call opens a new text
+    block (a non-streamed answer puts all text in one block first; the texts joined are the same content, which
+    is what the proxy compares when the agent sends the turn back). A turn with neither text nor calls gets one
+    empty text block, as non-streamed.
+    """
+
+    def __init__(self, response_id: str, model: str, prompt_tokens: int) -> None:
+        self._response_id = response_id
+        self._model = model
+        self._prompt_tokens = prompt_tokens
+        self._blocks = 0
+        self._open: str | None = None
+
+    def start(self) -> list[Event]:
+        message = {
+            "id": self._response_id, "type": "message", "role": "assistant", "model": self._model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            # Cached tokens are known only at the end: message_delta carries the final input counts.
+            "usage": {"input_tokens": self._prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": 0},
+        }
+        return [("message_start", {"type": "message_start", "message": message})]
+
+    def _close(self) -> list[Event]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self._blocks - 1})]
+
+    def _begin(self, block: dict[str, Any]) -> list[Event]:
+        events = self._close()
+        self._open = block["type"]
+        self._blocks += 1
+        events.append(("content_block_start",
+                       {"type": "content_block_start", "index": self._blocks - 1, "content_block": block}))
+        return events
+
+    def text(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        events = [] if self._open == "text" else self._begin({"type": "text", "text": ""})
+        delta = {"type": "text_delta", "text": text}
+        events.append(("content_block_delta", {"type": "content_block_delta", "index": self._blocks - 1,
+                                               "delta": delta}))
+        return events
+
+    def tool_call(self, index: int, call: ToolCall, call_id: str) -> list[Event]:
+        events = self._begin({"type": "tool_use", "id": call_id, "name": call.name, "input": {}})
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}
+        events.append(("content_block_delta", {"type": "content_block_delta", "index": self._blocks - 1,
+                                               "delta": delta}))
+        return events + self._close()
+
+    def end(self, outcome: ChatOutcome) -> list[Event]:
+        events = self._begin({"type": "text", "text": ""}) if self._blocks == 0 else []
+        events += self._close()
+        usage = {**_usage(outcome, outcome.completion_tokens)}
+        events.append((
             "message_delta",
             {
                 "type": "message_delta",
@@ -286,12 +340,20 @@ def message_events(outcome: ChatOutcome) -> list[tuple[str, dict[str, Any]]]:
                     "stop_reason": _STOP_REASONS[outcome.finish],
                     "stop_sequence": outcome.matched_stop if outcome.finish == "stop_sequence" else None,
                 },
-                "usage": {"output_tokens": outcome.completion_tokens},
+                "usage": usage,
             },
-        )
-    )
-    events.append(("message_stop", {"type": "message_stop"}))
-    return events
+        ))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+
+def message_events(outcome: ChatOutcome) -> list[Event]:
+    """The whole streaming answer of a finished turn (see `MessageStream`)."""
+    stream = MessageStream(outcome.response_id, outcome.model, outcome.prompt_tokens)
+    events = stream.start() + stream.text(outcome.content)
+    for index, (call, call_id) in enumerate(zip(outcome.tool_calls, outcome.tool_call_ids)):
+        events += stream.tool_call(index, call, call_id)
+    return events + stream.end(outcome)
 
 
 _ERROR_TYPES = {

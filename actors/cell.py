@@ -15,8 +15,9 @@ winds down) and ends by telling the cell `SwitchFinished`, whose handler commits
 
 rollout -> train: refused (logged, the cell stays) when no other rollout cell is known to take the sessions.
 Otherwise: CellDraining (the proxy stops routing here) -> pause generation in place -> ask the KV migrator to move
-every live session to the other rollout cells (it asks the proxy which sessions live here) -> abort what is still
-in flight (the proxy resubmits prompt + partial output where the session went) -> stop the server, release the
+every live session to the other rollout cells (it asks the proxy which sessions live here; the cell names the
+sequences paused in place so that their partial output moves too) -> abort what is still in flight (the proxy
+resubmits prompt + partial output where the session went, which finds it cached) -> stop the server, release the
 engine's memory -> the newest weights into a trainer (a satellite builds it while the migration runs, then pulls)
 -> RoleChanged(train) -> claim.
 
@@ -288,7 +289,8 @@ class Cell(Actor):
         try:
             await self.engine_weights.settle()
             paused = await self._timed(phases, "paused_s", self.rollout.pause_in_place())
-            migrated = await self._timed(phases, "migrated_s", self._migrate(targets))
+            in_flight = await self.rollout.live_sequences()
+            migrated = await self._timed(phases, "migrated_s", self._migrate(targets, in_flight))
             aborted = await self._timed(phases, "engine_released_s", self.rollout.shutdown())
             self.rollout.drop_pull_buffer()
         finally:
@@ -302,11 +304,12 @@ class Cell(Actor):
         self.tell(self.name, SwitchFinished(TRAIN, ROLLOUT, "", self.training.version, self.clock.now() - started,
                                             migrated))
 
-    async def _migrate(self, targets: dict[str, str]) -> int:
-        """Ask the KV migrator to move this cell's sessions; 0 (and a warning) if it cannot: the proxy then
-        re-prefills the aborted calls on other cells, slower but nothing is lost."""
+    async def _migrate(self, targets: dict[str, str], in_flight: tuple[tuple[int, ...], ...]) -> int:
+        """Ask the KV migrator to move this cell's sessions, the partial output of the generations paused in place
+        (`in_flight`) included; 0 (and a warning) if it cannot: the proxy then re-prefills the aborted calls on other
+        cells, slower but nothing is lost."""
         assert self.rollout is not None
-        request = MigrateSessions(self.name, self.rollout.url, targets, ())
+        request = MigrateSessions(self.name, self.rollout.url, targets, (), in_flight)
         try:
             reply: SessionsMigrated = await self.ask(self.config.migrator, request,
                                                      timeout_s=self.config.migrate_timeout_s)

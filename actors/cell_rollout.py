@@ -8,9 +8,10 @@ Resuming is several times cheaper than constructing an engine (which allocates a
 before loading), and the result is the same as a fresh engine: an empty pool and a new prefix-cache epoch.
 
 Draining (rollout -> train) happens in steps the cell orders: `pause_in_place` (generations stop at a token
-boundary and keep their KV, so the migrator can export everything computed so far), then `shutdown`: abort what is
-still in flight (the proxy resubmits prompt + partial output to the cell that took the session), stop the server
-while aborting any late arrival, release the memory.
+boundary and keep their KV), `live_sequences` (prompt + partial output of each, so the migrator exports everything
+computed so far), then `shutdown`: abort what is still in flight (the proxy resubmits prompt + partial output to the
+cell that took the session, which holds its KV by then), stop the server while aborting any late arrival, release
+the memory.
 
 Also here: `EngineWeights` keeps the engine on the newest weights (at a start or switch, and after every
 publication while serving), and `PeerView` is what a cell knows of the other cells, so that a draining cell knows
@@ -209,6 +210,13 @@ class RolloutHost:
         """Stop generating at the next token boundary; requests keep their KV. Returns how many are paused."""
         assert self.async_engine is not None
         return await self.async_engine.pause("in_place")
+
+    async def live_sequences(self) -> tuple[tuple[int, ...], ...]:
+        """Prompt + output so far of every generation in the engine (after `pause_in_place`: what the KV migrator
+        should move, partial outputs included)."""
+        assert self.async_engine is not None
+        sequences = await self.async_engine.call(lambda engine: engine.live_sequences())
+        return tuple(sequences[rid] for rid in sorted(sequences))
 
     async def shutdown(self) -> int:
         """Abort what is in flight, stop the server (aborting late arrivals until it is down), release the engine's

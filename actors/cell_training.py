@@ -16,7 +16,12 @@ Gradient exchange, end to end:
   because its gradients land in the trainer as they are computed and could not be taken out again;
 - when the claimer's `StepReady` has fixed the step's size and all its micro-steps are in, the core runs the
   optimizer step (fence -1 while it writes, see actors/weight_broker.py) and publishes `StepApplied`; the broker
-  announces the new weights.
+  announces the new weights;
+- a step whose summed gradients are not finite is skipped by the trainer (weights and version unchanged). It is still
+  announced, as `StepApplied(skipped=True)` with the unchanged version: the step is over and its samples are used
+  up, so the claimer moves to the next step (same base version), the task source's gate counts the step (it counts
+  steps, not versions) and the broker publishes nothing (no new weights). Bumping the version instead would tag
+  identical weights as new and make every rollout engine reload them.
 A cell can only claim micro-steps whose base version equals its weights (the claimer enforces it), so the core's
 gradient buffer never mixes two steps.
 """
@@ -268,6 +273,7 @@ class CoreSteps:
         self.cell = cell
         self.tracker = StepTracker()
         self.steps_applied = 0
+        self.steps_skipped = 0
 
     async def on_done(self, msg: MicroStepDone) -> None:
         cell, config = self.cell, self.cell.config
@@ -309,6 +315,7 @@ class CoreSteps:
                 result = await cell.offload(host.apply_step)
             self.tracker.mark_applied(progress.step_id)
             self.steps_applied += 1
+            skipped = bool(result.get("skipped"))
             reports = list(progress.done.values())
             ready = progress.ready
             assert ready is not None
@@ -320,13 +327,17 @@ class CoreSteps:
                 num_tokens=sum(r.num_tokens for r in reports),
                 num_samples=ready.num_samples,
                 stale_samples_dropped=0,  # the claimer refuses stale samples; the core never sees them
+                skipped=skipped,
             )
-            if result.get("skipped"):
-                cell.log.warning("optimizer_step_skipped", step_id=progress.step_id, grad_norm=result["grad_norm"])
+            if skipped:
+                self.steps_skipped += 1
+                cell.log.warning("optimizer_step_skipped", step_id=progress.step_id, grad_norm=result["grad_norm"],
+                                 version=applied.version)
             cell.log.info("step_applied", step_id=applied.step_id, version=applied.version, loss=applied.loss,
-                          grad_norm=applied.grad_norm, microsteps=len(reports))
+                          grad_norm=applied.grad_norm, microsteps=len(reports), skipped=skipped)
             cell.publish(applied)
-            cell.on_core_weights_changed()
+            if not skipped:
+                cell.on_core_weights_changed()
 
 
 class ClaimLoop:

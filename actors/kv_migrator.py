@@ -6,6 +6,12 @@ export on the source (pins the cached blocks of its longest cached prefix), impo
 the blocks straight from the source's pool through Mooncake and caches the prefix), release on the source, then
 publishes SessionPlaced so the proxy routes the session's next call to its new cell, which finds the prefix cached.
 
+In-flight generations. A call in flight on the source has only its prompt in the proxy's view, but the source
+paused it in place and holds the KV of prompt + partial output. The draining cell names those sequences
+(`MigrateSessions.in_flight`); a session whose ids are a prefix of one moves the whole sequence
+(`extend_with_in_flight`), so when the cell then aborts the call and the proxy resubmits prompt + partial output to
+the new cell, that cell finds all of it cached and only generates what is left.
+
 When the blocks cannot move (a real SGLang server has no /gyre/kv/*: CapabilityMissing; Mooncake failed; the
 source no longer caches the prefix; the target has no room) the session is still placed and the target prefills it
 again on its next call: slower, never wrong. Such sessions are counted as `reprefill_sessions`.
@@ -30,7 +36,7 @@ from gyre.messages.cells import MigrateSessions, SessionPlaced, SessionsMigrated
 from gyre.messages.proxy import SessionPrefixes, SessionsOnCell
 from gyre.runtime import Actor, handler
 
-__all__ = ["KVMigratorConfig", "KVMigrator", "assign_sessions"]
+__all__ = ["KVMigratorConfig", "KVMigrator", "assign_sessions", "extend_with_in_flight"]
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +77,25 @@ def assign_sessions(prefix_tokens: Mapping[str, int], targets: Sequence[str]) ->
     return placement
 
 
+def extend_with_in_flight(
+    prefixes: Mapping[str, tuple[int, ...]], in_flight: Sequence[tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
+    """Each session's ids, replaced by the longest in-flight sequence that begins with them and is longer (its call
+    is generating: the partial output's KV moves too). Sessions no sequence extends keep their ids."""
+    by_head: dict[int, list[tuple[int, ...]]] = {}
+    for sequence in in_flight:
+        if sequence:
+            by_head.setdefault(sequence[0], []).append(sequence)
+    extended: dict[str, tuple[int, ...]] = {}
+    for session, ids in prefixes.items():
+        best = ids
+        for sequence in by_head.get(ids[0], ()) if ids else ():
+            if len(sequence) > len(best) and sequence[: len(ids)] == ids:
+                best = sequence
+        extended[session] = best
+    return extended
+
+
 def _wanted(session: str, wanted: frozenset[str]) -> bool:
     """A session key is "<execution_id>/<agent_id>"; MigrateSessions may name either form."""
     return session in wanted or any(session.startswith(w + "/") for w in wanted)
@@ -91,6 +116,10 @@ class KVMigrator(Actor):
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4 * self.config.max_concurrent))
         self.clients: OrderedDict[str, SGLangClient] = OrderedDict()
         self.migrations = 0
+        self.moved_tokens = 0
+        """KV tokens moved in all migrations so far."""
+        self.partial_output_tokens = 0
+        """Of the sessions placed, tokens of partial output (generations paused in place) asked to move with them."""
 
     async def on_stop(self) -> None:
         await self.http.close()
@@ -110,12 +139,13 @@ class KVMigrator(Actor):
         started = self.clock.now()
         answer = await self.ask(self.config.proxy, SessionsOnCell(msg.source), timeout_s=self.config.proxy_timeout_s)
         assert isinstance(answer, SessionPrefixes), type(answer)
-        prefixes = dict(answer.sessions)
+        prefixes = extend_with_in_flight(answer.sessions, msg.in_flight)
         if msg.sessions:
             wanted = frozenset(msg.sessions)
             prefixes = {s: ids for s, ids in prefixes.items() if _wanted(s, wanted)}
         targets = {name: url for name, url in msg.targets.items() if name != msg.source}
         placement = assign_sessions({s: len(ids) for s, ids in prefixes.items()}, tuple(targets))
+        partial = sum(len(prefixes[s]) - len(answer.sessions[s]) for s in placement)
         if prefixes and not placement:
             self.log.warning("no target cell to migrate to", source=msg.source, sessions=len(prefixes))
 
@@ -135,11 +165,14 @@ class KVMigrator(Actor):
         reprefill = sum(1 for o in outcomes if o.reprefill) + (len(prefixes) - len(placement))
         seconds = self.clock.now() - started
         self.migrations += 1
+        self.moved_tokens += moved
+        self.partial_output_tokens += partial
         self.log.info(
             "sessions migrated",
             source=msg.source,
             sessions=len(placement),
             moved_tokens=moved,
+            partial_output_tokens=partial,
             reprefill_sessions=reprefill,
             seconds=round(seconds, 4),
         )

@@ -23,7 +23,11 @@ releases it, switches to another role, restarts (RoleChanged with previous_role 
 `cell_silence_limit_s` (no LoadReport, claim or MicroStepDone). The first MicroStepDone from a cell that holds or
 held the micro-step wins; later ones are counted and ignored (the core must likewise count a (step, micro-step) once).
 StepApplied from the core ends the step: claimed micro-steps whose MicroStepDone has not reached us yet are done (the
-core had their gradients). `statistics()` is the ledger; `check_exactly_once` checks it.
+core had their gradients). A step the core skipped (its gradients were not finite, `StepApplied.skipped`) ends the
+same way, but its samples move from trained to skipped: they are used up (training them again would likely fail
+again, and would break "each execution in one step") and the ledger says honestly that no update came of them. The
+base version then stays, since the weights did not change. `statistics()` is the ledger; `check_exactly_once` checks
+it.
 """
 
 from __future__ import annotations
@@ -406,6 +410,7 @@ class MicroStepLedger:
             self.counts["stray_messages"] += 1
             log.error("StepApplied for a step that is not current", step=msg.step_id, current=self.step_id)
             return []
+        done_samples = 0
         for microstep in self.microsteps.values():
             if microstep.state == "claimed":
                 self._mark_done(microstep)  # its MicroStepDone to us is still on the way; the core had it
@@ -413,7 +418,16 @@ class MicroStepLedger:
                 self.counts["samples_lost"] += len(microstep.samples)
                 log.error("the core applied a step without one of its micro-steps", step=self.step_id,
                           microstep=microstep.index, state=microstep.state)
+            if microstep.state == "done":
+                done_samples += len(microstep.samples)
         self.counts["steps_applied"] += 1
+        if msg.skipped:
+            # Computed but never applied: the samples are used up, not trained (module docstring).
+            self.counts["steps_skipped"] += 1
+            self.counts["samples_trained"] -= done_samples
+            self.counts["samples_skipped"] += done_samples
+            log.warning("step skipped by the core; its samples count as skipped", step=self.step_id,
+                        samples=done_samples, version=msg.version)
         self.step_id = msg.step_id + 1
         self.base_version = msg.version
         self.step_fixed = False
@@ -441,6 +455,7 @@ class MicroStepLedger:
         return ClaimerStatistics(
             samples_landed=c["samples_landed"],
             samples_trained=c["samples_trained"],
+            samples_skipped=c["samples_skipped"],
             samples_dropped_stale=c["samples_dropped_stale"],
             samples_dropped_overflow=c["samples_dropped_overflow"],
             samples_duplicate=c["samples_duplicate"],
@@ -459,6 +474,7 @@ class MicroStepLedger:
             claims_refused=c["claims_refused"],
             steps_ready=c["steps_ready"],
             steps_applied=c["steps_applied"],
+            steps_skipped=c["steps_skipped"],
             step_id=self.step_id,
             base_version=self.base_version,
         )
@@ -486,13 +502,14 @@ class MicroStepLedger:
 
 
 def check_exactly_once(stats: ClaimerStatistics, *, lost_ok: bool = False) -> None:
-    """Raise AccountingError unless every landed sample is trained once, dropped with a reason, or still in flight.
+    """Raise AccountingError unless every landed sample is trained once, skipped with its step, dropped with a reason,
+    or still in flight.
 
     `lost_ok` skips the check that no sample was lost: the claimer itself uses it, because a loss means the core
     applied a step early (its bug, logged as an error), while an unbalanced ledger or a double training is ours.
     """
     accounted = (
-        stats.samples_trained + stats.samples_dropped_stale + stats.samples_dropped_overflow
+        stats.samples_trained + stats.samples_skipped + stats.samples_dropped_stale + stats.samples_dropped_overflow
         + stats.samples_duplicate + stats.samples_lost + stats.samples_in_flight
     )
     problems = []
@@ -573,8 +590,8 @@ class MicroStepClaimer(Actor):
     def on_step_applied(self, msg: StepApplied) -> None:
         published = self.ledger.step_applied(msg)
         stats = self.ledger.statistics()
-        self.log.info("step applied", step=msg.step_id, version=msg.version, trained=stats.samples_trained,
-                      stale=stats.samples_dropped_stale)
+        self.log.info("step applied", step=msg.step_id, version=msg.version, skipped=msg.skipped,
+                      trained=stats.samples_trained, stale=stats.samples_dropped_stale)
         check_exactly_once(stats, lost_ok=True)  # a failure here is a bug in the ledger: fail loudly
         self._after(published)
 

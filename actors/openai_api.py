@@ -31,6 +31,7 @@ __all__ = [
     "parse_chat_request",
     "completion_body",
     "completion_chunks",
+    "CompletionStream",
     "models_body",
     "error_body",
     "sse",
@@ -207,7 +208,31 @@ def _text_content(content: Any, where: str, allow_none: bool) -> str | None:
     raise ApiError("invalid_request", f"{where} must be a string or a list of text parts", where)
 
 
+def _plain_message(raw: Any) -> dict[str, Any] | None:
+    """The common shapes (string content, no extras to check) without the general path's per-field checks: every
+    call re-sends the whole conversation, so this runs for every message of every call. None: take the general
+    path (which also produces the errors)."""
+    if type(raw) is not dict:
+        return None
+    content = raw.get("content")
+    if type(content) is not str:
+        return None
+    role = raw.get("role")
+    if role == "user" or role == "system":
+        return {"role": role, "content": content}
+    if role == "tool":
+        call_id = raw.get("tool_call_id")
+        if type(call_id) is str and call_id:
+            return {"role": "tool", "tool_call_id": call_id, "content": content}
+    elif role == "assistant" and not raw.get("tool_calls") and raw.get("function_call") is None:
+        return {"role": "assistant", "content": content}
+    return None
+
+
 def _message(index: int, raw: Any) -> dict[str, Any]:
+    plain = _plain_message(raw)
+    if plain is not None:
+        return plain
     where = f"messages[{index}]"
     if not isinstance(raw, Mapping):
         raise ApiError("invalid_request", f"{where} must be an object", where)
@@ -409,31 +434,51 @@ def completion_body(outcome: ChatOutcome) -> dict[str, Any]:
     }
 
 
-def completion_chunks(outcome: ChatOutcome, include_usage: bool) -> list[dict[str, Any]]:
-    """The streaming answer as `chat.completion.chunk` objects (each sent as `data: {...}`, then `data: [DONE]`).
+class CompletionStream:
+    """The streaming answer as `chat.completion.chunk` objects, built while the turn is generated (each is sent as
+    `data: {...}`, then `data: [DONE]`).
 
     Shapes as OpenAI sends them: a first delta with the role, content deltas, one delta per tool call (id, type,
-    name and the whole arguments), a last delta with finish_reason, and with include_usage a final chunk whose
-    choices are empty and usage is set (every earlier chunk then carries usage: null).
+    name and the whole arguments), a last delta with finish_reason (carrying the log-probs when asked: they are
+    known per token only at the end), and with include_usage a final chunk whose choices are empty and usage is set
+    (every earlier chunk then carries usage: null).
     """
-    head = {"id": outcome.response_id, "object": "chat.completion.chunk", "created": outcome.created_s,
-            "model": outcome.model, "system_fingerprint": None}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        body = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        if include_usage:
+    def __init__(self, response_id: str, model: str, created_s: int, include_usage: bool) -> None:
+        self._head = {"id": response_id, "object": "chat.completion.chunk", "created": created_s, "model": model,
+                      "system_fingerprint": None}
+        self._include_usage = include_usage
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        body = {**self._head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if self._include_usage:
             body["usage"] = None
         return body
 
-    chunks = [chunk({"role": "assistant", "content": "", "refusal": None})]
-    if outcome.content:
-        chunks.append(chunk({"content": outcome.content}, logprobs=_logprobs(outcome)))
-    for index, call in enumerate(_tool_calls_json(outcome)):
-        chunks.append(chunk({"tool_calls": [{"index": index, **call}]}))
-    chunks.append(chunk({}, finish=_finish_reason(outcome)))
-    if include_usage:
-        chunks.append({**head, "choices": [], "usage": _usage(outcome)})
-    return chunks
+    def start(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": "", "refusal": None})]
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        return [self._chunk({"content": text})] if text else []
+
+    def tool_call(self, index: int, call: ToolCall, call_id: str) -> list[dict[str, Any]]:
+        function = {"name": call.name, "arguments": call.arguments_json}
+        return [self._chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": function}]})]
+
+    def end(self, outcome: ChatOutcome) -> list[dict[str, Any]]:
+        chunks = [self._chunk({}, finish=_finish_reason(outcome), logprobs=_logprobs(outcome))]
+        if self._include_usage:
+            chunks.append({**self._head, "choices": [], "usage": _usage(outcome)})
+        return chunks
+
+
+def completion_chunks(outcome: ChatOutcome, include_usage: bool) -> list[dict[str, Any]]:
+    """The whole streaming answer of a finished turn (see `CompletionStream`)."""
+    stream = CompletionStream(outcome.response_id, outcome.model, outcome.created_s, include_usage)
+    chunks = stream.start() + stream.text(outcome.content)
+    for index, (call, call_id) in enumerate(zip(outcome.tool_calls, outcome.tool_call_ids)):
+        chunks += stream.tool_call(index, call, call_id)
+    return chunks + stream.end(outcome)
 
 
 def models_body(model_names: Sequence[str], created_s: int, owned_by: str) -> dict[str, Any]:

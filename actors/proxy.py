@@ -11,14 +11,15 @@ Role switches, seen from here (the cell drives them; see actors/kv_migrator.py):
 2. The migrator asks SessionsOnCell(cell): the proxy answers each session's latest ids and marks the sessions as
    migrating, so that their next calls wait (up to `placement_wait_s`) for the SessionPlaced that says where the
    KV went, instead of re-prefilling on whichever cell is least loaded.
-3. The cell aborts its in-flight generations (ideally after the migration, with generation paused in place): each
-   comes back with finish_reason "abort" and its partial output, and the backend resubmits prompt + partial output
-   to the session's new cell with the remaining token budget, then concatenates ids, log-probs and versions. The
-   agent's HTTP call just takes longer.
-With a fixed `seed`, the continued tokens equal an unswitched run's when the engine derives its sampling noise from
-(seed, output position), as SGLang's seeded sampling does; Gyre's embedded engine draws from one generator stream
-per request, so a resumed request restarts that stream and its tail is a different (equally valid) sample. Greedy
-decoding continues identically on either engine.
+3. The cell aborts its in-flight generations (after the migration, with generation paused in place; the migrator
+   moved the KV of prompt + partial output, see actors/kv_migrator.py): each comes back with finish_reason "abort"
+   and its partial output, and the backend resubmits prompt + partial output to the session's new cell (which finds
+   it cached) with the remaining token budget and the same seed, then concatenates ids, log-probs and versions: the
+   partial tokens keep the log-probs and version tags they were generated with. The agent's HTTP call just takes
+   longer.
+The continued tokens equal an unswitched run's: the engine derives each token's sampling noise from (seed, absolute
+position) (engines/sampling.py), and every call is submitted with an explicit seed (the agent's, or one derived
+from the call's rid when it gave none), so the resumed request draws the noise the cut one would have drawn.
 
 While no cell accepts a session's calls, they wait (up to `no_cell_wait_s`) for one to appear, then get 503 (the
 SDKs retry).
@@ -27,6 +28,7 @@ SDKs retry).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from array import array
 from collections import Counter, OrderedDict
 from typing import Any, Callable
@@ -36,13 +38,14 @@ import attrs
 import structlog
 from aiohttp import web
 
-from gyre.actors.engine_backend import result_from_sglang
+from gyre.actors.engine_backend import StreamProgress, result_from_sglang, stream_generate
 from gyre.actors.proxy_http import (
     PROXY_SERVICE,
     BackendRejected,
     BackendRequest,
     BackendResult,
     BackendUnavailable,
+    OnOutput,
     ProxyHttpConfig,
     build_proxy_app,
 )
@@ -81,7 +84,8 @@ class RoutingConfig:
     """How long a migrating session's call waits for the migrator's SessionPlaced before it re-prefills elsewhere."""
     resume_grace_s: float = 2.0
     """After an abort, how long to wait for the view to say why (the cell drains, the session is placed) before
-    routing again; an abort for another reason (a weight update) resumes on the same cell after this."""
+    routing again; an abort for another reason (a weight update) resumes on the same cell after this. Also how long
+    a call of a session on a draining cell waits for the migrator to claim the session before going elsewhere."""
     max_resumes: int = 8
     """Resubmissions of one call at most; beyond, the call ends as aborted (503, the SDK retries)."""
     client: ClientConfig = ClientConfig()
@@ -127,9 +131,18 @@ class _Route:
     """rid -> cell of the generations in flight now."""
 
 
+def call_seed(rid: str) -> int:
+    """The sampling seed of a call that brought none: a stable function of its rid, in [0, 2**63)."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "big") >> 1
+
+
 @attrs.frozen
 class RouterStatistics:
     resumed_generations: int
+    resumed_prompt_tokens: int
+    """Prompt tokens (prompt + partial output) of resubmitted generations that came back."""
+    resumed_cached_tokens: int
+    """Of those, tokens the new cell served from its cache (the migrated KV, when the migration moved it)."""
     waits_for_cell: int
     sessions: int
     sessions_by_cell: dict[str, int]
@@ -152,6 +165,8 @@ class RoutedBackend:
         self._changed = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._resumed = 0
+        self._resumed_prompt_tokens = 0
+        self._resumed_cached_tokens = 0
         self._waits = 0
 
     # ---- the view (actor handlers) ---------------------------------------------------------------------------
@@ -216,6 +231,8 @@ class RoutedBackend:
             if route.cell == cell:
                 route.migrating = True
                 found[route.key] = tuple(route.ids)
+        if found:
+            self._notify()  # calls waiting for the migration to begin now wait for the placement
         return found
 
     def forget_execution(self, execution_id: str) -> int:
@@ -256,6 +273,8 @@ class RoutedBackend:
     def statistics(self) -> RouterStatistics:
         return RouterStatistics(
             resumed_generations=self._resumed,
+            resumed_prompt_tokens=self._resumed_prompt_tokens,
+            resumed_cached_tokens=self._resumed_cached_tokens,
             waits_for_cell=self._waits,
             sessions=len(self._routes),
             sessions_by_cell={name: count for name, count in sorted(self._placed.items()) if count > 0},
@@ -327,6 +346,13 @@ class RoutedBackend:
                         continue
                     log.warning("no placement came for a migrating session", session=route.key, cell=holder.name)
                     route.migrating = False
+                if (not route.migrating and holder is not None and holder.draining and holder.role == ROLLOUT
+                        and loop.time() - started < self.config.resume_grace_s):
+                    # The holder drains but the migrator has not asked for its sessions yet (the cell pauses first):
+                    # wait for that ask, or the switch's end, rather than re-prefill the session elsewhere.
+                    waited = True
+                    await self._wait_change(started + self.config.resume_grace_s)
+                    continue
                 choice = checked_choice(self.config.policy, route.key, route.cell, self.views())
                 if choice is None:
                     if loop.time() - started >= self.config.no_cell_wait_s:
@@ -375,16 +401,26 @@ class RoutedBackend:
     # ---- GenerateBackend -------------------------------------------------------------------------------------
 
     async def generate(self, request: BackendRequest) -> BackendResult:
+        return await self.generate_streaming(request, None)
+
+    async def generate_streaming(self, request: BackendRequest, on_output: OnOutput | None) -> BackendResult:
+        """`generate`, passing output ids to `on_output` as they come. A resubmitted call continues after the
+        ids already passed on (prompt + output so far), so none is passed twice; a stream that breaks off keeps
+        what it delivered and resumes from it like an aborted generation."""
         route = self._route_for(request)
         route.ids = array("q", request.prompt_ids)
         route.in_flight += 1
         try:
-            return await self._generate(route, request)
+            return await self._generate(route, request, on_output)
         finally:
             route.in_flight -= 1
 
-    async def _generate(self, route: _Route, request: BackendRequest) -> BackendResult:
+    async def _generate(self, route: _Route, request: BackendRequest, on_output: OnOutput | None) -> BackendResult:
         params = dict(request.sampling_params)
+        if params.get("sampling_seed") is None:
+            # Pin the seed the engine would pick for itself: a resubmission after an abort must sample with the
+            # same one to continue with the same tokens (see the module doc).
+            params["sampling_seed"] = call_seed(request.rid)
         budget = int(params.get("max_new_tokens", 128))
         out_ids: list[int] = []
         out_logprobs: list[float] = []
@@ -399,18 +435,23 @@ class RoutedBackend:
             cell.in_flight += 1
             result: BackendResult | None = None
             failure: SGLangError | None = None
+            progress = StreamProgress() if on_output is not None else None
             try:
-                response = await cell.client.generate(
-                    request.prompt_ids + tuple(out_ids), params, rid=rid, return_logprob=True
-                )
+                prompt_ids = request.prompt_ids + tuple(out_ids)
+                if progress is None:
+                    response = await cell.client.generate(prompt_ids, params, rid=rid, return_logprob=True)
+                else:
+                    response = await stream_generate(cell.client, prompt_ids, params, rid, on_output, progress)
                 result = result_from_sglang(response, cell.name)
             except RequestRejected as error:
                 raise BackendRejected(error.message) from None
             except (EngineUnreachable, ServerError) as error:
                 failure = error  # the cell went away or failed this request: like an abort, try again
+                if progress is not None and progress.output_ids:
+                    result = progress.partial_result(cell.name)  # already streamed to the agent: keep it
             except SGLangError as error:
                 raise BackendUnavailable(f"cell {cell.name}: {error}") from None
-            except asyncio.CancelledError:
+            except BaseException:  # cancelled, or the streaming consumer gave up (client gone)
                 self._abort_soon(cell, rid)
                 raise
             finally:
@@ -418,6 +459,9 @@ class RoutedBackend:
                 route.submissions.pop(rid, None)
 
             if result is not None:
+                if attempt:
+                    self._resumed_prompt_tokens += len(request.prompt_ids) + len(out_ids)
+                    self._resumed_cached_tokens += result.cached_tokens
                 out_ids.extend(result.output_ids)
                 out_logprobs.extend(result.output_logprobs)
                 out_versions.extend(result.output_versions)

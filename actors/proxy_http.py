@@ -4,8 +4,15 @@ Every call: authenticate the execution's API key -> validate the body -> render 
 turns this execution generated) -> one `GenerateBackend.generate` -> decode, parse tool calls -> remember the turn
 -> emit `ModelCallCompleted` -> answer in the API's shape (JSON, or server-sent events when `stream` is set).
 
-Streaming sends the whole answer once generation is done: the backend returns whole turns, and token-in/token-out
-needs the finished ids before the turn can be recorded. Agents see the SSE shapes their SDKs expect.
+Streaming (`stream: true`) sends content and tool calls while the turn is generated when the backend has
+`generate_streaming` (every Gyre backend does): `gyre.actors.proxy_stream.TurnStreamer` turns output ids into deltas
+that never need taking back, and the ids, log-probs, recorded turn and ModelCallCompleted are exactly those of a
+non-streamed call (token-in/token-out does not change). The 200 header goes out with the first delta, so a call that
+fails before any output still gets its API's usual error status; a failure after it becomes an error event in the
+stream. A client that disconnects mid-stream has its generation aborted and the call dropped: neither recorded nor
+emitted (counted in `calls_disconnected`), the same rule as for any call whose generation did not complete. A call
+whose generation did complete is recorded and emitted even if the client is gone before reading the end. A backend
+without `generate_streaming` streams the whole answer at the end.
 
 Robustness: every refusal is an `ApiError` rendered in the API's own error shape with its usual status; anything
 unexpected becomes a 500 in that shape and is logged; the number of calls in flight is bounded (503 beyond, which
@@ -28,7 +35,8 @@ from aiohttp import web
 from gyre.actors import anthropic_api, openai_api
 from gyre.actors.openai_api import ApiError, ChatOutcome, ChatRequest, sse
 from gyre.actors.proxy_sessions import ExecutionSession, ProxySessions, RenderedPrompt, turn_key
-from gyre.engines.tool_calls import ToolCall, parse_tool_calls
+from gyre.actors.proxy_stream import Delta, TextDelta, TurnStreamer
+from gyre.engines.tool_calls import ParsedOutput, parse_tool_calls
 from gyre.messages.model_calls import ModelCallCompleted
 
 __all__ = [
@@ -38,11 +46,15 @@ __all__ = [
     "BackendRejected",
     "BackendUnavailable",
     "GenerateBackend",
+    "StreamingBackend",
+    "OnOutput",
+    "ClientGone",
     "ProxyStatistics",
     "ProxyService",
     "PROXY_SERVICE",
     "build_proxy_app",
     "ServedApp",
+    "final_text",
 ]
 
 log = structlog.get_logger(__name__)
@@ -109,6 +121,21 @@ class GenerateBackend(Protocol):
     async def generate(self, request: BackendRequest) -> BackendResult: ...
 
 
+OnOutput = Callable[[tuple[int, ...]], Awaitable[None]]
+"""Receives output ids as they are generated: each id once, in order, across resubmissions of the call."""
+
+
+class StreamingBackend(GenerateBackend, Protocol):
+    async def generate_streaming(self, request: BackendRequest, on_output: OnOutput) -> BackendResult:
+        """Like `generate` (the same result), calling `on_output` with new ids as they come. An exception raised by
+        `on_output` aborts the generation and propagates."""
+        ...
+
+
+class ClientGone(ConnectionResetError):
+    """The agent closed a streamed call's connection: the generation is aborted and the call dropped."""
+
+
 @attrs.frozen
 class ProxyStatistics:
     calls_completed: int
@@ -120,6 +147,23 @@ class ProxyStatistics:
     """ModelCallCompleted messages that `on_call_completed` failed to take (logged each time)."""
     in_flight: int
     in_flight_peak: int
+    calls_disconnected: int = 0
+    """Streamed calls whose client left before the generation finished (aborted, neither recorded nor emitted)."""
+
+
+@attrs.frozen
+class _PreparedCall:
+    """A validated call, ready for the backend."""
+
+    chat: ChatRequest
+    session: ExecutionSession
+    rendered: RenderedPrompt
+    call_index: int
+    agent_id: str
+    call_kind: str
+    backend_request: BackendRequest
+    response_id: str
+    call_id_prefix: str
 
 
 OnCallCompleted = Callable[[ModelCallCompleted], "Awaitable[None] | None"]
@@ -127,6 +171,27 @@ OnCallCompleted = Callable[[ModelCallCompleted], "Awaitable[None] | None"]
 
 def _short_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+def final_text(
+    template: Any, result: BackendResult, stop: tuple[str, ...], parse_tools: bool
+) -> tuple[str, ParsedOutput | None, str | None]:
+    """A finished turn's output ids -> (text after the stop-string cut, its tool-call split when the call offered
+    tools, the matched stop string). The answer's content is the split's content, or the text without tools."""
+    ids = list(result.output_ids)
+    if ids and ids[-1] in template.stop_token_ids:
+        ids.pop()
+    text = template.decode(ids)
+    matched: str | None = None
+    if result.finish_reason == "stop" and stop:
+        # A stop string ends the text before it (OpenAI and Anthropic both leave it out); the ids keep it, since
+        # the policy did emit those tokens.
+        candidates = [result.matched_stop] if isinstance(result.matched_stop, str) else list(stop)
+        found = [(text.find(s), s) for s in candidates if s in stop and s in text]
+        if found:
+            position, matched = min(found)
+            text = text[:position]
+    return text, (parse_tool_calls(text) if parse_tools else None), matched
 
 
 class ProxyService:
@@ -146,7 +211,7 @@ class ProxyService:
         self.on_call_completed = on_call_completed
         self.clock = clock
         self.template = sessions.template
-        self._completed = self._rejected = self._failed = self._emit_failures = 0
+        self._completed = self._rejected = self._failed = self._emit_failures = self._disconnected = 0
         self._in_flight = self._in_flight_peak = 0
 
     def statistics(self) -> ProxyStatistics:
@@ -157,6 +222,7 @@ class ProxyService:
             emit_failures=self._emit_failures,
             in_flight=self._in_flight,
             in_flight_peak=self._in_flight_peak,
+            calls_disconnected=self._disconnected,
         )
 
     # -- request plumbing ----------------------------------------------------------------------------------------
@@ -229,10 +295,8 @@ class ProxyService:
 
     # -- the call ------------------------------------------------------------------------------------------------
 
-    async def _complete(
-        self, request: web.Request, chat: ChatRequest, session: ExecutionSession, api: str, started_s: float
-    ) -> ChatOutcome:
-        """Generate one turn, record it, emit ModelCallCompleted; return what to answer."""
+    def _prepare(self, request: web.Request, chat: ChatRequest, session: ExecutionSession, api: str) -> _PreparedCall:
+        """Everything that can refuse the call before generation: labels, model, rendering, the in-flight bound."""
         agent_id, call_kind = self._labels(request)
         self._check_model(chat.model)
         rendered = self._render(session, chat)
@@ -240,18 +304,39 @@ class ProxyService:
         if self._in_flight >= self.config.max_in_flight:
             raise ApiError("overloaded", f"{self._in_flight} calls are in flight; retry later")
         call_index = session.next_call_index()
-        params = self._sampling_params(chat, len(prompt_ids))
-        backend_request = BackendRequest(
-            rid=f"{session.execution_id}/{call_index}",
-            execution_id=session.execution_id,
-            session_key=f"{session.execution_id}/{agent_id}",
-            prompt_ids=prompt_ids,
-            sampling_params=params,
+        tag = _short_digest(session.execution_id)
+        if api == "openai":
+            response_id, call_id_prefix = f"chatcmpl-{tag}-{call_index}", f"call_{tag}_{call_index}_"
+        else:
+            response_id, call_id_prefix = f"msg_{tag}_{call_index}", f"toolu_{tag}_{call_index}_"
+        return _PreparedCall(
+            chat=chat,
+            session=session,
+            rendered=rendered,
+            call_index=call_index,
+            agent_id=agent_id,
+            call_kind=call_kind,
+            backend_request=BackendRequest(
+                rid=f"{session.execution_id}/{call_index}",
+                execution_id=session.execution_id,
+                session_key=f"{session.execution_id}/{agent_id}",
+                prompt_ids=prompt_ids,
+                sampling_params=self._sampling_params(chat, len(prompt_ids)),
+            ),
+            response_id=response_id,
+            call_id_prefix=call_id_prefix,
         )
+
+    async def _generate(self, call: _PreparedCall, on_output: OnOutput | None = None) -> BackendResult:
+        """One generation through the backend, streamed to `on_output` when given and the backend can."""
         self._in_flight += 1
         self._in_flight_peak = max(self._in_flight_peak, self._in_flight)
+        streaming = getattr(self.backend, "generate_streaming", None) if on_output is not None else None
         try:
-            result = await self.backend.generate(backend_request)
+            if streaming is not None:
+                result = await streaming(call.backend_request, on_output)
+            else:
+                result = await self.backend.generate(call.backend_request)
         except BackendRejected as error:
             raise ApiError("invalid_request", f"the engine refused the request: {error}") from None
         except BackendUnavailable as error:
@@ -266,18 +351,27 @@ class ProxyService:
                 f"backend returned {len(result.output_ids)} ids, {len(result.output_logprobs)} log-probs and "
                 f"{len(result.output_versions)} versions"
             )
+        return result
 
-        content, calls, finish, matched_stop = self._decode(chat, result)
-        tag = _short_digest(session.execution_id)
-        if api == "openai":
-            response_id = f"chatcmpl-{tag}-{call_index}"
-            call_ids = tuple(f"call_{tag}_{call_index}_{i}" for i in range(len(calls)))
+    async def _finish(
+        self, call: _PreparedCall, result: BackendResult, started_s: float
+    ) -> tuple[ChatOutcome, str, ParsedOutput | None]:
+        """Decode, record the turn, emit ModelCallCompleted; the answer, the final text and its tool-call split."""
+        chat, session = call.chat, call.session
+        text, parsed, matched = self._final_text(chat, result)
+        content, calls = (parsed.content, parsed.tool_calls) if parsed is not None else (text, ())
+        if matched is not None:
+            finish = "stop_sequence"
+        elif result.finish_reason == "length":
+            finish = "length"
+        elif calls:
+            finish = "tool_calls"
         else:
-            response_id = f"msg_{tag}_{call_index}"
-            call_ids = tuple(f"toolu_{tag}_{call_index}_{i}" for i in range(len(calls)))
+            finish = "stop"
+        call_ids = tuple(f"{call.call_id_prefix}{i}" for i in range(len(calls)))
         session.record_turn(
-            turn_key(content, [(call.name, call.arguments_json) for call in calls]),
-            rendered.prompt_digest,
+            turn_key(content, [(c.name, c.arguments_json) for c in calls]),
+            call.rendered.prompt_digest,
             result.output_ids,
         )
         token_logprobs = None
@@ -287,13 +381,14 @@ class ProxyService:
                 for token, lp in zip(result.output_ids, result.output_logprobs)
             )
         finished_s = self.clock()
+        prompt_ids = call.rendered.prompt_ids
         await self._emit(
             ModelCallCompleted(
                 execution_id=session.execution_id,
                 group_id=session.group_id,
-                call_index=call_index,
-                agent_id=agent_id,
-                call_kind=call_kind,
+                call_index=call.call_index,
+                agent_id=call.agent_id,
+                call_kind=call.call_kind,
                 prompt_ids=prompt_ids,
                 output_ids=tuple(result.output_ids),
                 output_logprobs=tuple(float(x) for x in result.output_logprobs),
@@ -305,50 +400,33 @@ class ProxyService:
                 finished_s=finished_s,
             )
         )
-        return ChatOutcome(
-            response_id=response_id,
+        outcome = ChatOutcome(
+            response_id=call.response_id,
             model=chat.model,
             created_s=int(finished_s),
             content=content,
             tool_calls=calls,
             tool_call_ids=call_ids,
             finish=finish,
-            matched_stop=matched_stop,
+            matched_stop=matched,
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(result.output_ids),
             cached_tokens=int(result.cached_tokens),
             token_logprobs=token_logprobs,
         )
+        return outcome, text, parsed
 
-    def _decode(self, chat: ChatRequest, result: BackendResult) -> tuple[str, tuple[ToolCall, ...], str, str | None]:
-        """Output ids -> (content, tool calls, finish, matched stop string)."""
-        ids = list(result.output_ids)
-        if ids and ids[-1] in self.template.stop_token_ids:
-            ids.pop()
-        text = self.template.decode(ids)
-        matched: str | None = None
-        if result.finish_reason == "stop" and chat.stop:
-            # A stop string ends the text before it (OpenAI and Anthropic both leave it out); the ids keep it, since
-            # the policy did emit those tokens.
-            candidates = [result.matched_stop] if isinstance(result.matched_stop, str) else list(chat.stop)
-            found = [(text.find(s), s) for s in candidates if s in chat.stop and s in text]
-            if found:
-                position, matched = min(found)
-                text = text[:position]
-        if chat.tools:
-            parsed = parse_tool_calls(text)
-            content, calls = parsed.content, parsed.tool_calls
-        else:
-            content, calls = text, ()
-        if matched is not None:
-            finish = "stop_sequence"
-        elif result.finish_reason == "length":
-            finish = "length"
-        elif calls:
-            finish = "tool_calls"
-        else:
-            finish = "stop"
-        return content, calls, finish, matched
+    async def _complete(
+        self, request: web.Request, chat: ChatRequest, session: ExecutionSession, api: str, started_s: float
+    ) -> ChatOutcome:
+        """Generate one turn, record it, emit ModelCallCompleted; return what to answer."""
+        call = self._prepare(request, chat, session, api)
+        result = await self._generate(call)
+        outcome, _, _ = await self._finish(call, result, started_s)
+        return outcome
+
+    def _final_text(self, chat: ChatRequest, result: BackendResult) -> tuple[str, ParsedOutput | None, str | None]:
+        return final_text(self.template, result, chat.stop, bool(chat.tools))
 
     async def _emit(self, message: ModelCallCompleted) -> None:
         try:
@@ -391,12 +469,11 @@ class ProxyService:
         async def handle() -> web.StreamResponse:
             session = self._authenticate(request)
             chat = openai_api.parse_chat_request(await self._read_json(request))
+            if chat.stream:
+                return await self._stream_call(request, chat, session, "openai", started_s)
             outcome = await self._complete(request, chat, session, "openai", started_s)
             self._completed += 1
-            if not chat.stream:
-                return web.json_response(openai_api.completion_body(outcome))
-            events = [sse(chunk) for chunk in openai_api.completion_chunks(outcome, chat.include_usage)]
-            return await self._stream(request, [*events, sse("[DONE]")])
+            return web.json_response(openai_api.completion_body(outcome))
 
         return await self._guarded(request, "openai", handle)
 
@@ -406,14 +483,57 @@ class ProxyService:
         async def handle() -> web.StreamResponse:
             session = self._authenticate(request)
             chat = anthropic_api.parse_messages_request(await self._read_json(request))
+            if chat.stream:
+                return await self._stream_call(request, chat, session, "anthropic", started_s)
             outcome = await self._complete(request, chat, session, "anthropic", started_s)
             self._completed += 1
-            if not chat.stream:
-                return web.json_response(anthropic_api.message_body(outcome))
-            events = [sse(data, event=name) for name, data in anthropic_api.message_events(outcome)]
-            return await self._stream(request, events)
+            return web.json_response(anthropic_api.message_body(outcome))
 
         return await self._guarded(request, "anthropic", handle)
+
+    async def _stream_call(
+        self, request: web.Request, chat: ChatRequest, session: ExecutionSession, api: str, started_s: float
+    ) -> web.StreamResponse:
+        """A streamed call: deltas as the turn is generated (see the module doc)."""
+        call = self._prepare(request, chat, session, api)
+        writer = _SseWriter(request, call, api, int(started_s))
+        streamer = TurnStreamer(
+            self.template.decode, self.template.stop_token_ids, chat.stop, parse_tools=bool(chat.tools)
+        )
+
+        async def on_output(ids: tuple[int, ...]) -> None:
+            if writer.client_gone():
+                raise ClientGone("the client closed the stream")
+            deltas = streamer.feed(ids)
+            if deltas:
+                await writer.send(writer.deltas(deltas))
+
+        try:
+            result = await self._generate(call, on_output)
+        except ApiError as error:
+            if not writer.started:
+                raise  # nothing sent yet: the API's usual error status
+            log.info("proxy_stream_failed", path=request.path, kind=error.kind, reason=error.message)
+            self._failed += 1
+            await writer.error(error)
+            return writer.response
+        except ConnectionResetError:  # ClientGone, or aiohttp's own reset while writing
+            self._disconnected += 1
+            log.info("proxy_client_gone", path=request.path, rid=call.backend_request.rid)
+            raise
+        except Exception as error:
+            if not writer.started:
+                raise
+            log.exception("proxy_stream_failed", path=request.path)
+            self._failed += 1
+            await writer.error(ApiError("server", f"internal error: {type(error).__name__}"))
+            return writer.response
+        outcome, text, parsed = await self._finish(call, result, started_s)
+        self._completed += 1
+        events = writer.deltas(streamer.finish(text, parsed)) + writer.end(outcome)
+        await writer.send(events)
+        await writer.response.write_eof()
+        return writer.response
 
     async def count_tokens(self, request: web.Request) -> web.StreamResponse:
         async def handle() -> web.StreamResponse:
@@ -444,15 +564,68 @@ class ProxyService:
     async def health(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"status": "ok"})
 
-    async def _stream(self, request: web.Request, events: list[bytes]) -> web.StreamResponse:
-        response = web.StreamResponse(
+
+
+class _SseWriter:
+    """One streamed answer: the API's event shapes (openai_api.CompletionStream or anthropic_api.MessageStream) as
+    server-sent events, with the 200 header sent lazily before the first event."""
+
+    def __init__(self, request: web.Request, call: _PreparedCall, api: str, created_s: int) -> None:
+        self.request = request
+        self.call = call
+        self.api = api
+        self.response = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await response.prepare(request)
+        self.started = False
+        chat = call.chat
+        self.shapes: Any
+        if api == "openai":
+            self.shapes = openai_api.CompletionStream(call.response_id, chat.model, created_s, chat.include_usage)
+        else:
+            self.shapes = anthropic_api.MessageStream(call.response_id, chat.model, len(call.rendered.prompt_ids))
+
+    def _events(self, shapes: list[Any]) -> list[bytes]:
+        if self.api == "openai":
+            return [sse(chunk) for chunk in shapes]
+        return [sse(data, event=name) for name, data in shapes]
+
+    def client_gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    def deltas(self, deltas: list[Delta]) -> list[bytes]:
+        """Events for content and tool-call deltas; call ids are the answer's (the same as non-streamed)."""
+        shapes: list[Any] = []
+        for delta in deltas:
+            if isinstance(delta, TextDelta):
+                shapes += self.shapes.text(delta.text)
+            else:
+                shapes += self.shapes.tool_call(delta.index, delta.call, f"{self.call.call_id_prefix}{delta.index}")
+        return self._events(shapes)
+
+    def end(self, outcome: ChatOutcome) -> list[bytes]:
+        events = self._events(self.shapes.end(outcome))
+        return events + [sse("[DONE]")] if self.api == "openai" else events
+
+    async def send(self, events: list[bytes]) -> None:
+        if not events:
+            return
+        if not self.started:
+            self.started = True
+            await self.response.prepare(self.request)
+            events = self._events(self.shapes.start()) + events
         for event in events:
-            await response.write(event)
-        await response.write_eof()
-        return response
+            await self.response.write(event)
+
+    async def error(self, error: ApiError) -> None:
+        """A failure after the header went out: the API's error event (the SDKs raise it), then the end."""
+        if self.api == "openai":
+            events = [sse(openai_api.error_body(error))]
+        else:
+            events = [sse(anthropic_api.error_body(error), event="error")]
+        await self.send(events)
+        await self.response.write_eof()
 
 
 PROXY_SERVICE: web.AppKey[ProxyService] = web.AppKey("gyre_proxy_service", ProxyService)

@@ -28,6 +28,8 @@ class RunMonitorConfig:
     """End the run after this many optimizer steps."""
     cells: tuple[str, ...]
     """Cell names, in display order."""
+    core_cell: str = ""
+    """The core's name, recorded in run.json for tools that vary the split of cells (gyre bench policies)."""
     progress: bool = True
     """Draw a progress bar on stderr."""
 
@@ -91,7 +93,7 @@ class RunMonitor(Actor):
         self.steps.append({
             "t_s": self._elapsed(), "step": msg.step_id, "version": msg.version, "loss": msg.loss,
             "grad_norm": msg.grad_norm, "tokens": msg.num_tokens, "samples": msg.num_samples,
-            "stale_dropped": msg.stale_samples_dropped,
+            "stale_dropped": msg.stale_samples_dropped, "skipped": msg.skipped,
         })
         if self.bar is not None:
             self.bar.update(1)
@@ -109,7 +111,8 @@ class RunMonitor(Actor):
         folder = Path(self.config.report_dir)
         folder.mkdir(parents=True, exist_ok=True)
         record = {
-            "cells": list(self.config.cells), "elapsed_s": self._elapsed(), "steps": self.steps,
+            "cells": list(self.config.cells), "core_cell": self.config.core_cell, "elapsed_s": self._elapsed(),
+            "steps": self.steps,
             "groups": self.groups, "role_changes": self.role_changes, "switch_requests": self.switch_requests,
         }
         (folder / "run.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

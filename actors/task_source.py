@@ -6,14 +6,18 @@ Tasks are taken in epochs: every epoch visits each task once, in an order shuffl
 
 Staleness hook. Rollouts must not run too far ahead of training, or their samples are too stale to train on when
 their step comes (the micro-step claimer refuses them, which wastes the rollout). The task source subscribes
-`StepApplied` to know the weight version and bounds the groups *ahead of training*:
+`StepApplied` to know the weight version and the steps done, and bounds the groups *ahead of training*:
 
-    started - dropped - groups_per_step * (version - initial_weight_version) < max_groups_ahead_of_training
+    started - dropped - groups_per_step * steps_done < max_groups_ahead_of_training
 
-(dropped groups never train, so they do not count; each applied step trains `groups_per_step` groups). With
-`max_groups_ahead_of_training = (s + 1) * groups_per_step` (`groups_ahead_for_staleness(s, groups_per_step)`), a
-group started at version v is among the first (v + s + 1) * groups_per_step trainable groups, so it lands in a step
-whose base version is at most v + s: its samples are at most s versions stale. None disables the bound.
+(dropped groups never train, so they do not count; each step uses up `groups_per_step` groups). Steps, not
+versions: a step the core skips for non-finite gradients (`StepApplied.skipped`) uses its groups up without bumping
+the version, and a gate on versions would then wait for ever. `steps_done` is the newest applied step id + 1 -
+`first_step_id`. With `max_groups_ahead_of_training = (s + 1) * groups_per_step`
+(`groups_ahead_for_staleness(s, groups_per_step)`), a group started after k steps is among the first
+(k + s + 1) * groups_per_step trainable groups, so it lands in step k + s at the latest; the version moves at most
+one per step, so that step's base version is at most v + s for the version v the group started with: its samples
+are at most s versions stale. None disables the bound.
 
 TaskSpec mapping (actors never import examples; the topology file converts). For an examples/toolbox `Task`:
 
@@ -91,6 +95,8 @@ class TaskSourceConfig:
     """Bound on groups started and not yet trained (module docstring); None: no bound."""
     initial_weight_version: int = 0
     """Weight version before the first step."""
+    first_step_id: int = 0
+    """Id of the first step (the micro-step claimer's `first_step_id`)."""
     stop_topology_when_done: bool = True
     """Stop the run once `max_groups` groups are done."""
     history_size: int = attrs.field(default=1024, validator=_count)
@@ -108,6 +114,8 @@ class TaskSource(Actor):
     async def on_start(self) -> None:
         self.order = self._order()
         self.version = self.config.initial_weight_version
+        self.steps_done = 0
+        self.steps_skipped = 0
         self.started = 0
         self.done = 0
         self.landed = 0
@@ -128,7 +136,7 @@ class TaskSource(Actor):
             yield from epoch
 
     def _ahead_of_training(self) -> int:
-        trained = self.config.groups_per_step * max(0, self.version - self.config.initial_weight_version)
+        trained = self.config.groups_per_step * self.steps_done
         return self.started - self.dropped - trained
 
     def _held_by_staleness(self) -> bool:
@@ -187,9 +195,15 @@ class TaskSource(Actor):
 
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:
-        if msg.version > self.version:
-            self.version = msg.version
-            self._fill()
+        steps_done = msg.step_id + 1 - self.config.first_step_id
+        if steps_done <= self.steps_done and msg.version <= self.version:
+            return  # a repeat, or out of order: nothing new
+        if msg.skipped and steps_done > self.steps_done:
+            self.steps_skipped += 1
+            self.log.warning("step_skipped", step_id=msg.step_id, version=msg.version)
+        self.steps_done = max(self.steps_done, steps_done)
+        self.version = max(self.version, msg.version)
+        self._fill()
 
     @handler(StatisticsAsked)
     def on_statistics(self, msg: StatisticsAsked) -> TaskSourceStatistics:

@@ -3,7 +3,8 @@
 Weights never travel on the bus. The core registers its live flat parameter buffer (the trainer's own, no copy)
 and an int64 *fence* beside it with its transfer agent, and tells the broker once where both are
 (`WeightSource`, with the buffer's layout). After every optimizer step the core publishes `StepApplied`; the
-broker turns it into `WeightsPublished(version, peer, addr, nbytes)` for everyone. A cell that wants the weights
+broker turns it into `WeightsPublished(version, peer, addr, nbytes)` for everyone (a skipped step, whose weights did
+not change, publishes nothing). A cell that wants the weights
 asks the broker for the newest source (`WeightsQuery`) and pulls with `pull_weights` (`WeightPuller` does both and
 retries what can be retried); cells then tell the broker `WeightsLoaded`, and the broker keeps who holds which
 version (`WeightsStatusQuery`).
@@ -199,6 +200,9 @@ class WeightBroker(Actor):
 
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:
+        if msg.skipped:  # the weights did not change: nothing new to pull (see actors/cell_training.py)
+            self.log.info("step_skipped_weights_unchanged", step_id=msg.step_id, version=msg.version)
+            return
         if not self.source.cell:
             self.log.error("step_applied_without_source", step_id=msg.step_id, version=msg.version)
             return

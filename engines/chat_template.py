@@ -8,6 +8,13 @@ no BPE merge can cross a turn boundary. `ChatTemplate` renders single turns thro
 (with the same environment settings as transformers' `apply_chat_template`), so there is one source of truth for
 the markup; the tests compare the two paths against transformers on varied conversations.
 
+Rendering through Jinja costs more than tokenising (a sandboxed context per call): on the proxy's hot path that was
+the biggest single cost of a call. So for Gyre's own template (`CHAT_TEMPLATE`, compared by source text) a
+pure-Python renderer, `render_builtin_text`, writes the same text for the shapes agents send (plain system, user
+and tool messages, assistant messages with tool calls, tools given as dicts); anything else (an unusual type, a
+missing field, a template a checkpoint brought) goes through Jinja. A property test holds the two to the same text
+on generated conversations.
+
 Layout (Qwen style):
 
     <|im_start|>system\\n{system text}[\\n\\n]{tools section}<|im_end|>\\n      (only if a system text or tools)
@@ -34,7 +41,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["CHAT_TEMPLATE", "ChatTemplate", "ChatTemplateError", "compile_template"]
+__all__ = ["CHAT_TEMPLATE", "ChatTemplate", "ChatTemplateError", "compile_template", "render_builtin_text"]
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -141,15 +148,111 @@ def _check_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return plain
 
 
+def _tools_text(system_text: Any, tools: Sequence[Any]) -> str | None:
+    """The system turn with a tools section, as CHAT_TEMPLATE writes it; None for an unusual tool shape."""
+    parts = ["<|im_start|>system\n"]
+    if system_text:
+        parts.append(system_text + "\n\n")
+    parts.append(TOOLS_PREAMBLE)
+    for tool in tools:
+        if type(tool) is not dict:
+            return None
+        function = tool["function"] if "function" in tool else tool
+        if type(function) is not dict or type(function.get("name")) is not str:
+            return None
+        properties: Any = {}
+        if "parameters" in function:
+            parameters = function["parameters"]
+            if type(parameters) is not dict:
+                return None
+            if "properties" in parameters:
+                properties = parameters["properties"]
+                if type(properties) is not dict or not all(type(name) is str for name in properties):
+                    return None
+        parts.append("\n" + function["name"] + "(" + ", ".join(properties) + ")")
+        description = function.get("description")
+        if description:
+            if type(description) is not str:
+                return None
+            parts.append(": " + description)
+    parts.append(TOOLS_EPILOGUE + "<|im_end|>\n")
+    return "".join(parts)
+
+
+def render_builtin_text(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None, add_generation_prompt: bool
+) -> str | None:
+    """CHAT_TEMPLATE's text for checked messages, written in plain Python (no Jinja); None when the conversation
+    has a shape this does not handle, and then the caller renders through Jinja (which also raises the errors).
+
+    Handled: messages whose role is system/user/assistant/tool and whose content is a str or None; assistant tool
+    calls as dicts (with or without a "function" wrapper) whose name is a str and arguments a str (verbatim) or a
+    dict (json.dumps, ensure_ascii=False, as the template's tojson); tools as dicts whose parameters/properties are
+    dicts with str keys and whose description is a str or empty. Exact types are required (no subclasses): this
+    is a fast path, not a second template engine.
+    """
+    parts: list[str] = []
+    start = 1 if messages and messages[0].get("role") == "system" else 0
+    if tools:
+        tools_text = _tools_text(messages[0].get("content") if start else None, tools)
+        if tools_text is None:
+            return None
+        parts.append(tools_text)
+    elif start:
+        parts.append("<|im_start|>system\n" + (messages[0].get("content") or "") + "<|im_end|>\n")
+    for message in messages[start:]:
+        role = message.get("role")
+        raw_content = message.get("content")
+        if raw_content is not None and type(raw_content) is not str:
+            return None
+        content = raw_content or ""
+        if role == "user" or role == "system":
+            parts.append("<|im_start|>" + role + "\n" + content + "<|im_end|>\n")
+        elif role == "assistant":
+            parts.append("<|im_start|>assistant\n" + content)
+            calls = message.get("tool_calls") or ()
+            if type(calls) is not list and type(calls) is not tuple:
+                return None
+            for index, call in enumerate(calls):
+                if type(call) is not dict:
+                    return None
+                function = call["function"] if "function" in call else call
+                if type(function) is not dict or type(function.get("name")) is not str:
+                    return None
+                arguments = function.get("arguments")
+                if type(arguments) is dict:
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+                elif type(arguments) is not str:
+                    return None
+                if content or index:
+                    parts.append("\n")
+                parts.append(
+                    '<tool_call>\n{"name": ' + json.dumps(function["name"], ensure_ascii=False)
+                    + ', "arguments": ' + arguments + "}\n</tool_call>"
+                )
+            parts.append("<|im_end|>\n")
+        elif role == "tool":
+            parts.append("<|im_start|>tool\n<tool_response>\n" + content + "\n</tool_response><|im_end|>\n")
+        else:
+            return None
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
 class ChatTemplate:
     """Renders conversations to token ids, whole or one message at a time, with identical results.
 
     `tokenizer` is a `tokenizers.Tokenizer` (the fast Rust one; no transformers import on the proxy's hot path).
+    `fast_path` lets Gyre's own template render without Jinja (see `render_builtin_text`); it has no effect on any
+    other template, and False forces Jinja everywhere (the tests compare the two).
     """
 
-    def __init__(self, tokenizer: Tokenizer, source: str = CHAT_TEMPLATE) -> None:
+    def __init__(self, tokenizer: Tokenizer, source: str = CHAT_TEMPLATE, fast_path: bool = True) -> None:
         self.tokenizer = tokenizer
         self.source = source
+        self.fast_path = fast_path and source == CHAT_TEMPLATE
+        """Whether renders try `render_builtin_text` before Jinja."""
         self._template = compile_template(source)
         ids = {}
         for token in (IM_START, IM_END, END_OF_TEXT):
@@ -199,11 +302,16 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
     ) -> str:
         checked = [_check_message(m) for m in messages]
+        if self.fast_path:
+            text = render_builtin_text(checked, tools, add_generation_prompt)
+            if text is not None:
+                return text
         try:
             return self._template.render(
                 messages=checked, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt
             )
-        except jinja2.exceptions.TemplateError as error:
+        except (jinja2.exceptions.TemplateError, TypeError) as error:
+            # TypeError: data the template cannot combine (a tool description that is a number, say).
             raise ChatTemplateError(str(error)) from error
 
     # -- ids -------------------------------------------------------------------------------------------------

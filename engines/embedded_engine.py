@@ -30,7 +30,7 @@ import attrs
 import structlog
 import torch
 
-from gyre.engines.kv_pool import KVLayout, KVPool, torch_dtype
+from gyre.engines.kv_pool import KVLayout, KVPool, KVStaging, StagedRegion, torch_dtype
 from gyre.engines.qwen3_paged import ModelFormatError, Qwen3Paged, Qwen3Spec, SeqChunk, read_safetensors_dir
 from gyre.engines.radix_cache import RadixCache, RadixNode
 from gyre.engines.sampling import (
@@ -103,9 +103,16 @@ class EngineConfig:
     per step); a decode group that needs more falls back to gathering. 0 disables staging."""
     seed: int = 0
     """Seeds the per-request seeds of requests that give none, so a run is reproducible."""
+    kv_staging_tokens: int | None = None
+    """Tokens of KV the export/import staging buffer holds (rounded up to blocks): exports and imports that fit move
+    as one contiguous transfer, others block by block. None: one max-context prefix (the largest export there can
+    be; a quarter of the pool in the usual configurations). 0 disables staging."""
 
     def __attrs_post_init__(self) -> None:
         torch_dtype(self.dtype)
+        staging = self.kv_staging_tokens
+        if staging is not None and (type(staging) is not int or staging < 0):
+            raise ValueError(f"kv_staging_tokens must be None or an int >= 0, got {self.kv_staging_tokens!r}")
         if type(self.decode_staging_bytes) is not int or self.decode_staging_bytes < 0:
             raise ValueError(f"decode_staging_bytes must be an int >= 0, got {self.decode_staging_bytes!r}")
         if self.max_context_tokens > self.num_blocks * self.block_size_tokens:
@@ -154,6 +161,11 @@ class ExportedPrefix:
     num_tokens: int
     """Tokens covered: len(block_ids) * block_size."""
     block_ids: tuple[int, ...]
+    staging_addr: int = 0
+    """Address of a contiguous copy of the blocks in the exporter's staging buffer, in `KVLayout.block_addrs`
+    order ([layers, 2, blocks, ...]); 0 when the export is not staged (staging full or off): read block by block."""
+    staging_nbytes: int = 0
+    """Size of that copy: len(block_ids) * layers * 2 * block_nbytes, or 0."""
 
 
 @attrs.frozen
@@ -228,6 +240,7 @@ class EmbeddedEngine:
         self.eos_token_ids = load_eos_token_ids(model_dir)
         self.pool: KVPool | None = None
         self.cache: RadixCache | None = None
+        self.staging: KVStaging | None = None
         self._new_pool()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
@@ -236,7 +249,7 @@ class EmbeddedEngine:
         self._paused = False
         self._stalled = False
         self._epoch = 0
-        self._exports: dict[str, RadixNode] = {}
+        self._exports: dict[str, tuple[RadixNode, StagedRegion | None]] = {}
         self._export_seq = 0
         self._seeds = random.Random(config.seed)
         self._released: set[str] = set()
@@ -333,6 +346,11 @@ class EmbeddedEngine:
     def paused(self) -> bool:
         return self._paused
 
+    def live_sequences(self) -> dict[str, tuple[int, ...]]:
+        """rid -> prompt + output so far of every queued or running request: what a KV migration of generations
+        paused in place moves (their computed blocks are exported with `export_prefix`)."""
+        return {request.rid: tuple(request.tokens) for request in list(self._running) + list(self._waiting)}
+
     # ---- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[StepEvent]:
@@ -362,7 +380,8 @@ class EmbeddedEngine:
             if request.computed == request.prompt_len and not request.output_ids and request.max_new_tokens == 0:
                 self._finish(request, "length", None)
         if sampled:
-            tokens, logprobs = sample_next(logits, samplers)
+            # Each token's noise comes from (seed, its absolute position): a resumed generation continues alike.
+            tokens, logprobs = sample_next(logits, samplers, [len(r.tokens) for r in sampled])
             for request, token, logprob in zip(sampled, tokens, logprobs):
                 request.tokens.append(token)
                 request.versions.append(self.weight_version)
@@ -645,6 +664,10 @@ class EmbeddedEngine:
             self.config.dtype,
         )
         self.cache = RadixCache(self.pool, self.config.block_size_tokens)
+        size = self.config.block_size_tokens
+        tokens = self.config.kv_staging_tokens
+        blocks = -(-(self.config.max_context_tokens if tokens is None else tokens) // size)
+        self.staging = KVStaging(self.pool, blocks) if blocks > 0 else None
 
     def _tags(self, tags: Iterable[str] | None) -> set[str]:
         chosen = set(MEMORY_TAGS if tags is None else tags)
@@ -664,6 +687,7 @@ class EmbeddedEngine:
             self.model.drop_staging()
             self.pool = None
             self.cache = None
+            self.staging = None
             self._released.add("kv_cache")
         if "weights" in chosen and self.model.has_weights:
             self.model.release_weights()
@@ -729,27 +753,105 @@ class EmbeddedEngine:
         """Pin the cached blocks of the longest cached prefix of `token_ids` so a peer can read them.
 
         Live requests' computed blocks are cached first, so a session paused mid-generation exports everything it
-        has computed. Release the pin with `release_export(handle)`.
+        has computed. When the staging buffer has room, the blocks are also copied into one contiguous region of it
+        (`staging_addr`), so a peer moves them with one transfer entry instead of one per (layer, K/V, block run);
+        the region stays untouched until the export is released. Release the pin with `release_export(handle)`.
         """
-        _, cache = self._require_pool()
+        pool, cache = self._require_pool()
         ids = self._check_ids(token_ids)
         if len(self._exports) >= self.config.max_exports:
             raise EngineError(f"{len(self._exports)} exports are pinned (max {self.config.max_exports})")
         self._cache_running()
         match = cache.match_prefix(ids)
+        region = None
+        if match.block_ids and self.staging is not None:
+            region = self.staging.reserve(len(match.block_ids))
+            if region is None:
+                log.debug("staging buffer full: export goes block by block", blocks=len(match.block_ids))
+            else:
+                self.staging.gather(pool, match.block_ids, region)
         cache.lock(match.node)
         self._export_seq += 1
         handle = f"export-{self._export_seq}"
-        self._exports[handle] = match.node
-        return ExportedPrefix(handle, len(match.block_ids) * self.config.block_size_tokens, match.block_ids)
+        self._exports[handle] = (match.node, region)
+        return ExportedPrefix(
+            handle,
+            len(match.block_ids) * self.config.block_size_tokens,
+            match.block_ids,
+            staging_addr=region.addr if region is not None else 0,
+            staging_nbytes=region.nbytes if region is not None else 0,
+        )
 
     def release_export(self, handle: str) -> None:
-        node = self._exports.pop(handle, None)
-        if node is None:
+        """Unpin an export's blocks and free its staging region (its reader must be done with both)."""
+        entry = self._exports.pop(handle, None)
+        if entry is None:
             raise EngineError(f"unknown export handle {handle!r}")
+        node, region = entry
         if self.cache is not None:
             self.cache.unlock(node)
+        if region is not None and self.staging is not None:
+            self.staging.release(region)
         self._stalled = False
+
+    def import_exported(
+        self,
+        token_ids: Sequence[int],
+        export: ExportedPrefix,
+        remote: KVLayout,
+        read: Callable[[list[int], list[int], list[int]], int],
+    ) -> tuple[int, int]:
+        """Import the prefix a peer engine exported, moving its bytes with `read`; returns (tokens, bytes moved).
+
+        `token_ids` are the exported tokens (len == export.num_tokens); `remote` is the exporter's layout;
+        `read(local_addrs, remote_addrs, sizes)` copies the peer's ranges into ours and returns the bytes moved
+        (e.g. `functools.partial(TransferAgent.read, agent, peer)`; our pool and staging buffer must be registered
+        with it). A staged export whose region fits in our staging buffer moves with one entry into it and is then
+        scattered into the new blocks; otherwise every (layer, K/V, block run) is its own entry, straight into the
+        pool. If `read` fails, the blocks are freed and the error propagates; the staging region it was filling is
+        quarantined unless the error's `unsafe_ranges` is present and empty (nothing can still arrive).
+        """
+        ids = self._check_ids(token_ids)
+        local = self.kv_layout()
+        if not local.compatible_with(remote):
+            raise EngineError(f"incompatible KV layouts: local {local}, exported {remote}")
+        blocks = len(export.block_ids)
+        if blocks * local.block_size_tokens != export.num_tokens or len(ids) != export.num_tokens:
+            raise EngineError(
+                f"export covers {export.num_tokens} tokens with {blocks} blocks of {local.block_size_tokens}; "
+                f"{len(ids)} tokens given"
+            )
+        entry_nbytes = local.num_layers * 2 * local.block_nbytes
+        if export.staging_addr and export.staging_nbytes != blocks * entry_nbytes:
+            raise EngineError(
+                f"export stages {export.staging_nbytes} bytes for {blocks} blocks; expected {blocks * entry_nbytes}"
+            )
+        moved = 0
+
+        def fill(dest: list[int]) -> None:
+            nonlocal moved
+            pool, staging = self.pool, self.staging
+            assert pool is not None and len(dest) == blocks  # import_prefix allocates one block per exported block
+            region = staging.reserve(blocks) if export.staging_addr and staging is not None else None
+            if region is None:
+                remote_addrs = remote.block_addrs(export.block_ids)
+                moved += read(local.block_addrs(dest), remote_addrs, [local.block_nbytes] * len(remote_addrs))
+                return
+            assert staging is not None
+            try:
+                try:
+                    moved += read([region.addr], [export.staging_addr], [region.nbytes])
+                except BaseException as error:
+                    if getattr(error, "unsafe_ranges", None) != ():
+                        staging.quarantine(region)  # bytes of the failed read may still land in it
+                        log.warning("staging region quarantined after a failed read", blocks=blocks)
+                    raise
+                staging.scatter(region, pool, dest)
+            finally:
+                staging.release(region)
+
+        tokens = self._import_checked(ids, fill)
+        return tokens, moved
 
     def import_prefix(self, token_ids: Sequence[int], fill: Callable[[list[int]], None]) -> int:
         """Cache the KV of `token_ids`' full blocks, written by `fill` into freshly allocated blocks.
@@ -759,8 +861,10 @@ class EmbeddedEngine:
         Returns the tokens imported: 0 when the cache already held the whole prefix (fill is not called).
         If fill raises, the blocks are freed and the error propagates.
         """
+        return self._import_checked(self._check_ids(token_ids), fill)
+
+    def _import_checked(self, ids: list[int], fill: Callable[[list[int]], None]) -> int:
         pool, cache = self._require_pool()
-        ids = self._check_ids(token_ids)
         if len(ids) > self.config.max_context_tokens:
             raise EngineError(f"{len(ids)} tokens exceed max_context_tokens {self.config.max_context_tokens}")
         size = self.config.block_size_tokens
@@ -769,7 +873,8 @@ class EmbeddedEngine:
             return 0
         if not self._make_room(full):
             raise EngineError(f"no room for {full} KV blocks now; retry when requests finish")
-        blocks = pool.alloc(full)
+        # Any free blocks will do; in ascending order they form runs that fill writes with few large copies.
+        blocks = sorted(pool.alloc(full))
         try:
             fill(list(blocks))
             cache.insert(ids, blocks)

@@ -6,14 +6,18 @@ observation to its history and generating a reply. The same sessions run on
   observation), and
 - transformers' `generate` on the same model directory (batched with left padding, re-prefilling every history each
   turn, which is what a plain `generate` loop does),
-with greedy decoding and `ignore_eos`/`min_new_tokens` so both generate exactly the same number of tokens.
+with greedy decoding and `ignore_eos`/`min_new_tokens` so both generate exactly the same number of tokens. The two
+backends take turns (embedded, transformers, embedded, ...) for `backend_repeats` passes each, so that load drifting
+on a shared machine falls on both alike; tokens/s are medians over passes and the speedup is the median of the
+ratios of passes run back to back.
 
 It also measures moving the sessions' KV cache from one engine to another through Mooncake (export, read the
 blocks, import into the peer's radix cache) against Mooncake's raw loopback bandwidth for the same bytes in one
 contiguous read, and the trainer's forward+backward throughput on the sessions' final histories. The two engines
 of the KV move live in this process, each with its own Mooncake agent, talking TCP over loopback as two processes
-would; the move reads one entry per (layer, K/V, run of consecutive blocks), so with the tiny model's 4 KiB blocks
-Mooncake's per-entry cost, not bandwidth, sets its speed.
+would. Each session's export is gathered into the exporter's staging buffer and read with one entry (a per-block
+read would pay Mooncake's ~100 us per TCP entry for every 4 KiB block of the tiny model); `kv_entries_sent`
+shows how many entries the move took.
 
 Wall-clock timing is fine here: this is a benchmark, not an actor.
 """
@@ -58,14 +62,16 @@ class EngineBenchConfig:
     threads: int = 1
     """torch intra-op threads for every backend. 1 by default: on a shared 2-core machine a second thread makes
     every small op wait at a barrier for a descheduled peer (transformers fell from 48 to 3 tokens/s that way)."""
-    kv_repeats: int = 3
-    """Repetitions of the KV move and the raw copy (the median is reported)."""
+    backend_repeats: int = 3
+    """Timed passes over the workload per backend, alternating between the two (medians are reported)."""
+    kv_repeats: int = 5
+    """Repetitions of the KV move, each followed by the raw read of the same bytes (medians are reported)."""
     trainer_steps: int = 3
     """Timed forward+backward passes (after one warm-up)."""
     preset: str = "tiny"
 
     def __attrs_post_init__(self) -> None:
-        for name in ("sessions", "turns", "output_tokens", "threads", "kv_repeats", "trainer_steps"):
+        for name in ("sessions", "turns", "output_tokens", "threads", "backend_repeats", "kv_repeats", "trainer_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.observation_tokens_min <= self.observation_tokens_max:
@@ -154,14 +160,20 @@ def run_embedded(engine: Any, config: EngineBenchConfig, workload: Workload) -> 
     )
 
 
-def run_transformers(model_dir: Path, config: EngineBenchConfig, workload: Workload) -> BackendRun:
-    """The same turns through `model.generate`: one left-padded batch per turn, every history prefilled anew."""
+def load_transformers(model_dir: Path) -> Any:
+    """transformers' Qwen3ForCausalLM for the directory, in fp32, eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def run_transformers(model: Any, config: EngineBenchConfig, workload: Workload) -> BackendRun:
+    """The same turns through `model.generate`: one left-padded batch per turn, every history prefilled anew."""
+    import torch
+
     with torch.no_grad():  # warm-up outside the timed loop, as the embedded engine gets one
         warm = torch.ones((1, 16), dtype=torch.long)
         model.generate(input_ids=warm, max_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -213,6 +225,8 @@ class KVMove:
     """Time inside Mooncake reads only (median over repeats)."""
     raw_seconds: float
     """One contiguous Mooncake read of `nbytes` between two registered buffers (median over repeats)."""
+    ratio: float
+    """Median over repeats of raw_seconds / seconds, each raw read timed right after its move (same load)."""
     imported_tokens: int
     verified_cached_tokens: int
     """Prompt tokens engine B served from its cache when asked for the histories after the last import."""
@@ -230,35 +244,57 @@ def move_kv(source: Any, model_dir: Path, config: EngineBenchConfig, histories: 
     target = EmbeddedEngine(model_dir, source.config)
     agent_a, agent_b = TransferAgent(), TransferAgent()
     try:
-        layout_a, layout_b = source.kv_layout(), target.kv_layout()
-        agent_a.register(layout_a.base_addr, layout_a.nbytes)
-        agent_b.register(layout_b.base_addr, layout_b.nbytes)
+        for engine, agent in ((source, agent_a), (target, agent_b)):  # what the engine server does at start-up
+            agent.register_tensor(engine.pool.tensor)
+            if engine.staging is not None:
+                agent.register_tensor(engine.staging.tensor)
+        layout_a = source.kv_layout()
+        read_s = 0.0
+
+        def read(local: list[int], remote: list[int], sizes: list[int]) -> int:
+            nonlocal read_s
+            t0 = time.perf_counter()
+            try:
+                return agent_b.read(agent_a.peer, local, remote, sizes)
+            finally:
+                read_s += time.perf_counter() - t0
+
+        # Each move is followed by the raw read of the same byte count (one contiguous read between two registered
+        # buffers), so that each pair sees the same load on a shared machine.
         runs: list[tuple[float, float, int, int]] = []
+        raw: list[float] = []
+        entries_requested = entries_sent = 0
+        src = dst = None
         for _ in range(config.kv_repeats):
             if not target.flush_cache():
                 raise RuntimeError("target engine refused to flush its cache")
             moved = imported = 0
             read_s = 0.0
+            before = agent_b.statistics()
             start = time.perf_counter()
             for history in histories:
                 export = source.export_prefix(history)
-                src_addrs = layout_a.block_addrs(export.block_ids)
-
-                def fill(dest: list[int], src_addrs: list[int] = src_addrs) -> None:
-                    nonlocal moved, read_s
-                    t0 = time.perf_counter()
-                    moved += agent_b.read(
-                        agent_a.peer, layout_b.block_addrs(dest), src_addrs, [layout_a.block_nbytes] * len(src_addrs)
-                    )
-                    read_s += time.perf_counter() - t0
-
                 try:
-                    imported += target.import_prefix(history[: export.num_tokens], fill)
+                    tokens, nbytes = target.import_exported(history[: export.num_tokens], export, layout_a, read)
                 finally:
                     source.release_export(export.handle)
+                imported += tokens
+                moved += nbytes
             runs.append((time.perf_counter() - start, read_s, moved, imported))
+            after = agent_b.statistics()
+            entries_requested = after.entries_requested - before.entries_requested
+            entries_sent = after.entries_sent - before.entries_sent
+            if src is None:
+                src = torch.randint(0, 255, (max(moved, 1),), dtype=torch.uint8)
+                dst = torch.empty_like(src)
+                agent_a.register_tensor(src)
+                agent_b.register_tensor(dst)
+            t0 = time.perf_counter()
+            agent_b.pull_tensor(agent_a.peer, src.data_ptr(), dst)
+            raw.append(time.perf_counter() - t0)
+        if not torch.equal(src, dst):
+            raise RuntimeError("raw Mooncake read returned different bytes")
         nbytes, imported = runs[-1][2], runs[-1][3]
-        stats = agent_b.statistics()
 
         # Did it work? B must now serve every history from its cache.
         verified = 0
@@ -269,28 +305,16 @@ def move_kv(source: Any, model_dir: Path, config: EngineBenchConfig, histories: 
             for event in target.step():
                 if event.finished is not None:
                     verified += event.finished.cached_tokens
-
-        # Raw bandwidth for the same byte count: one contiguous read between two registered buffers.
-        src = torch.randint(0, 255, (max(nbytes, 1),), dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        agent_a.register_tensor(src)
-        agent_b.register_tensor(dst)
-        raw = []
-        for _ in range(config.kv_repeats):
-            t0 = time.perf_counter()
-            agent_b.pull_tensor(agent_a.peer, src.data_ptr(), dst)
-            raw.append(time.perf_counter() - t0)
-        if not torch.equal(src, dst):
-            raise RuntimeError("raw Mooncake read returned different bytes")
         return KVMove(
             nbytes=nbytes,
             seconds=statistics.median(r[0] for r in runs),
             read_seconds=statistics.median(r[1] for r in runs),
             raw_seconds=statistics.median(raw),
+            ratio=statistics.median(r / run[0] for r, run in zip(raw, runs)),
             imported_tokens=imported,
             verified_cached_tokens=verified,
-            entries_requested=stats.entries_requested // config.kv_repeats,
-            entries_sent=stats.entries_sent // config.kv_repeats,
+            entries_requested=entries_requested,
+            entries_sent=entries_sent,
         )
     finally:
         agent_a.close()
@@ -355,28 +379,38 @@ def run_bench(config: EngineBenchConfig, model_dir: Path | None = None) -> dict[
             seed=config.seed,
         )
         engine = EmbeddedEngine(model_dir, engine_config)
-        embedded = run_embedded(engine, config, workload)
-        hf = run_transformers(model_dir, config, workload)
+        hf_model = load_transformers(model_dir)
+        embedded_runs: list[BackendRun] = []
+        hf_runs: list[BackendRun] = []
+        for _ in range(config.backend_repeats):
+            embedded_runs.append(run_embedded(engine, config, workload))
+            hf_runs.append(run_transformers(hf_model, config, workload))
+        embedded, hf = embedded_runs[-1], hf_runs[-1]
+        if any(r.outputs != embedded.outputs for r in embedded_runs):
+            raise RuntimeError("the embedded engine's greedy outputs differ between passes")
         kv = move_kv(engine, model_dir, config, embedded.histories)
         trainer_tps, trainer_batch_tokens = trainer_throughput(model_dir, config, embedded.histories)
 
     first = [(e[0], h[0]) for e, h in zip(embedded.outputs, hf.outputs)]
     match = sum(a == b for pair in first for a, b in zip(*pair)) / sum(len(p[0]) for p in first)
-    embedded_tps = embedded.output_tokens / embedded.seconds
-    hf_tps = hf.output_tokens / hf.seconds
+    embedded_tps = [r.output_tokens / r.seconds for r in embedded_runs]
+    hf_tps = [r.output_tokens / r.seconds for r in hf_runs]
     gb = kv.nbytes / 1e9
     return {
-        "embedded_tokens_per_s": round(embedded_tps, 1),
-        "transformers_tokens_per_s": round(hf_tps, 1),
-        "speedup": round(embedded_tps / hf_tps, 2),
+        "embedded_tokens_per_s": round(statistics.median(embedded_tps), 1),
+        "transformers_tokens_per_s": round(statistics.median(hf_tps), 1),
+        "speedup": round(statistics.median(e / h for e, h in zip(embedded_tps, hf_tps)), 2),
         "prefix_hit_rate": round(embedded.cached_tokens / embedded.prompt_tokens, 4),
         "kv_transfer_gb_per_s": round(gb / kv.seconds, 4),
         "kv_read_gb_per_s": round(gb / kv.read_seconds, 4),
         "kv_raw_gb_per_s": round(gb / kv.raw_seconds, 4),
+        "kv_transfer_vs_raw": round(kv.ratio, 3),
         "trainer_tokens_per_s": round(trainer_tps, 1),
         "output_tokens": embedded.output_tokens,
-        "embedded_seconds": round(embedded.seconds, 3),
-        "transformers_seconds": round(hf.seconds, 3),
+        "embedded_seconds": round(statistics.median(r.seconds for r in embedded_runs), 3),
+        "transformers_seconds": round(statistics.median(r.seconds for r in hf_runs), 3),
+        "embedded_tokens_per_s_runs": [round(v, 1) for v in embedded_tps],
+        "transformers_tokens_per_s_runs": [round(v, 1) for v in hf_tps],
         "prompt_tokens": embedded.prompt_tokens,
         "cached_tokens": embedded.cached_tokens,
         "first_turn_greedy_match": round(match, 4),
@@ -404,6 +438,7 @@ def _handle(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens,
         seed=args.seed,
         threads=args.threads,
+        backend_repeats=args.backend_repeats,
         kv_repeats=args.kv_repeats,
         trainer_steps=args.trainer_steps,
         preset=args.preset,
@@ -415,7 +450,8 @@ def _handle(args: argparse.Namespace) -> int:
     r = report
     lines = [
         f"workload: {config.sessions} sessions x {config.turns} turns, {config.output_tokens} tokens per turn "
-        f"({r['output_tokens']} generated), model preset {config.preset!r}, {config.threads} threads",
+        f"({r['output_tokens']} generated per pass, {config.backend_repeats} passes each), model preset "
+        f"{config.preset!r}, {config.threads} threads",
         f"embedded engine   {r['embedded_tokens_per_s']:>10.1f} tokens/s  ({r['embedded_seconds']} s)",
         f"transformers      {r['transformers_tokens_per_s']:>10.1f} tokens/s  ({r['transformers_seconds']} s)",
         f"speedup           {r['speedup']:>10.2f} x",
@@ -424,7 +460,8 @@ def _handle(args: argparse.Namespace) -> int:
         f"greedy match      {r['first_turn_greedy_match']:>10.2%}  (first turn, embedded vs transformers)",
         f"KV move           {r['kv_transfer_gb_per_s']:>10.3f} GB/s end to end, {r['kv_read_gb_per_s']:.3f} GB/s "
         f"in reads ({r['kv_bytes']} bytes, {r['kv_entries_requested']} entries -> {r['kv_entries_sent']})",
-        f"Mooncake raw      {r['kv_raw_gb_per_s']:>10.3f} GB/s  (same bytes, one contiguous read)",
+        f"Mooncake raw      {r['kv_raw_gb_per_s']:>10.3f} GB/s  (same bytes, one contiguous read); KV move at "
+        f"{r['kv_transfer_vs_raw']:.2f} x raw (median of paired runs)",
         f"trainer fwd+bwd   {r['trainer_tokens_per_s']:>10.1f} tokens/s  "
         f"({r['trainer_batch_tokens']} tokens per batch)",
     ]
@@ -452,6 +489,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--threads", type=int, default=defaults.threads)
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--backend-repeats", type=int, default=defaults.backend_repeats,
+                   help="timed passes per backend, alternating between them")
     p.add_argument("--kv-repeats", type=int, default=defaults.kv_repeats)
     p.add_argument("--trainer-steps", type=int, default=defaults.trainer_steps)
     p.add_argument("--preset", default=defaults.preset, help="model preset when no --model-dir is given")

@@ -11,7 +11,9 @@ Routes (SGLang shapes; see shared/reference/sglang.md):
   generation is not paused), /update_weights_from_disk, /update_weights_from_tensor, /release_memory_occupation,
   /resume_memory_occupation; GET /model_info, /health, /get_load (engine statistics).
 - POST /gyre/kv/export, /gyre/kv/import, /gyre/kv/release: move one prefix's KV blocks between two embedded
-  engines through Mooncake (the importer reads the exporter's pinned blocks directly).
+  engines through Mooncake. The exporter pins the blocks and copies them into one contiguous region of its staging
+  buffer (`staging_addr`, `staging_nbytes`); the importer reads that region with one transfer entry and scatters it
+  into its pool, or, for an export without a staged copy, reads the pinned blocks one (layer, K/V, run) at a time.
 
 /update_weights_from_tensor payload (Gyre's own, SGLang's pickled format is not accepted): `serialized_named_tensors`
 is the base64 text of a safetensors file holding Hugging Face named tensors (or a one-element list of it, as
@@ -42,6 +44,7 @@ from gyre.engines.embedded_engine import (
     EngineConfig,
     EngineError,
     EngineOverloaded,
+    ExportedPrefix,
     GenerateOutput,
     KVLayout,
     SamplingParams,
@@ -180,7 +183,7 @@ class EngineServer:
         self.model_path = model_path or engine.engine.model_dir
         self.clock = clock
         self.tokenizer = engine.engine.tokenizer
-        self._registered: Any = None  # the pool tensor registered with the agent
+        self._registered: Any = None  # the pool tensor and staging buffer registered with the agent
 
     # ---- transfer-agent registration ----------------------------------------------------------------------
 
@@ -192,16 +195,19 @@ class EngineServer:
         def register(engine: EmbeddedEngine) -> Any:
             if engine.pool is None:
                 return None
-            agent.register_tensor(engine.pool.tensor)
-            return engine.pool.tensor
+            tensors = [engine.pool.tensor] + ([engine.staging.tensor] if engine.staging is not None else [])
+            for tensor in tensors:
+                agent.register_tensor(tensor)
+            return tensors
 
         self._registered = await self.engine.call(register)
 
     async def unregister_pool(self) -> None:
         if self.agent is None or self._registered is None:
             return
-        tensor, self._registered = self._registered, None
-        self.agent.unregister_tensor(tensor)
+        tensors, self._registered = self._registered, None
+        for tensor in tensors:
+            self.agent.unregister_tensor(tensor)
 
     # ---- helpers ------------------------------------------------------------------------------------------
 
@@ -481,6 +487,8 @@ class EngineServer:
                 "handle": exported.handle,
                 "num_tokens": exported.num_tokens,
                 "block_ids": list(exported.block_ids),
+                "staging_addr": exported.staging_addr,
+                "staging_nbytes": exported.staging_nbytes,
                 "transfer_peer": self.agent.peer if self.agent is not None else None,
                 "layout": attrs.asdict(layout),
             }
@@ -506,6 +514,9 @@ class EngineServer:
             num_tokens = export["num_tokens"]
             block_ids = export["block_ids"]
             remote = KVLayout(**export["layout"])
+            # Absent in descriptors from servers without staging: they are read block by block.
+            staging_addr = export.get("staging_addr", 0)
+            staging_nbytes = export.get("staging_nbytes", 0)
         except (KeyError, TypeError) as error:
             raise BadRequest(f"export is missing or mangles a field: {error}") from None
         if not isinstance(peer, str) or not peer:
@@ -514,34 +525,29 @@ class EngineServer:
             raise BadRequest("export.num_tokens must be an int in [0, len(input_ids)]")
         if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
             raise BadRequest("export.block_ids must be a list of ints")
+        for name, value in (("staging_addr", staging_addr), ("staging_nbytes", staging_nbytes)):
+            if type(value) is not int or value < 0:
+                raise BadRequest(f"export.{name} must be an int >= 0")
+        exported = ExportedPrefix(
+            str(export.get("handle", "")), num_tokens, tuple(block_ids), staging_addr, staging_nbytes
+        )
         tokens = input_ids[:num_tokens]
         agent = self.agent
-        moved = {"bytes": 0}
 
-        def run(engine: EmbeddedEngine) -> int:
-            local = engine.kv_layout()
-            if not local.compatible_with(remote):
-                raise EngineError(f"incompatible KV layouts: local {local}, exported {remote}")
-            if len(block_ids) * local.block_size_tokens != num_tokens:
-                raise EngineError("export.block_ids do not cover export.num_tokens")
-
-            def fill(dest: list[int]) -> None:
-                source = block_ids[: len(dest)]
-                remote_addrs = remote.block_addrs(source)
-                local_addrs = local.block_addrs(dest)
-                moved["bytes"] += agent.read(peer, local_addrs, remote_addrs, [local.block_nbytes] * len(local_addrs))
-
-            return engine.import_prefix(tokens, fill)
+        def read(local_addrs: list[int], remote_addrs: list[int], sizes: list[int]) -> int:
+            return agent.read(peer, local_addrs, remote_addrs, sizes)
 
         started = self.clock()
         try:
-            imported = await self.engine.call(run)
+            imported, moved = await self.engine.call(
+                lambda engine: engine.import_exported(tokens, exported, remote, read)
+            )
         except ValueError as error:  # block ids outside the remote layout, ...
             if isinstance(error, EngineError):
                 raise
             raise BadRequest(f"bad export: {error}") from None
         return web.json_response(
-            {"imported_tokens": imported, "bytes": moved["bytes"], "seconds": self.clock() - started}
+            {"imported_tokens": imported, "bytes": moved, "seconds": self.clock() - started}
         )
 
 

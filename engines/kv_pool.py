@@ -179,3 +179,132 @@ class KVPool:
         if tuple(data.shape) != expected:
             raise ValueError(f"block data has shape {tuple(data.shape)}, expected {expected}")
         self.tensor.index_copy_(2, index, data.to(self.tensor.dtype))
+
+
+@attrs.frozen
+class StagedRegion:
+    """A run of slots in a `KVStaging` buffer: `num_blocks` whole blocks (every layer, K and V) back to back."""
+
+    start_slot: int
+    """First slot (one slot holds one block of every layer) of the region."""
+    num_blocks: int
+    """Slots, i.e. blocks, in the region."""
+    addr: int
+    """Address of the region's first byte (for a Mooncake transfer)."""
+    nbytes: int
+    """num_blocks * slot_nbytes."""
+    serial: int = 0
+    """Which reservation this is: a stale region of the same slots never releases a newer one."""
+
+
+class KVStaging:
+    """One contiguous buffer for moving a prefix's KV as a single transfer, cut into regions on demand.
+
+    Why: a prefix's blocks lie scattered over the pool, one run per (layer, K/V, run of block ids), and Mooncake's
+    TCP transport pays ~100 us per entry while a tiny model's block is 4 KiB, so a per-block move runs at a tenth of
+    the link's speed. An exporter gathers the blocks into a region here, the importer reads that region into a
+    region of its own staging buffer with one entry, and scatters it into its pool blocks.
+
+    A region holds blocks in `KVLayout.block_addrs` order: [layers, 2 (K, V), blocks, block_size, kv_heads,
+    head_dim], contiguous. Regions are first-fit over slots of one block each; `reserve` answers None when no run of
+    free slots is long enough, and the caller falls back to a per-block transfer. A region whose memory a failed
+    transfer may still write is `quarantine`d: it stays taken for the buffer's lifetime instead of being handed out
+    again (Mooncake cannot wait for the stragglers of a failed batch).
+    """
+
+    def __init__(self, pool: KVPool, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._block_shape = (pool.block_size_tokens, pool.num_kv_heads, pool.head_dim)
+        self._num_layers = pool.num_layers
+        self._slot_elements = pool.num_layers * 2 * pool.block_size_tokens * pool.num_kv_heads * pool.head_dim
+        self.tensor = torch.zeros(capacity_blocks * self._slot_elements, dtype=pool.tensor.dtype)
+        self._pool_rows = pool.num_layers * 2  # (layer, kind) rows; a block is one contiguous run of each row
+        self.slot_nbytes = self._slot_elements * self.tensor.element_size()
+        self._regions: dict[int, StagedRegion] = {}  # start slot -> the region taken there
+        self._quarantined: set[int] = set()  # start slots of regions never to be handed out again
+        self._serial = 0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.capacity_blocks - sum(r.num_blocks for r in self._regions.values())
+
+    @property
+    def quarantined_blocks(self) -> int:
+        return sum(self._regions[start].num_blocks for start in self._quarantined)
+
+    def reserve(self, num_blocks: int) -> StagedRegion | None:
+        """Take the first run of `num_blocks` free slots; None if there is none (too big, or the buffer is full)."""
+        if num_blocks < 1:
+            raise ValueError(f"cannot stage {num_blocks} blocks")
+        cursor = 0
+        for start in sorted(self._regions):
+            if start - cursor >= num_blocks:
+                break
+            cursor = start + self._regions[start].num_blocks
+        if self.capacity_blocks - cursor < num_blocks:
+            return None
+        self._serial += 1
+        addr = int(self.tensor.data_ptr()) + cursor * self.slot_nbytes
+        region = StagedRegion(cursor, num_blocks, addr, num_blocks * self.slot_nbytes, self._serial)
+        self._regions[cursor] = region
+        return region
+
+    def release(self, region: StagedRegion) -> None:
+        """Hand the region's slots back (a quarantined region stays taken)."""
+        if self._regions.get(region.start_slot) != region:
+            raise RuntimeError(f"release of a region that is not taken: {region}")
+        if region.start_slot not in self._quarantined:
+            del self._regions[region.start_slot]
+
+    def quarantine(self, region: StagedRegion) -> None:
+        """Keep the region taken for good: a failed transfer may still write into it."""
+        if self._regions.get(region.start_slot) != region:
+            raise RuntimeError(f"quarantine of a region that is not taken: {region}")
+        self._quarantined.add(region.start_slot)
+
+    def view(self, region: StagedRegion) -> torch.Tensor:
+        """The region as a [layers, 2, blocks, block_size, kv_heads, head_dim] tensor sharing the buffer's memory."""
+        begin = region.start_slot * self._slot_elements
+        flat = self.tensor[begin : begin + region.num_blocks * self._slot_elements]
+        return flat.view(self._num_layers, 2, region.num_blocks, *self._block_shape)
+
+    def gather(self, pool: KVPool, block_ids: Sequence[int], region: StagedRegion) -> None:
+        """Copy the pool's `block_ids`, in that order, into the region."""
+        if len(block_ids) != region.num_blocks:
+            raise ValueError(f"{len(block_ids)} blocks do not fill a region of {region.num_blocks}")
+        index = torch.as_tensor(block_ids, dtype=torch.long)
+        # As [rows, blocks, block elements]: fewer dimensions for index_select to walk (measured ~20% faster).
+        rows = self._pool_rows
+        source = pool.tensor.view(rows, pool.num_blocks, -1)
+        torch.index_select(source, 1, index, out=self.view(region).view(rows, region.num_blocks, -1))
+
+    def scatter(self, region: StagedRegion, pool: KVPool, block_ids: Sequence[int]) -> None:
+        """Copy the region into the pool's `block_ids` (block i of the region into block_ids[i])."""
+        if len(block_ids) != region.num_blocks:
+            raise ValueError(f"{len(block_ids)} blocks do not match a region of {region.num_blocks}")
+        rows = self._pool_rows
+        target = pool.tensor.view(rows, pool.num_blocks, -1)
+        source = self.view(region).view(rows, region.num_blocks, -1)
+        runs = _runs(block_ids)
+        if len(runs) * 8 <= len(block_ids):
+            # Mostly consecutive ids (a sorted fresh allocation usually is): one strided copy per run goes at memcpy
+            # speed, index_copy_ at a half to a third of it (measured on the tiny model's 4 KiB blocks).
+            for start, first, count in runs:
+                target[:, first : first + count].copy_(source[:, start : start + count])
+            return
+        index = torch.as_tensor(block_ids, dtype=torch.long)
+        # Indexing the leading dimension of a [blocks, rows, block elements] view copies whole rows per index.
+        target.transpose(0, 1).index_copy_(0, index, source.transpose(0, 1))
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position, first id, length) of every run of consecutive ids in `block_ids`."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            runs.append((start, block_ids[start], i - start))
+            start = i
+    return runs

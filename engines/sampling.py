@@ -1,9 +1,14 @@
 """Choosing the next token, and deciding when a request stops.
 
-Reproducibility: every request owns a `torch.Generator` seeded from its `seed`, and draws exactly one uniform number
-from it per sampled token (none at temperature 0). The token is found by inverting the CDF of that request's own
-row of logits, so the same seed gives the same tokens whichever other requests share the batch, and a request
-paused in place and continued goes on drawing from the same generator state.
+Reproducibility: the noise of each sampled token is one uniform number derived from (the request's seed, the
+token's absolute position in the sequence, prompt included) by a counter-based hash (splitmix64), not drawn from a
+stream. The token is found by inverting the CDF of that request's own row of logits. So the same seed gives the same
+tokens whichever other requests share the batch, and a generation cut off after k tokens and resubmitted anywhere
+as prompt + those k tokens with the same seed (and the remaining budget) goes on with exactly the tokens it would
+have produced: token k+1 sits at the same absolute position either way. A stream per request could not do that
+without shipping its state along (the proxy's resubmission after a role switch relies on it; see
+actors/proxy.py). The cost is that two requests with the same seed whose sequences share positions get the same
+noise at those positions; give different requests different seeds (the engine and the proxy do).
 
 Log-probs: `output_logprobs` are log-softmax of the raw logits (temperature 1, no top-p or top-k) at the chosen
 token. That is what the trainer computes for the same token under the same weights, so behaviour and trainer
@@ -73,7 +78,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_tuple, validator=_check_stop_ids)
     """Tokens that end the request (kept as the last output token); they apply even with ignore_eos."""
     seed: int | None = None
-    """Seed of this request's generator; None lets the engine pick one from its own seeded sequence."""
+    """Seed of this request's sampling noise (one number per (seed, position), see the module doc); None lets the
+    engine pick one from its own seeded sequence."""
     ignore_eos: bool = False
     """Do not stop at the model's end-of-sequence tokens (generation_config / config eos_token_id)."""
 
@@ -104,18 +110,41 @@ class SamplingParams:
         return self.top_k > 1 or self.top_p < 1
 
 
-class RequestSampler:
-    """One request's sampling state: its params and its private generator."""
+_MASK64 = (1 << 64) - 1
 
-    __slots__ = ("params", "generator")
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints whose outputs pass statistical tests of randomness."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _uniform(key: int, position: int) -> float:
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    return (_mix64(key ^ (position & _MASK64)) >> 11) * (1.0 / (1 << 53))
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The noise of the token at absolute sequence `position` of a request seeded `seed`: uniform in [0, 1), 53 bits."""
+    return _uniform(_mix64(seed & _MASK64), position)
+
+
+class RequestSampler:
+    """One request's sampling params and seed; its noise is a function of (seed, position), see the module doc."""
+
+    __slots__ = ("params", "seed", "_key")
 
     def __init__(self, params: SamplingParams, seed: int) -> None:
         self.params = params
-        self.generator = torch.Generator()
-        self.generator.manual_seed(seed)
+        self.seed = seed
+        self._key = _mix64(seed & _MASK64)
 
-    def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+    def uniform(self, position: int) -> float:
+        """The uniform number of the token sampled at absolute sequence `position` (= `position_uniform`)."""
+        return _uniform(self._key, position)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -140,11 +169,16 @@ def _sample_filtered(row: torch.Tensor, params: SamplingParams, uniform: float) 
     return int(indices[int(index)])
 
 
-def sample_next(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits` [B, V]; returns the tokens and their raw log-probs (see module doc)."""
+def sample_next(
+    logits: torch.Tensor, samplers: Sequence[RequestSampler], positions: Sequence[int]
+) -> tuple[list[int], list[float]]:
+    """Pick one token per row of `logits` [B, V]; returns the tokens and their raw log-probs (see module doc).
+
+    `positions[b]` is the absolute sequence position (prompt included) the token of row b will take: its noise is
+    derived from it and the row's seed."""
     logits = logits.float()
     batch = logits.shape[0]
-    assert batch == len(samplers)
+    assert batch == len(samplers) == len(positions)
     raw_logprobs = torch.log_softmax(logits, -1)
     tokens = [0] * batch
     plain_rows: list[int] = []
@@ -159,10 +193,10 @@ def sample_next(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> tup
         if params.greedy:
             continue
         if params.filtered:
-            tokens[b] = _sample_filtered(logits[b] / params.temperature, params, sampler.uniform())
+            tokens[b] = _sample_filtered(logits[b] / params.temperature, params, sampler.uniform(positions[b]))
         else:
             plain_rows.append(b)
-            plain_uniforms.append(sampler.uniform())
+            plain_uniforms.append(sampler.uniform(positions[b]))
     if plain_rows:
         temperatures = torch.tensor([samplers[b].params.temperature for b in plain_rows], dtype=logits.dtype)
         probs = torch.softmax(logits[plain_rows] / temperatures.unsqueeze(-1), -1)

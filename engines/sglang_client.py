@@ -137,7 +137,11 @@ class SGLangClient:
                         return
                     chunk = json.loads(data)
                     if isinstance(chunk, dict) and "error" in chunk:
-                        raise RequestRejected("/generate", resp.status, _error_text(chunk))
+                        # The engine failed mid-stream (Gyre's server names the error type) vs a refused request.
+                        error = chunk["error"]
+                        kind = error.get("type") if isinstance(error, dict) else None
+                        failed = kind in ("EngineFailed", "EngineClosed")
+                        raise (ServerError if failed else RequestRejected)("/generate", resp.status, _error_text(chunk))
                     yield chunk
         except asyncio.TimeoutError as error:
             raise EngineTimeout("/generate", None, f"stream not finished within {timeout.total} s") from error

@@ -5,9 +5,10 @@
     gyre run examples/agent_rl.py --report report --policy colocate
 
 What happens:
-1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised, the scripted expert's demonstrations
-   warm-start it with SFT (cached under ~/.cache/gyre, keyed by the demonstrations, model and config), and the
-   warm-started model is scored on held-out tasks (greedy).
+1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches
+   it to copy spans and look values up (engines/pretrain.py: what a real base model brings and a random one lacks);
+   the scripted expert's demonstrations warm-start it with SFT; each stage is cached under ~/.cache/gyre, keyed by
+   its inputs. The warm-started model is scored on held-out tasks (greedy).
 2. the topology: one core cell and two satellites (each its own process; the core holds weights and optimizer),
    the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
    executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
@@ -64,6 +65,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--heldout-tasks", type=int, default=28)
     parser.add_argument("--sft-tasks", type=int, default=300, help="expert demonstrations for the warm start")
     parser.add_argument("--sft-epochs", type=int, default=6)
+    parser.add_argument("--copy-steps", type=int, default=600, help="synthetic copy-pretraining steps (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
@@ -79,6 +81,7 @@ def _toolbox():
 # ---- prepare: base model, warm start, held-out score before RL ----------------------------------------------------
 def prepare(argv: list[str]) -> None:
     from gyre.engines.model_format import init_model_dir
+    from gyre.engines.pretrain import CopyPretrainConfig, copy_pretrain_digest, run_copy_pretrain
     from gyre.engines.sft import SFTConfig, demonstrations_digest, run_sft
 
     args = parse_args(argv)
@@ -90,6 +93,16 @@ def prepare(argv: list[str]) -> None:
     if not (base / "model.safetensors").is_file():
         init_model_dir(base, "tiny", seed=args.seed)
     tasks, _, expert = _toolbox()
+    if args.copy_steps > 0:
+        copy_config = CopyPretrainConfig(steps=args.copy_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed)
+        copied = cache / f"copy-{copy_pretrain_digest(base, copy_config)}"
+        if not (copied / "copy_pretrain.json").is_file():
+            print(f"agent_rl: synthetic copy pretraining, {args.copy_steps} steps (cached in {copied})",
+                  file=sys.stderr)
+            run_copy_pretrain(base, copied, copy_config, progress=lambda step, total, loss, accuracy: print(
+                f"  copy step {step}/{total} loss {loss:.3f} accuracy {accuracy:.2f}", file=sys.stderr)
+                if step % 25 == 0 or step == total else None)
+        base = copied
     demos = expert.demonstrations(args.sft_tasks, seed=args.seed)
     lines = [json.dumps(d.to_json(), sort_keys=True) for d in demos]
     config = SFTConfig(epochs=args.sft_epochs, seed=args.seed)
@@ -170,8 +183,8 @@ def topology(argv: list[str]) -> Topology:
         tasks=_task_specs(args), group_size=args.group_size, groups_in_flight=args.groups_per_step * 2,
         groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),
         seed=args.seed, stop_topology_when_done=False), process="control")
-    result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=CELLS),
-               process="control")
+    monitor = RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=CELLS, core_cell=CELLS[0])
+    result.add("monitor", RunMonitor, monitor, process="control")
     return result
 
 

@@ -79,7 +79,7 @@ class CellDraining:
     """Cell name."""
 
 
-@message("gyre.cells.MigrateSessions")
+@message("gyre.cells.MigrateSessions", version=2)
 class MigrateSessions:
     """Cell -> KV migrator (ask): move every live session of `source` to the given targets."""
 
@@ -91,6 +91,9 @@ class MigrateSessions:
     """Cell name -> inference server URL of the cells that take sessions over."""
     sessions: tuple[str, ...]
     """Session keys (execution ids) to move."""
+    in_flight: tuple[tuple[int, ...], ...] = ()
+    """Token ids (prompt + output so far) of the source's generations paused in place: a session whose latest ids
+    (its prompt) begin one of these moves the longer ids, partial output included."""
 
 
 @message("gyre.cells.SessionsMigrated")

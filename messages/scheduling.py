@@ -55,7 +55,7 @@ class ClaimerStatisticsAsked:
     """Anyone -> claimer (ask): reply with `ClaimerStatistics`."""
 
 
-@message("gyre.scheduling.ClaimerStatistics")
+@message("gyre.scheduling.ClaimerStatistics", version=2)
 class ClaimerStatistics:
     """The claimer's exactly-once ledger: every landed sample is trained once, dropped with a reason, or in flight."""
 
@@ -63,6 +63,8 @@ class ClaimerStatistics:
     """Samples received in SamplesLanded (duplicates included)."""
     samples_trained: int
     """Samples whose micro-step is done (MicroStepDone, or the core's StepApplied for a claimed one)."""
+    samples_skipped: int
+    """Samples of steps the core skipped (their gradients were not finite): used up, never trained."""
     samples_dropped_stale: int
     """Samples of executions refused by the staleness policy."""
     samples_dropped_overflow: int
@@ -98,7 +100,9 @@ class ClaimerStatistics:
     steps_ready: int
     """Steps fixed (StepReady published)."""
     steps_applied: int
-    """StepApplied seen for the claimer's current step."""
+    """StepApplied seen for the claimer's current step (skipped steps included)."""
+    steps_skipped: int
+    """Of those, steps the core skipped for non-finite gradients."""
     step_id: int
     """The current step."""
     base_version: int

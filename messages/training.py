@@ -92,9 +92,11 @@ class StepReady:
     """Weights the step's gradients must be computed with."""
 
 
-@message("gyre.training.StepApplied")
+@message("gyre.training.StepApplied", version=2)
 class StepApplied:
-    """Core -> everyone: the optimizer step ran; a new weight version exists."""
+    """Core -> everyone: the step's micro-steps are all in and the step is over. Normally the optimizer step ran and
+    a new weight version exists; a step whose gradients were not finite is `skipped`: the weights and their version
+    stay as they were, but the step still counts (its samples are used up, counted as skipped, not trained)."""
 
     step_id: int
     """Step."""
@@ -110,6 +112,8 @@ class StepApplied:
     """Samples trained in the step."""
     stale_samples_dropped: int
     """Samples refused by the staleness bound."""
+    skipped: bool = False
+    """The gradients were not finite: no update was applied and `version` is the unchanged one."""
 
 
 @message("gyre.training.WeightsPublished")

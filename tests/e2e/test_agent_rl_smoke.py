@@ -1,7 +1,7 @@
 """A short run of the main job: real cells, proxy, agents, scorer, trainer, a couple of GSPO steps.
 
-Small on purpose (groups of 4, one group per step, a 1-epoch warm start on 20 demonstrations, no held-out
-evaluation) so CI can afford it; it checks that samples were trained and that weight versions advanced.
+Small on purpose (groups of 4, one group per step, 2 copy-pretraining steps and a 1-epoch warm start on 20
+demonstrations, no held-out evaluation) so CI can afford it; it checks that samples were trained and that weight versions advanced.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "gyre.runtime.cli", "run", str(ROOT / "examples" / "agent_rl.py"),
         "--report", str(report), "--steps", "2", "--group-size", "4", "--groups-per-step", "1",
-        "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20", "--skip-eval",
+        "--copy-steps", "2", "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20", "--skip-eval",
     ]
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stderr[-4000:]

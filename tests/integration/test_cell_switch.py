@@ -4,7 +4,9 @@ Two satellites serve rollouts, a core trains (no samples come, so it only waits)
 sessions (the openai SDK) and the KV migrator moves sessions between the cells. Each round, the agents make one
 more call each (their sessions stick to a cell), and while those calls generate the cell holding the sessions is
 switched to training and back. Checked:
-- every agent call completes (none lost, none failed) and its tokens equal an unswitched call's (greedy decoding);
+- every agent call completes (none lost, none failed) and its tokens equal an unswitched call's, with sampling on
+  (temperature 1.0, a seed per agent): the switch comes once the calls have generated a few blocks, the migrator
+  moves prompt + partial output, and the proxy resumes each cut call on the new cell from its partial output;
 - the switch announces itself in order: CellDraining, SessionPlaced for the moved sessions, RoleChanged(train),
   then RoleChanged(rollout) with a working server;
 - the switched cell holds no engine memory while it trains and no trainer once it is back.
@@ -42,6 +44,8 @@ from gyre.runtime.testing import run_actors
 ROUNDS = 3
 AGENTS = 4
 MAX_TOKENS = 96
+TEMPERATURE = 1.0
+SEEDS = tuple(1000 + 7 * i for i in range(AGENTS))
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud ember field".split()
 
 
@@ -83,10 +87,11 @@ def topology(model_dir: str) -> Topology:
     return result
 
 
-async def running_on(url: str) -> int:
+async def engine_load(url: str) -> tuple[int, int]:
+    """(running + waiting requests, tokens generated so far) from the engine server's statistics record."""
     async with SGLangClient(url) as client:
-        load = await client._get("/get_load")  # the engine server's statistics record
-    return int(load["running"]) + int(load["waiting"])
+        load = await client._get("/get_load")
+    return int(load["running"]) + int(load["waiting"]), int(load["generated_tokens_total"])
 
 
 @pytest.fixture(scope="module")
@@ -107,22 +112,27 @@ def switched(tiny_model_dir):
                          for _ in range(AGENTS)]
         rounds = []
         for round_index in range(ROUNDS):
+            urls = {m.cell: m.engine_url for m in recorder.of(RoleChanged) if m.role == ROLLOUT}
+            latest = {c: recorder.of(RoleChanged, cell=c)[-1] for c in ("cell-a", "cell-b")}
+            serving = [c for c in sorted(latest) if latest[c].role == ROLLOUT]
+            generated_before = {c: (await engine_load(urls[c]))[1] for c in serving}
             calls = [asyncio.ensure_future(client.chat.completions.create(
-                model="gyre", messages=list(messages), max_tokens=MAX_TOKENS, temperature=0))
-                for client, messages in zip(clients, conversations)]
-            # The cell to switch: the one whose engine is busy with the sessions' calls.
+                model="gyre", messages=list(messages), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=seed))
+                for client, messages, seed in zip(clients, conversations, SEEDS)]
+            # The cell to switch: the one whose engine is busy with the sessions' calls, once they have generated
+            # a couple of KV blocks each (so that partial output really moves).
             source = None
-            for _ in range(400):
-                urls = {m.cell: m.engine_url for m in recorder.of(RoleChanged) if m.role == ROLLOUT}
-                latest = {c: recorder.of(RoleChanged, cell=c)[-1] for c in ("cell-a", "cell-b")}
-                loads = {c: await running_on(urls[c]) for c in latest if latest[c].role == ROLLOUT}
-                busy = [c for c, n in sorted(loads.items()) if n > 0]
+            for _ in range(2000):
+                loads = {c: await engine_load(urls[c]) for c in serving}
+                busy = [c for c, (n, generated) in sorted(loads.items())
+                        if n > 0 and generated - generated_before[c] >= 40 * n]
                 if busy:
-                    source = max(busy, key=lambda c: loads[c])
+                    source = max(busy, key=lambda c: loads[c][0])
                     break
                 await asyncio.sleep(0.01)
             assert source is not None, "no cell got busy"
             mark = len(recorder.events)
+            partial_before = h.actor("kv_migrator").partial_output_tokens
             before = len(recorder.of(RoleChanged, cell=source))
             h.tell(source, SwitchRole(source, TRAIN, "test"))
             await h.wait_until(lambda: len(recorder.of(RoleChanged, cell=source)) > before,
@@ -138,7 +148,8 @@ def switched(tiny_model_dir):
             for messages, reply in zip(conversations, replies):
                 messages.append({"role": "assistant", "content": reply.choices[0].message.content})
                 messages.append({"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(8))})
-            rounds.append({"source": source, "events": [m for _, m in recorder.events[mark:]],
+            partial = h.actor("kv_migrator").partial_output_tokens - partial_before
+            rounds.append({"source": source, "events": [m for _, m in recorder.events[mark:]], "partial": partial,
                            "training": training, "back": back, "served": served, "replies": replies})
         last = rounds[-1]["source"]
         other = "cell-a" if last == "cell-b" else "cell-b"
@@ -147,14 +158,17 @@ def switched(tiny_model_dir):
         live = {cell: recorder.loads[cell].live_sessions for cell in (last, other)}
         switched_calls = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
         proxy_status = await h.ask("proxy", ProxyStatusAsked())
-        # The unswitched run: every call's exact prompt ids again, straight to an engine that nothing disturbs.
+        # The unswitched run: every call's exact prompt ids and seed again, straight to an engine nothing disturbs.
         url = (await h.ask("cell-a", CellStatusQuery(with_digest=False))).engine_url
         references = {}
         async with SGLangClient(url) as client:
             for call in switched_calls:
+                seed = SEEDS[int(call.execution_id.removeprefix("exec-"))]
                 out = await client.generate(call.prompt_ids, {
-                    "max_new_tokens": MAX_TOKENS, "temperature": 0.0, "stop_token_ids": list(stop_ids)})
-                references[call.prompt_ids] = tuple(out["output_ids"])
+                    "max_new_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "sampling_seed": seed,
+                    "stop_token_ids": list(stop_ids)}, return_logprob=True)
+                references[call.prompt_ids] = (tuple(out["output_ids"]),
+                                               tuple(e[0] for e in out["meta_info"]["output_token_logprobs"]))
         return {"rounds": rounds, "switched_calls": switched_calls, "references": references,
                 "proxy": proxy_status, "live": live, "last": last, "other": other}
 
@@ -172,7 +186,14 @@ def test_no_call_lost_and_tokens_match_an_unswitched_run(switched):
     done = switched["switched_calls"]
     assert len(done) == ROUNDS * AGENTS
     for call in done:
-        assert switched["references"][call.prompt_ids] == call.output_ids
+        reference_ids, reference_logprobs = switched["references"][call.prompt_ids]
+        assert call.output_ids == reference_ids
+        assert call.output_logprobs == pytest.approx(reference_logprobs, abs=1e-3)
+
+
+def test_partial_output_moves_with_the_session(switched):
+    # Every switch came while its calls were generating: their partial output's KV moved with the sessions.
+    assert all(r["partial"] > 0 for r in switched["rounds"])
 
 
 def test_switch_announcements_in_order(switched):

@@ -325,10 +325,17 @@ def test_kv_prefix_moves_between_two_servers_through_mooncake(model_dir: Path) -
                 assert export["num_tokens"] == 52 and export["transfer_peer"] == source_agent.peer
                 assert export["layout"]["block_size_tokens"] == 4
 
+                for bad in (dict(export, staging_addr=-1), dict(export, staging_nbytes="8")):
+                    status, answer = await post(s, dst + "/gyre/kv/import", {"input_ids": session, "export": bad})
+                    assert status == 400 and "staging" in answer["error"]["message"], answer
+                status, answer = await post(s, dst + "/gyre/kv/import",
+                                            {"input_ids": session, "export": dict(export, staging_nbytes=8)})
+                assert status == 400 and "stages 8 bytes" in answer["error"]["message"], answer
                 status, imported = await post(s, dst + "/gyre/kv/import", {"input_ids": session, "export": export})
                 assert status == 200, imported
                 assert imported["imported_tokens"] == 52
                 assert imported["bytes"] == 13 * export["layout"]["block_nbytes"] * 2 * 2  # blocks x (k, v) x layers
+                assert export["staging_nbytes"] == imported["bytes"]  # moved as one staged range
                 status, _ = await post(s, src + "/gyre/kv/release", {"handle": export["handle"]})
                 assert status == 200
 

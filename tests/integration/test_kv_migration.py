@@ -91,6 +91,8 @@ def test_prefix_moves_from_a_to_b(servers):
             layout = export["layout"]
             assert imported["imported_tokens"] == 144
             assert imported["bytes"] == layout["num_layers"] * 2 * 9 * layout["block_nbytes"]
+            # A has a staged copy of the nine blocks: B read them as one range, not one per (layer, K/V, block).
+            assert export["staging_addr"] and export["staging_nbytes"] == imported["bytes"]
 
             # The next turn of the session, on B first (its first request on this prefix), then on A.
             turn = history + [rng.randrange(1, 1900) for _ in range(20)]

@@ -22,7 +22,7 @@ import attrs
 import openai
 import pytest
 
-from gyre.actors.kv_migrator import KVMigrator, KVMigratorConfig, assign_sessions
+from gyre.actors.kv_migrator import KVMigrator, KVMigratorConfig, assign_sessions, extend_with_in_flight
 from gyre.actors.proxy import Proxy, ProxyConfig
 from gyre.actors.proxy_http import ProxyHttpConfig
 from gyre.engines.sglang_client import SGLangClient
@@ -47,6 +47,18 @@ def test_assign_sessions_balances_prefix_tokens() -> None:
     assert placement == assign_sessions(dict(reversed(list(lengths.items()))), ("c", "b"))  # order-free
     assert assign_sessions(lengths, ()) == {}
     assert assign_sessions({"x": 0, "y": 0}, ("b", "c")) == {"x": "b", "y": "c"}  # empty prefixes still spread
+
+
+def test_in_flight_sequences_extend_the_sessions_they_continue() -> None:
+    prefixes = {"s1": (1, 2, 3), "s2": (1, 2, 9), "s3": (4,), "s4": ()}
+    in_flight = ((1, 2, 3, 7, 7), (1, 2, 3, 7), (4, 5), (1, 2), (), (8, 8, 8))
+    assert extend_with_in_flight(prefixes, in_flight) == {
+        "s1": (1, 2, 3, 7, 7),  # the longest sequence that begins with the session's ids
+        "s2": (1, 2, 9),  # nothing continues it
+        "s3": (4, 5),
+        "s4": (),
+    }
+    assert extend_with_in_flight(prefixes, ()) == prefixes
 
 
 def free_port() -> int:

@@ -63,6 +63,13 @@ class ScriptedModel:
             matched_stop="###" if finish == "stop_string" else None,
         )
 
+    async def generate_streaming(self, request: BackendRequest, on_output: Any) -> BackendResult:
+        """The same answer, passed on one token at a time (a streaming engine's per-step output)."""
+        result = await self.generate(request)
+        for token in result.output_ids:
+            await on_output((token,))
+        return result
+
 
 class Proxy:
     def __init__(self, template: ChatTemplate, backend_factory: Any, config: ProxyHttpConfig) -> None:
@@ -300,3 +307,50 @@ def test_malformed_json_missing_max_tokens_and_over_long_prompt(scripted: Proxy)
     with pytest.raises(anthropic.BadRequestError) as error:
         client.messages.create(model="gyre", max_tokens=5, messages=[{"role": "user", "content": long_text}])
     assert "context" in error.value.body["error"]["message"]
+
+
+# -- incremental streaming -------------------------------------------------------------------------------------------
+
+
+def test_real_engine_stream_arrives_in_pieces_and_equals_the_non_streamed_message(real: Proxy) -> None:
+    messages = [{"role": "user", "content": "tell me a long story about the river"}]
+    plain = real.client(real.key("greedy-plain")).messages.create(
+        model="tiny", max_tokens=24, messages=messages, extra_body={"temperature": 0})
+    plain_call = real.calls[-1]
+    client = real.client(real.key("greedy-stream"))
+    with client.messages.stream(model="tiny", max_tokens=24, messages=messages, extra_body={"temperature": 0}) as stream:
+        pieces = [text for text in stream.text_stream if text]
+        final = stream.get_final_message()
+    streamed_call = real.calls[-1]
+    assert streamed_call.execution_id == "greedy-stream"
+    assert len(plain_call.output_ids) >= 8 and len(pieces) >= 3  # several deltas, not one answer at the end
+    assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in plain.content]
+    assert final.stop_reason == plain.stop_reason
+    assert final.usage.output_tokens == plain.usage.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == (
+        plain.usage.input_tokens + plain.usage.cache_read_input_tokens)
+    assert streamed_call.output_ids == plain_call.output_ids
+    assert streamed_call.output_logprobs == pytest.approx(plain_call.output_logprobs, abs=1e-4)
+
+
+def test_streamed_text_and_tool_use_equal_the_non_streamed_message(scripted: Proxy) -> None:
+    text = 'On it, listing the files now.\n<tool_call>\n{"name": "run", "arguments": {"cmd": "ls -la"}}\n</tool_call>'
+    messages = [{"role": "user", "content": "list files"}]
+    scripted.backend.say(text)
+    plain = scripted.client(scripted.key("mixed-plain")).messages.create(
+        model="gyre", max_tokens=100, messages=messages, tools=TOOLS)
+    scripted.backend.say(text)
+    client = scripted.client(scripted.key("mixed-stream"))
+    with client.messages.stream(model="gyre", max_tokens=100, messages=messages, tools=TOOLS) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e for e in events if e.type == "content_block_delta"]
+    text_deltas = [e.delta.text for e in deltas if e.delta.type == "text_delta"]
+    assert len(text_deltas) > 5 and not any("<tool" in t for t in text_deltas)
+    assert "".join(text_deltas) == "On it, listing the files now."
+    # The tool_use block comes after the text block, whole (one input_json_delta).
+    assert [e.delta.type for e in deltas][-1] == "input_json_delta"
+    assert [(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None))
+            for b in final.content] == [
+        (b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None)) for b in plain.content]
+    assert final.stop_reason == plain.stop_reason == "tool_use"

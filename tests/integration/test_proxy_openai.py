@@ -79,6 +79,13 @@ class ScriptedModel:
             cell="scripted-cell",
         )
 
+    async def generate_streaming(self, request: BackendRequest, on_output: Any) -> BackendResult:
+        """The same answer, passed on one token at a time (a streaming engine's per-step output)."""
+        result = await self.generate(request)
+        for token in result.output_ids:
+            await on_output((token,))
+        return result
+
 
 class Proxy:
     """A proxy served on 127.0.0.1 in a background thread, with the calls it emitted."""
@@ -550,3 +557,138 @@ def test_proxy_bench_runs_and_holds_every_session(model_dir: Path) -> None:
     result = run_proxy_bench(ProxyBenchConfig(calls=20, warmup_calls=2, concurrent_sessions=120), model_dir)
     assert result.calls == 20 and result.proxy_overhead_p50_ms > 0
     assert result.concurrent_sessions == 120 and result.concurrent_in_flight_peak == 120
+
+
+# -- incremental streaming -------------------------------------------------------------------------------------------
+
+
+def content_chunks(chunks: list[Any]) -> list[str]:
+    return [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+
+
+def test_real_engine_stream_arrives_in_pieces_and_equals_the_non_streamed_call(real: Proxy) -> None:
+    messages = [{"role": "user", "content": "tell me a long story about the river"}]
+    plain = real.client(real.key("greedy-plain")).chat.completions.create(
+        model="gyre", messages=messages, max_tokens=24, temperature=0)
+    plain_call = real.calls[-1]
+    chunks = list(real.client(real.key("greedy-stream")).chat.completions.create(
+        model="gyre", messages=messages, max_tokens=24, temperature=0, stream=True))
+    streamed_call = real.calls[-1]
+    assert streamed_call.execution_id == "greedy-stream"
+    pieces = content_chunks(chunks)
+    assert len(plain_call.output_ids) >= 8 and len(pieces) >= 3  # several deltas, not one answer at the end
+    assert "".join(pieces) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    # Token-in/token-out is unchanged by streaming: the same ids, log-probs and versions are recorded.
+    assert streamed_call.prompt_ids == plain_call.prompt_ids
+    assert streamed_call.output_ids == plain_call.output_ids
+    assert streamed_call.output_logprobs == pytest.approx(plain_call.output_logprobs, abs=1e-4)
+    assert streamed_call.output_versions == plain_call.output_versions
+
+
+def test_streamed_text_then_tool_call_equals_the_non_streamed_answer(scripted: Proxy) -> None:
+    text = ('I will read the file first, then answer.\n'
+            '<tool_call>\n{"name": "read_file", "arguments": {"path": "ä.txt"}}\n</tool_call>')
+    messages = [{"role": "user", "content": "what is in ä.txt?"}]
+    scripted.backend.say(text)
+    plain = scripted.client(scripted.key("mixed-plain")).chat.completions.create(
+        model="gyre", messages=messages, tools=TOOLS)
+    scripted.backend.say(text)
+    chunks = list(scripted.client(scripted.key("mixed-stream")).chat.completions.create(
+        model="gyre", messages=messages, tools=TOOLS, stream=True))
+    pieces = content_chunks(chunks)
+    call_chunks = [i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls]
+    assert len(pieces) > 5 and "".join(pieces) == plain.choices[0].message.content == "I will read the file first, then answer."
+    # The call arrives whole, after all the text before it, never as text.
+    assert len(call_chunks) == 1 and not any("<tool" in p for p in pieces)
+    [delta] = chunks[call_chunks[0]].choices[0].delta.tool_calls
+    [expected] = plain.choices[0].message.tool_calls
+    assert (delta.function.name, json.loads(delta.function.arguments)) == (
+        expected.function.name, json.loads(expected.function.arguments))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_sdk_stream_accumulator_gets_the_non_streamed_message(scripted: Proxy) -> None:
+    text = 'Checking both.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'
+    messages = [{"role": "user", "content": "read a"}]
+    scripted.backend.say(text)
+    plain = scripted.client(scripted.key("acc-plain")).chat.completions.create(
+        model="gyre", messages=messages, tools=TOOLS)
+    scripted.backend.say(text)
+    client = scripted.client(scripted.key("acc-stream"))
+    with client.chat.completions.stream(model="gyre", messages=messages, tools=TOOLS) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert events.count("content.delta") > 3
+    message, expected = final.choices[0].message, plain.choices[0].message
+    assert message.content == expected.content
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in expected.tool_calls]  # ids name the execution
+    assert final.choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+class SlowStream(ScriptedModel):
+    """Streams one token, then waits until the test has closed the connection before offering the rest."""
+
+    def __init__(self, template: ChatTemplate) -> None:
+        super().__init__(template)
+        self.go_on = asyncio.Event()
+        self.outcome = ""
+
+    async def generate_streaming(self, request: BackendRequest, on_output: Any) -> BackendResult:
+        result = await self.generate(request)
+        try:
+            await on_output(result.output_ids[:3])
+            await asyncio.wait_for(self.go_on.wait(), 30)
+            for token in result.output_ids[3:]:
+                await on_output((token,))
+                await asyncio.sleep(0.01)  # the engine's next step; the proxy notices the closed connection
+        except BaseException as error:
+            self.outcome = type(error).__name__  # what an engine sees: the generation is abandoned (aborted)
+            raise
+        self.outcome = "finished"
+        return result
+
+
+@pytest.fixture
+def slow(template: ChatTemplate) -> Iterator[Proxy]:
+    proxy = Proxy(template, lambda: SlowStream(template), ProxyHttpConfig(max_context_tokens=MAX_CONTEXT_TOKENS))
+    with proxy.served:
+        yield proxy
+
+
+def test_a_client_leaving_mid_stream_aborts_the_generation_and_drops_the_call(slow: Proxy) -> None:
+    key = slow.key("leaver")
+    slow.backend.say("a fairly long answer that the agent will never read to the end")
+
+    async def leave_early() -> str:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "gyre", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            response = await http.post(slow.served.base_url + "/v1/chat/completions", json=body,
+                                       headers={"Authorization": f"Bearer {key}"})
+            first = await response.content.readline()  # the first delta arrived: the turn is being generated
+            response.close()  # the agent goes away mid-turn
+        return first.decode()
+
+    first = asyncio.run(leave_early())
+    assert first.startswith("data: ")
+
+    async def release() -> None:
+        slow.backend.go_on.set()
+        for _ in range(3000):
+            if slow.backend.outcome:
+                return
+            await asyncio.sleep(0.01)
+
+    slow.served.call(release())
+    assert slow.backend.outcome == "ClientGone"
+    stats = slow.served.app[PROXY_SERVICE].statistics()
+    assert stats.calls_disconnected == 1 and stats.calls_completed == 0 and stats.in_flight == 0
+    assert slow.calls == []  # dropped: neither emitted ...
+    session = slow.served.call(_session_of(slow, key))
+    assert session.stored_turns == 0  # ... nor recorded
+
+
+async def _session_of(proxy: Proxy, key: str) -> Any:
+    return proxy.sessions.authenticate(key)
+

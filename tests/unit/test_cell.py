@@ -207,6 +207,7 @@ def test_broker_publishes_each_version_and_keeps_who_loaded_what():
         h.publish(StepApplied(0, 1, 0.1, 1.0, 10, 2, 0))
         h.publish(StepApplied(0, 1, 0.1, 1.0, 10, 2, 0))  # not newer: ignored
         h.publish(StepApplied(1, 2, 0.1, 1.0, 10, 2, 0))
+        h.publish(StepApplied(2, 2, float("nan"), float("nan"), 10, 2, 0, skipped=True))  # weights unchanged
         for cell, version in (("a", 1), ("b", 2), ("c", 2)):
             h.tell("weight_broker", WeightsLoaded(cell, version, 0.5))
         await h.wait_until(lambda: len(h.actor("listener").published) == 3, what="three publications")

@@ -192,3 +192,96 @@ def test_directory_without_tokenizer_raises(bare_model_dir):
 def test_template_is_the_one_in_the_model_dir(tiny_model_dir, chat_template):
     assert json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
     assert chat_template.source == CHAT_TEMPLATE
+
+
+# -- the pure-Python fast path agrees with the Jinja template ---------------------------------------------------
+
+# Beyond the common shapes: unicode (incl. astral and combining characters), markup, odd tool specs, None
+# descriptions, tool calls without the "function" wrapper, and shapes the fast path must hand to Jinja.
+_unusual_texts = st.one_of(texts, st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30),
+                           st.sampled_from(["😀 e\u0301", "\r\n", "{{ x }}", "{% raw %}", "\x00"]))
+_tool_specs = st.one_of(
+    st.sampled_from(TOOLS),
+    st.builds(
+        lambda name, description, properties, wrapped: (
+            {"type": "function", "function": {"name": name, **description, **properties}} if wrapped
+            else {"name": name, **description, **properties}),
+        st.text(min_size=1, max_size=8),
+        st.sampled_from([{}, {"description": None}, {"description": ""}, {"description": "Does ü things."}]),
+        st.one_of(st.just({}), st.just({"parameters": {"type": "object"}}),
+                  st.dictionaries(st.text(max_size=5), st.just({"type": "string"}), max_size=3).map(
+                      lambda p: {"parameters": {"type": "object", "properties": p}})),
+        st.booleans(),
+    ),
+)
+_calls = st.one_of(
+    st.builds(call, st.one_of(st.sampled_from(["calculator", "ünï", ""]), st.text(max_size=6)), arguments),
+    st.builds(lambda n, a: {"name": n, "arguments": a}, st.text(max_size=6), arguments),  # no "function" wrapper
+)
+_fast_messages = st.one_of(
+    st.builds(lambda r, c: {"role": r, "content": c}, st.sampled_from(["user", "system", "tool"]),
+              st.one_of(_unusual_texts, st.none())),
+    st.builds(lambda c, t: {"role": "assistant", "content": c, "tool_calls": t},
+              st.one_of(_unusual_texts, st.none()), st.lists(_calls, max_size=4)),
+    st.builds(lambda c: {"role": "assistant", "content": c}, _unusual_texts),
+)
+
+
+@pytest.fixture(scope="module")
+def jinja_template(tiny_model_dir):
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    return ChatTemplate(template.tokenizer, template.source, fast_path=False)
+
+
+def _render_or_error(template, messages, tools, add_generation_prompt):
+    try:
+        return template.render_text(messages, tools, add_generation_prompt)
+    except ChatTemplateError:
+        return ChatTemplateError
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_fast_messages, min_size=0, max_size=6), st.one_of(st.none(), st.lists(_tool_specs, max_size=3)),
+       st.booleans())
+@example([{"role": "assistant", "content": "", "tool_calls": [call("f", {"a": "é\n", "b": [1, None]})] * 3}],
+         None, False)
+@example([{"role": "system", "content": ""}, {"role": "user", "content": ""}], TOOLS, True)
+def test_fast_path_writes_the_jinja_text(chat_template, jinja_template, messages, tools, add_generation_prompt):
+    assert chat_template.fast_path and not jinja_template.fast_path
+    fast = _render_or_error(chat_template, messages, tools, add_generation_prompt)
+    assert fast == _render_or_error(jinja_template, messages, tools, add_generation_prompt)
+    if fast is not ChatTemplateError:
+        assert chat_template.encode(fast) == jinja_template.render_ids(messages, tools, add_generation_prompt)
+
+
+@pytest.mark.parametrize(
+    "messages, tools",
+    [
+        ([{"role": "user", "content": "plain"}], None),
+        ([{"role": "tool", "tool_call_id": "c", "content": ""}], None),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": "ü"}], TOOLS),
+        ([{"role": "assistant", "content": None, "tool_calls": [call("f", "{}"), call("g", {"x": "中"})]}], None),
+    ],
+)
+def test_common_shapes_take_the_fast_path(messages, tools):
+    from gyre.engines.chat_template import render_builtin_text
+
+    assert render_builtin_text(messages, tools, True) is not None
+
+
+@pytest.mark.parametrize(
+    "messages, tools",
+    [
+        ([{"role": "assistant", "content": "", "tool_calls": [call("f", ["not", "an", "object"])]}], None),
+        ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "parameters": None}}]),
+        ([{"role": "user", "content": "x"}], [{"type": "function", "function": {"name": "f", "description": 3}}]),
+        ([{"role": "user", "content": "x"}], [{"name": "f", "parameters": {"properties": ["a", "b"]}}]),
+        ([{"role": "robot", "content": "x"}], None),
+    ],
+)
+def test_unusual_shapes_fall_back_to_jinja(chat_template, jinja_template, messages, tools):
+    from gyre.engines.chat_template import render_builtin_text
+
+    assert render_builtin_text(messages, tools, False) is None
+    assert _render_or_error(chat_template, messages, tools, False) == _render_or_error(
+        jinja_template, messages, tools, False)

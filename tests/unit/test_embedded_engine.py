@@ -590,6 +590,129 @@ def test_export_of_a_live_request_and_a_failing_fill(model_dir: Path) -> None:
     assert run(engine)["live"].finish_reason == "length"
 
 
+class MemmoveRead:
+    """What a Mooncake read does between two engines in one process: copy bytes address to address.
+
+    Records the entries it was handed, so tests see whether a move took one entry or one per block."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.calls: list[int] = []
+        self.fail = fail
+
+    def __call__(self, local: list[int], remote: list[int], sizes: list[int]) -> int:
+        self.calls.append(len(sizes))
+        if self.fail is not None:
+            raise self.fail
+        for d, s, n in zip(local, remote, sizes):
+            ctypes.memmove(d, s, n)
+        return sum(sizes)
+
+
+def session_on(engine: EmbeddedEngine, seed: int) -> list[int]:
+    ids = prompt(seed, 37)
+    engine.submit(f"s{seed}", ids, GREEDY)
+    return ids + list(run(engine)[f"s{seed}"].output_ids)
+
+
+@pytest.mark.parametrize(
+    "source_staging, target_staging, entries",
+    [(None, None, 1), (0, None, 2 * 2 * 12), (None, 0, 2 * 2 * 12), (8, None, 2 * 2 * 12)],
+    ids=["staged", "exporter-without-staging", "importer-without-staging", "exporter-staging-too-small"],
+)
+def test_import_exported_moves_one_staged_range_or_falls_back_to_blocks(
+    model_dir: Path, hf_model, source_staging: int | None, target_staging: int | None, entries: int
+) -> None:
+    source = EmbeddedEngine(model_dir, attrs.evolve(CONFIG, kv_staging_tokens=source_staging))
+    target = EmbeddedEngine(model_dir, attrs.evolve(CONFIG, kv_staging_tokens=target_staging))
+    target.submit("noise", prompt(21, 40), SamplingParams(max_new_tokens=3))  # the two pools' block ids differ
+    run(target)
+    session = session_on(source, 26)  # 49 tokens: 12 full blocks are cached
+    exported = source.export_prefix(session)
+    layout = source.kv_layout()
+    assert exported.num_tokens == 48
+    entry_nbytes = layout.num_layers * 2 * layout.block_nbytes
+    if entries == 1:
+        assert exported.staging_addr and exported.staging_nbytes == 12 * entry_nbytes
+        assert source.staging.free_blocks == source.staging.capacity_blocks - 12
+    elif source_staging is not None:
+        assert exported.staging_addr == 0 and exported.staging_nbytes == 0
+
+    read = MemmoveRead()
+    tokens, nbytes = target.import_exported(session[:48], exported, layout, read)
+    assert (tokens, nbytes) == (48, 12 * entry_nbytes)
+    assert sum(read.calls) == entries
+    if target.staging is not None:
+        assert target.staging.free_blocks == target.staging.capacity_blocks  # its region went back
+    assert target.import_exported(session[:48], exported, layout, read) == (0, 0)  # cached: nothing moves
+    source.release_export(exported.handle)
+    if source.staging is not None:
+        assert source.staging.free_blocks == source.staging.capacity_blocks
+
+    follow_up = session + prompt(27, 6)
+    target.submit("t", follow_up, GREEDY)
+    moved = run(target)["t"]
+    assert moved.cached_tokens == 48
+    check_against_reference(hf_model, follow_up, moved)
+
+
+class FakeTransferError(RuntimeError):
+    def __init__(self, unsafe_ranges: tuple) -> None:
+        super().__init__("read failed")
+        self.unsafe_ranges = unsafe_ranges
+
+
+@pytest.mark.parametrize(
+    "error, quarantined",
+    [(FakeTransferError(((1, 1),)), True), (FakeTransferError(()), False), (RuntimeError("odd"), True)],
+    ids=["bytes-may-still-land", "nothing-moved", "unknown-error"],
+)
+def test_failed_staged_read_frees_blocks_and_quarantines_what_may_still_be_written(
+    model_dir: Path, error: BaseException, quarantined: bool
+) -> None:
+    source, target = EmbeddedEngine(model_dir, CONFIG), EmbeddedEngine(model_dir, CONFIG)
+    session = session_on(source, 28)
+    exported = source.export_prefix(session)
+    free_before = target.stats().free_blocks
+    with pytest.raises(type(error)):
+        target.import_exported(session[:48], exported, source.kv_layout(), MemmoveRead(fail=error))
+    assert target.stats().free_blocks == free_before
+    assert target.stats().cached_blocks == 0
+    assert target.staging.quarantined_blocks == (12 if quarantined else 0)
+    source.release_export(exported.handle)
+
+
+def test_import_exported_refuses_descriptors_that_do_not_add_up(model_dir: Path) -> None:
+    source, target = EmbeddedEngine(model_dir, CONFIG), EmbeddedEngine(model_dir, CONFIG)
+    session = session_on(source, 29)
+    exported = source.export_prefix(session)
+    layout, read = source.kv_layout(), MemmoveRead()
+    with pytest.raises(EngineError, match="stages"):
+        target.import_exported(session[:48], attrs.evolve(exported, staging_nbytes=100), layout, read)
+    with pytest.raises(EngineError, match="tokens given"):
+        target.import_exported(session[:44], exported, layout, read)
+    with pytest.raises(EngineError, match="incompatible"):
+        target.import_exported(session[:48], exported, attrs.evolve(layout, block_size_tokens=8), read)
+    assert read.calls == []
+    source.release_export(exported.handle)
+
+
+def test_staging_goes_and_comes_back_with_the_kv_pool(model_dir: Path) -> None:
+    engine = EmbeddedEngine(model_dir, attrs.evolve(CONFIG, kv_staging_tokens=10))
+    assert engine.staging is not None and engine.staging.capacity_blocks == 3  # rounded up to blocks
+    session = session_on(engine, 30)
+    exported = engine.export_prefix(session)
+    assert exported.staging_addr == 0  # 12 blocks do not fit in 3
+    engine.release_export(exported.handle)
+    engine.release_memory(["kv_cache"])
+    assert engine.staging is None
+    engine.resume_memory(["kv_cache"])
+    assert engine.staging is not None and engine.staging.free_blocks == 3
+    assert EmbeddedEngine(model_dir, attrs.evolve(CONFIG, kv_staging_tokens=0)).staging is None
+    assert EmbeddedEngine(model_dir, CONFIG).staging.capacity_blocks == 512 // 4  # one max-context prefix
+    with pytest.raises(ValueError, match="kv_staging_tokens"):
+        attrs.evolve(CONFIG, kv_staging_tokens=-1)
+
+
 # ---- AsyncEngine --------------------------------------------------------------------------------------------------
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import attrs
 import pytest
 import torch
 
-from gyre.engines.kv_pool import KVLayout, KVPool, OutOfBlocks
+from gyre.engines.kv_pool import KVLayout, KVPool, KVStaging, OutOfBlocks
 
 
 def make_pool(num_blocks: int = 8) -> KVPool:
@@ -88,3 +90,72 @@ def test_read_and_write_blocks_round_trip() -> None:
 def test_unsupported_dtype_is_rejected() -> None:
     with pytest.raises(ValueError, match="unsupported dtype"):
         KVPool(1, 1, 1, 1, 1, dtype="int8")
+
+
+def memory(addr: int, nbytes: int) -> bytes:
+    return ctypes.string_at(addr, nbytes)
+
+
+def test_staged_region_holds_the_blocks_in_block_addrs_order() -> None:
+    """A peer reads a region as one range and expects what a per-block read of block_addrs would give."""
+    pool = make_pool(num_blocks=10)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape))
+    staging = KVStaging(pool, capacity_blocks=6)
+    assert staging.slot_nbytes == 3 * 2 * pool.layout().block_nbytes
+    blocks = [7, 2, 9, 3]
+    region = staging.reserve(len(blocks))
+    assert region is not None and region.nbytes == 4 * staging.slot_nbytes
+    staging.gather(pool, blocks, region)
+    layout = pool.layout()
+    per_block = b"".join(memory(addr, layout.block_nbytes) for addr in layout.block_addrs(blocks))
+    assert memory(region.addr, region.nbytes) == per_block
+
+    target = KVPool(num_layers=3, num_blocks=10, block_size_tokens=4, num_kv_heads=2, head_dim=5)
+    staging.scatter(region, target, [0, 5, 1, 8])
+    for source_block, target_block in zip(blocks, [0, 5, 1, 8]):
+        assert torch.equal(target.tensor[:, :, target_block], pool.tensor[:, :, source_block])
+    untouched = [b for b in range(10) if b not in (0, 5, 1, 8)]
+    assert not target.tensor[:, :, untouched].any()
+    # Mostly consecutive targets take the copy-per-run path; the bytes land the same way.
+    many = KVPool(num_layers=3, num_blocks=40, block_size_tokens=4, num_kv_heads=2, head_dim=5)
+    staging_many = KVStaging(many, capacity_blocks=20)
+    many.tensor.copy_(torch.randn(many.tensor.shape))
+    sources, targets = [39, 3, 7, 0, 12, 5, 8, 1, 2, 33, 34, 35, 29, 28, 27, 26, 6], [*range(10, 26), 30]
+    wide = staging_many.reserve(len(sources))
+    staging_many.gather(many, sources, wide)
+    copy = many.tensor.clone()
+    staging_many.scatter(wide, many, targets)
+    for source_block, target_block in zip(sources, targets):
+        assert torch.equal(many.tensor[:, :, target_block], copy[:, :, source_block])
+    others = [b for b in range(40) if b not in targets]
+    assert torch.equal(many.tensor[:, :, others], copy[:, :, others])
+    with pytest.raises(ValueError, match="do not"):
+        staging.gather(pool, [1, 2], region)
+    with pytest.raises(ValueError, match="do not"):
+        staging.scatter(region, target, [1])
+
+
+def test_staging_regions_are_first_fit_bounded_and_quarantinable() -> None:
+    staging = KVStaging(make_pool(), capacity_blocks=8)
+    first, second = staging.reserve(3), staging.reserve(3)
+    assert first is not None and second is not None
+    assert (first.start_slot, second.start_slot) == (0, 3)
+    assert second.addr == first.addr + first.nbytes
+    assert staging.reserve(3) is None  # 2 slots left: too small, and nothing else is taken
+    assert staging.reserve(9) is None
+    assert staging.free_blocks == 2
+    staging.release(first)
+    again = staging.reserve(2)
+    assert again is not None and again.start_slot == 0  # the first gap that fits
+    staging.release(again)
+    staging.quarantine(second)
+    staging.release(second)  # a quarantined region stays taken
+    assert staging.free_blocks == 5 and staging.quarantined_blocks == 3
+    assert staging.reserve(4) is None  # the free slots are split around the quarantined region
+    assert staging.reserve(3) is not None
+    with pytest.raises(RuntimeError, match="not taken"):
+        staging.release(first)
+    with pytest.raises(ValueError):
+        staging.reserve(0)
+    with pytest.raises(ValueError):
+        KVStaging(make_pool(), capacity_blocks=0)

@@ -246,6 +246,26 @@ def test_step_applied_finishes_claimed_microsteps_advances_the_base_and_fills_th
     check_exactly_once(stats)
 
 
+def test_a_skipped_step_uses_its_samples_up_as_skipped_and_keeps_the_base_version():
+    ledger = MicroStepLedger(config(groups_per_step=1, group_size=2, microstep_token_budget=10))
+    ledger.land(group("a", [[10], [10]]))
+    ledger.land(group("b", [[10], [10]]))
+    first, second = claim(ledger, "c"), claim(ledger, "d")
+    done(ledger, first, "c")  # second's done is still on its way when the core skips the step
+    published = ledger.step_applied(StepApplied(0, 0, float("nan"), float("nan"), 20, 2, 0, skipped=True))
+    assert published == [StepReady(step_id=1, num_microsteps=2, num_samples=2, num_executions=2, base_version=0)]
+    stats = ledger.statistics()
+    assert (stats.samples_trained, stats.samples_skipped, stats.steps_applied, stats.steps_skipped) == (0, 2, 1, 1)
+    assert (stats.step_id, stats.base_version) == (1, 0)
+    check_exactly_once(stats)
+    while (granted := claim(ledger, "c", version=0)).step_id == 1:  # the same weights train the next step
+        done(ledger, granted, "c")
+    ledger.step_applied(StepApplied(1, 1, 0.1, 1.0, 20, 2, 0))
+    stats = ledger.statistics()
+    assert (stats.samples_trained, stats.samples_skipped, stats.steps_skipped, stats.base_version) == (2, 2, 1, 1)
+    check_exactly_once(stats)
+
+
 def test_stale_executions_are_dropped_when_assigned_and_when_the_base_moves_on():
     ledger = MicroStepLedger(config(groups_per_step=1, group_size=2, microstep_token_budget=10,
                                     staleness=MaxVersionLag(1), base_version=5))

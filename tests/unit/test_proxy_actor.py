@@ -409,3 +409,54 @@ def test_an_aborted_generation_resumes_and_completes_the_call(engines, tiny_mode
     assert len(call.output_logprobs) == len(call.output_versions) == len(call.output_ids)
     reference_logprobs = [entry[0] for entry in out["reference"]["meta_info"]["output_token_logprobs"]]
     assert call.output_logprobs == pytest.approx(reference_logprobs, abs=1e-3)
+
+
+@scenario
+async def streamed_abort_resumes_without_resending(driver: Driver) -> dict[str, Any]:
+    """A streamed call aborted mid-way (as a switching cell does) resumes; the agent gets each piece once."""
+    url = driver.config.cells["cell-a"]
+    driver.announce("cell-a")
+    _, client = await driver.agent("exec-s")
+    messages = [{"role": "user", "content": "count with me: one two three"}]
+    pieces: list[str] = []
+
+    async def consume() -> None:
+        stream = await client.chat.completions.create(
+            model="gyre", messages=messages, max_tokens=400, temperature=0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+
+    async with aiohttp.ClientSession() as http:
+        pending = asyncio.ensure_future(consume())
+        while len(pieces) < 5 and not pending.done():
+            await asyncio.sleep(0.005)
+        before_abort = len(pieces)
+        async with http.post(url + "/pause_generation", json={"mode": "abort"}) as resp:
+            paused = await resp.json()
+        async with http.post(url + "/continue_generation", json={}) as resp:
+            assert resp.status == 200
+        await pending
+    [call] = await driver.wait_calls(1)
+    async with SGLangClient(url) as engine:
+        reference = await engine.generate(
+            call.prompt_ids,
+            {"max_new_tokens": 400, "temperature": 0.0, "stop_token_ids": list(driver.config.stop_token_ids)},
+        )
+    return {"paused": paused, "pieces": pieces, "before_abort": before_abort, "call": call, "reference": reference,
+            "status": await driver.status()}
+
+
+def test_a_streamed_call_resumes_after_an_abort_without_resending_text(engines, tiny_model_dir) -> None:
+    from gyre.engines.chat_template import ChatTemplate
+
+    out = run("streamed_abort_resumes_without_resending", engines, tiny_model_dir, resume_grace_s=0.1)
+    call: ModelCallCompleted = out["call"]
+    assert out["paused"]["requests"] == 1, "the pause must have caught the generation mid-way"
+    assert out["status"].resumed_generations == 1 and out["before_abort"] >= 5
+    assert call.output_ids == tuple(out["reference"]["output_ids"])  # greedy: the same turn as unswitched
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    ids = list(call.output_ids)
+    if ids and ids[-1] in template.stop_token_ids:
+        ids.pop()
+    assert "".join(out["pieces"]) == template.decode(ids)  # nothing sent twice, nothing missing

@@ -154,3 +154,53 @@ def test_stored_turns_are_bounded(template: ChatTemplate) -> None:
     for i in range(10):
         session.render([{"role": "user", "content": f"m{i}"}], None, None)
     assert session.cached_messages <= 3
+
+
+# -- incremental rendering equals rendering from scratch --------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_texts = st.sampled_from(["OK", "ls", "hello there", "", "ü ✓", "done."])
+_tool_call = st.builds(
+    lambda name, arg: {"id": "c", "type": "function", "function": {"name": name, "arguments": arg}},
+    st.sampled_from(["ls", "cat"]), st.sampled_from(['{"p": 1}', '{"p":1}', "{}"]))
+_new_message = st.one_of(
+    st.builds(lambda t: {"role": "user", "content": t}, _texts),
+    st.builds(lambda t: {"role": "tool", "tool_call_id": "c", "content": t}, _texts),
+    st.builds(lambda t, calls: {"role": "assistant", "content": t, **({"tool_calls": calls} if calls else {})},
+              _texts, st.lists(_tool_call, max_size=2)),
+)
+# One step: pick a conversation (or start a new one from a prefix of another), extend it, render it, and maybe
+# record the reply as a generated turn (which can change how equal messages elsewhere resolve).
+_steps = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 6), st.lists(_new_message, min_size=1, max_size=3),
+              st.sampled_from([None, "sys"]), st.one_of(st.none(), _texts), st.booleans()),
+    min_size=1, max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_steps)
+def test_incremental_rendering_equals_rendering_from_scratch(template: ChatTemplate, steps) -> None:
+    incremental = ProxySessions(template, ProxySessionsConfig(max_conversations_per_execution=2,
+                                                              max_turns_per_execution=6))
+    scratch = ProxySessions(template, ProxySessionsConfig(max_conversations_per_execution=0,
+                                                          max_turns_per_execution=6))
+    a = incremental.authenticate(incremental.issue_key("e", "g"))
+    b = scratch.authenticate(scratch.issue_key("e", "g"))
+    conversations: list[list[dict]] = [[]]
+    for which, cut, new, system, reply, mutate in steps:
+        base = conversations[which % len(conversations)]
+        if cut < len(base):
+            conversations.append(base[:cut])  # a branch sharing the beginning
+            base = conversations[-1]
+        base.extend(new)
+        got = a.render(base, None, system)
+        assert got == b.render(base, None, system)
+        if mutate and base[-1]["role"] == "user":
+            base[-1]["content"] += "!"  # a caller editing its own dicts must not corrupt the memo
+        if reply is not None:
+            output = char_ids(template, reply)
+            for session in (a, b):
+                session.record_turn(turn_key(reply, []), got.prompt_digest, output)

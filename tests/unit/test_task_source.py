@@ -29,7 +29,9 @@ class DriverConfig:
     dropped: tuple[str, ...] = ()
     """Groups reported as dropped (not landed)."""
     steps_after_done: tuple[int, ...] = ()
-    """Publish StepApplied (next version) when this many groups are done."""
+    """Publish StepApplied (next step, next version) when this many groups are done."""
+    skipped_steps: tuple[int, ...] = ()
+    """Steps published as skipped (non-finite gradients: the version stays)."""
     ask_statistics_after_done: int = 0
     """Ask the task source's statistics and stop the run when this many groups are done (0: never)."""
 
@@ -41,6 +43,7 @@ class Driver(Actor):
         self.started = 0
         self.done = 0
         self.version = 0
+        self.step = 0
 
     @handler(StartGroup)
     def on_start_group(self, msg: StartGroup) -> None:
@@ -55,8 +58,10 @@ class Driver(Actor):
         self.tell("task_source", msg)
         self.done += 1
         if self.done in self.config.steps_after_done:
-            self.version += 1
-            self.publish(StepApplied(self.version - 1, self.version, 0.0, 0.0, 0, 0, 0))
+            skipped = self.step in self.config.skipped_steps
+            self.version += 0 if skipped else 1
+            self.publish(StepApplied(self.step, self.version, 0.0, 0.0, 0, 0, 0, skipped=skipped))
+            self.step += 1
         if self.done == self.config.ask_statistics_after_done:
             await self.ask("task_source", StatisticsAsked())
             self.stop_topology("done")
@@ -118,6 +123,18 @@ def test_staleness_bound_holds_rollouts_until_training_catches_up(tmp_path: Path
     reason, seen = run(tmp_path / "no-training", config)
     assert reason == "time limit of 10000.0s reached"  # nothing trains: no third group ever starts
     assert len([m for m in seen if isinstance(m, StartGroup)]) == 2
+
+
+def test_a_skipped_step_counts_as_a_step_for_the_staleness_bound(tmp_path: Path) -> None:
+    config = TaskSourceConfig(
+        TASKS, group_size=2, groups_in_flight=4, max_groups=6, groups_per_step=2,
+        max_groups_ahead_of_training=groups_ahead_for_staleness(0, 2),
+    )
+    # Step 0 is skipped: the version stays 0, but its two groups are used up, so two more may start.
+    reason, seen = run(tmp_path, config, DriverConfig(steps_after_done=(2, 4), skipped_steps=(0,)))
+    assert reason.startswith("task source: 6 groups done")
+    assert [m.weight_version for m in seen if isinstance(m, StartGroup)] == [0, 0, 0, 0, 1, 1]
+    assert in_flight_peak(seen) == 2
 
 
 def test_dropped_groups_do_not_use_up_the_staleness_allowance(tmp_path: Path) -> None:

@@ -257,6 +257,14 @@ def test_merge_runs_validation():
         merge_runs([100, 102], [1000, 2000], [4, 4])
     with pytest.raises(ValueError, match="positive"):
         merge_runs([100], [1000], [0])
+    # One entry takes a path without numpy; it checks the same things.
+    assert merge_runs([100], [1000], [4]) == ([100], [1000], [4])
+    with pytest.raises(ValueError, match="null address"):
+        merge_runs([0], [1000], [4])
+    with pytest.raises(ValueError, match="non-negative ints"):
+        merge_runs([-8], [1000], [4])
+    with pytest.raises(ValueError, match="non-negative ints"):
+        merge_runs([1.5], [1000], [4])
 
 
 def test_closed_agent_refuses_work():

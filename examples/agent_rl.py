@@ -60,9 +60,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=16, help="executions per GSPO group")
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
-    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--rollout-temperature", type=float, default=0.7,
+                        help="the agents' sampling temperature in training (held-out evaluation is greedy)")
     parser.add_argument("--train-tasks", type=int, default=400)
-    parser.add_argument("--heldout-tasks", type=int, default=28)
+    parser.add_argument("--heldout-tasks", type=int, default=56)
     parser.add_argument("--sft-tasks", type=int, default=300, help="expert demonstrations for the warm start")
     parser.add_argument("--sft-epochs", type=int, default=6)
     parser.add_argument("--copy-steps", type=int, default=600, help="synthetic copy-pretraining steps (0: none)")
@@ -137,7 +139,7 @@ def prepare(argv: list[str]) -> None:
 # ---- the topology --------------------------------------------------------------------------------------------------
 def _task_specs(args: argparse.Namespace) -> tuple[TaskSpec, ...]:
     tasks, agent, _ = _toolbox()
-    command = agent.agent_argv("")[:-1] + ("--temperature", "1.0")
+    command = agent.agent_argv("")[:-1] + ("--temperature", str(args.rollout_temperature))
     return tuple(
         TaskSpec(
             task_id=t.task_id, prompt=t.prompt, workspace_files=dict(t.workspace_files), agent_argv=command,

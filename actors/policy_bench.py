@@ -235,8 +235,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "policies", help="wall time per step under elastic, async (every split) and colocate, same seed and cells"
     )
-    parser.add_argument("--topology", default=PolicyBenchConfig.topology, help="training topology file")
-    parser.add_argument("--steps", type=int, default=PolicyBenchConfig.steps, help="optimizer steps per run")
+    defaults = PolicyBenchConfig()
+    parser.add_argument("--topology", default=defaults.topology, help="training topology file")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per run")
     parser.add_argument("--policies", default="elastic,async,colocate", help="comma-separated subset")
     parser.add_argument("--out", default="", help="keep each run's report folder here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -244,6 +245,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging()  # progress lines to stderr: stdout carries only the result (JSON with --json)
     try:
         config = PolicyBenchConfig(
             topology=args.topology, steps=args.steps, out_dir=args.out,

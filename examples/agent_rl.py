@@ -64,6 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
                         help="the agents' sampling temperature in training (held-out evaluation is greedy)")
     parser.add_argument("--train-tasks", type=int, default=400)
+    parser.add_argument("--train-kinds", default="", help="comma-separated task kinds RL trains on (default: all; "
+                        "held-out evaluation always covers every kind)")
     parser.add_argument("--heldout-tasks", type=int, default=56)
     parser.add_argument("--sft-tasks", type=int, default=300, help="expert demonstrations for the warm start")
     parser.add_argument("--sft-epochs", type=int, default=6)
@@ -145,8 +147,16 @@ def _task_specs(args: argparse.Namespace) -> tuple[TaskSpec, ...]:
             task_id=t.task_id, prompt=t.prompt, workspace_files=dict(t.workspace_files), agent_argv=command,
             scorer_argv=tuple(t.scorer_argv), timeout_s=180.0, scorer_timeout_s=30.0,
         )
-        for t in tasks.generate_tasks(args.seed, "train", args.train_tasks)
+        for t in tasks.generate_tasks(args.seed, "train", args.train_tasks, kinds=_train_kinds(args, tasks))
     )
+
+
+def _train_kinds(args: argparse.Namespace, tasks) -> tuple[str, ...]:
+    kinds = tuple(kind for kind in args.train_kinds.split(",") if kind) or tasks.KINDS
+    unknown = sorted(set(kinds) - set(tasks.KINDS))
+    if unknown:
+        raise SystemExit(f"agent_rl: unknown task kinds {unknown}; the kinds are {', '.join(tasks.KINDS)}")
+    return kinds
 
 
 def _policy(args: argparse.Namespace):

@@ -107,3 +107,11 @@ def test_the_cli_imports_only_the_chosen_subcommand():
     assert chosen_command(["bench", "policies", "--json"]) == "bench.policies"
     assert chosen_command(["run", "examples/x.py", "--report", "r"]) == "run"
     assert chosen_command(["--help"]) is None and chosen_command(["bench"]) is None
+
+
+def test_the_command_line_refuses_a_missing_topology_and_bad_policies(tmp_path, monkeypatch):
+    from gyre.runtime.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no examples/agent_rl.py here: the default topology is missing
+    assert main(["bench", "policies", "--steps", "2"]) == 2
+    assert main(["bench", "policies", "--policies", "elastic,greedy"]) == 2

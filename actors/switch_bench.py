@@ -239,6 +239,18 @@ async def _mid_generation(h: Any, cell: str, sessions: int, timeout_s: float) ->
         await asyncio.sleep(0.005)
 
 
+async def _switch(h: Any, recorder: Any, cell: str, role: str, timeout_s: float) -> float:
+    """Ask `cell` to switch to `role`, wait for its RoleChanged; the switch's seconds as the cell measured them."""
+    changes = len(recorder.role_changes(cell))
+    h.tell(cell, SwitchRole(cell, role, "bench"))
+    await h.wait_until(lambda: len(recorder.role_changes(cell)) > changes, timeout_s=timeout_s,
+                       what=f"{cell} -> {role}")
+    change = recorder.role_changes(cell)[-1]
+    if change.role != role:
+        raise RuntimeError(f"{cell} did not switch to {role}: {change}")
+    return change.switch_s
+
+
 async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool) -> SwitchRunFigures:
     import openai
 
@@ -273,14 +285,7 @@ async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool) -> SwitchRunF
             generating = {s.name for s in affected if s.generating}
             before = {s.name: len(s.calls) for s in affected}
             stats_before = proxy.backend.statistics()
-            changes = len(recorder.role_changes(source))
-            h.tell(source, SwitchRole(source, TRAIN, "bench"))
-            await h.wait_until(lambda: len(recorder.role_changes(source)) > changes, timeout_s=timeout,
-                               what="rollout -> train")
-            change = recorder.role_changes(source)[-1]
-            if change.role != TRAIN:
-                raise RuntimeError(f"{source} did not switch to train: {change}")
-            to_train.append(change.switch_s)
+            to_train.append(await _switch(h, recorder, source, TRAIN, timeout))
 
             def first_on_new_cell_done(session: _Session) -> bool:
                 done = before[session.name]
@@ -306,14 +311,7 @@ async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool) -> SwitchRunF
                 next_cached += call.cached_tokens
             moved += len(affected)
 
-            changes = len(recorder.role_changes(source))
-            h.tell(source, SwitchRole(source, ROLLOUT, "bench"))
-            await h.wait_until(lambda: len(recorder.role_changes(source)) > changes, timeout_s=timeout,
-                               what="train -> rollout")
-            change = recorder.role_changes(source)[-1]
-            if change.role != ROLLOUT:
-                raise RuntimeError(f"{source} did not switch back to rollout: {change}")
-            to_rollout.append(change.switch_s)
+            to_rollout.append(await _switch(h, recorder, source, ROLLOUT, timeout))
             # The load goes on: every agent completes one more turn before the next switch.
             counts = {s.name: len(s.calls) for s in sessions}
             await h.wait_until(lambda: all(served(s, counts[s.name] + 1) for s in sessions), timeout_s=timeout,

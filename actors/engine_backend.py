@@ -203,31 +203,21 @@ class SGLangBackend:
         return cell
 
     async def generate(self, request: BackendRequest) -> BackendResult:
-        from gyre.engines.sglang_client import RequestRejected, SGLangError
-
-        cell = self._route(request.session_key)
-        cell.in_flight += 1
-        try:
-            response = await cell.client.generate(
-                request.prompt_ids, request.sampling_params, rid=request.rid, return_logprob=True
-            )
-        except RequestRejected as error:
-            raise BackendRejected(error.message) from None
-        except SGLangError as error:
-            raise BackendUnavailable(f"cell {cell.name}: {error}") from None
-        finally:
-            cell.in_flight -= 1
-        return result_from_sglang(response, cell.name)
+        return await self._on_cell(request, lambda cell: cell.client.generate(
+            request.prompt_ids, request.sampling_params, rid=request.rid, return_logprob=True))
 
     async def generate_streaming(self, request: BackendRequest, on_output: OnOutput) -> BackendResult:
+        return await self._on_cell(request, lambda cell: stream_generate(
+            cell.client, request.prompt_ids, request.sampling_params, request.rid, on_output, StreamProgress()))
+
+    async def _on_cell(self, request: BackendRequest, call: Any) -> BackendResult:
+        """Run `call(cell)` on the session's cell, counting it in flight and mapping client errors to the proxy's."""
         from gyre.engines.sglang_client import RequestRejected, SGLangError
 
         cell = self._route(request.session_key)
         cell.in_flight += 1
         try:
-            response = await stream_generate(
-                cell.client, request.prompt_ids, request.sampling_params, request.rid, on_output, StreamProgress()
-            )
+            response = await call(cell)
         except RequestRejected as error:
             raise BackendRejected(error.message) from None
         except SGLangError as error:

@@ -21,6 +21,14 @@ messages (`AgentLaunched`, `AgentExited`, `LaunchFailed`) and the handlers make 
 Every group is announced with `GroupStarted` (its execution ids), so the trajectory builder knows when it is
 complete. A StartGroup that cannot run (a bad task, a bad size, no room in the queue) is announced as refused and
 runs nothing. Execution ids are `<group_id>.<index>`.
+
+Warm launches (`warm_launcher_preload`, off by default): a fresh `python agent.py` that imports `openai` spends ~2
+CPU-seconds on imports before its first model call. With the option on, the executor starts a fork server
+(gyre.actors.warm_launcher) that imports those modules once, and an agent whose argv is `<this interpreter>
+<script> args...` is forked from it (same argv, cwd, environment, log files and own process group, so the time
+limit and the group kill work unchanged); any other argv (`-m`, `-c`, another program) is exec'd as before. If
+the server dies, its agents are killed (exit -9), a warning is logged once, and the rest of the run execs agents
+the plain way. The statistics count warm and cold launches. Warm launches are Linux only.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from pathlib import Path, PurePosixPath
 
 import attrs
 
+from gyre.actors.warm_launcher import LaunchedProcess, LauncherDied, WarmLauncher, preload_problem
 from gyre.messages.execution_reports import AgentExited, AgentLaunched, LaunchFailed
 from gyre.messages.execution_stats import ExecutorStatistics, StatisticsAsked
 from gyre.messages.executions import (
@@ -77,6 +86,12 @@ def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
         raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
 
 
+def _module_names(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    problem = preload_problem(value)
+    if problem is not None:
+        raise ValueError(f"{attribute.name}: {problem}")
+
+
 @attrs.frozen
 class ExecutorConfig:
     """Where workspaces go, whom to talk to, and the bounds."""
@@ -104,6 +119,10 @@ class ExecutorConfig:
     gives them only PATH plus `extra_env`."""
     extra_env: dict[str, str] = attrs.field(factory=dict)
     """More environment variables for every agent (the executor's own variables win on a clash)."""
+    warm_launcher_preload: tuple[str, ...] = attrs.field(default=(), validator=_module_names)
+    """Modules a fork server imports once, so that agents run as `<this python> <script> ...` start with them
+    already imported; () = off, every agent is a fresh process. Caveat: a preloaded module must not capture the
+    environment or the working directory at import time (it would see the executor's, not the agent's)."""
 
 
 @attrs.define(eq=False)
@@ -166,7 +185,7 @@ def signal_process_group(pgid: int, sig: int) -> bool:
         return False
 
 
-async def stop_process_group(process: asyncio.subprocess.Process, grace_s: float) -> None:
+async def stop_process_group(process: asyncio.subprocess.Process | LaunchedProcess, grace_s: float) -> None:
     """SIGTERM the process's group, give the leader `grace_s` to exit, then SIGKILL whatever is left of the group
     and reap the leader."""
     if process.returncode is None:
@@ -204,7 +223,28 @@ class Executor(Actor):
         self.running: dict[str, _Execution] = {}
         self.active_groups: dict[str, int] = {}  # group id -> executions not finished yet
         self.counts: collections.Counter[str] = collections.Counter()
-        self.log.info("executor_started", workspace_root=str(self.root))
+        self.launcher: WarmLauncher | None = None
+        self.warned_not_warm = False
+        if self.config.warm_launcher_preload:
+            launcher = WarmLauncher()
+            await launcher.start(self.config.warm_launcher_preload)  # a preload that fails to import fails here
+            self.launcher = launcher
+            self.spawn(self._watch_launcher(launcher), name=f"{self.name}.warm_launcher")
+        self.log.info("executor_started", workspace_root=str(self.root), warm=self.launcher is not None)
+
+    async def on_stop(self) -> None:
+        if self.launcher is not None:
+            await self.launcher.close()
+
+    async def _watch_launcher(self, launcher: WarmLauncher) -> None:
+        """Says once that the server died; being a child task, it is cancelled when this instance stops or fails,
+        and then ends the server (a restarted executor starts a fresh one in on_start)."""
+        try:
+            await launcher.wait_ended()
+        finally:
+            launcher.close_nowait()
+        if launcher.died:
+            self.log.warning("warm_launcher_died", fallback="plain exec for the rest of the run")
 
     # ---- groups -------------------------------------------------------------------------------------------------
     @handler(StartGroup)
@@ -303,7 +343,9 @@ class Executor(Actor):
             AgentExited(execution.execution_id, process.returncode, timed_out, self.clock.now() - started_s),
         )
 
-    async def _spawn_agent(self, execution: _Execution, key: KeyIssued) -> asyncio.subprocess.Process:
+    async def _spawn_agent(
+        self, execution: _Execution, key: KeyIssued
+    ) -> asyncio.subprocess.Process | LaunchedProcess:
         env = dict(os.environ) if self.config.inherit_env else {"PATH": os.environ.get("PATH", os.defpath)}
         env.update(self.config.extra_env)
         env.update(
@@ -315,8 +357,25 @@ class Executor(Actor):
             GYRE_GROUP_ID=execution.group_id,
         )
         argv = (*execution.task.agent_argv, execution.task.prompt)
-        with open(execution.logs / AGENT_STDOUT, "wb") as stdout, open(execution.logs / AGENT_STDERR, "wb") as stderr:
-            return await asyncio.create_subprocess_exec(
+        stdout_path, stderr_path = execution.logs / AGENT_STDOUT, execution.logs / AGENT_STDERR
+        # The launch counters are bumped here, in the child task, rather than through a report: they are statistics
+        # only, and no handler decides anything from them.
+        launcher = self.launcher
+        if launcher is not None and launcher.alive:
+            if launcher.accepts(argv, execution.workspace, env):
+                try:
+                    process = await launcher.launch(argv, execution.workspace, env, stdout_path, stderr_path)
+                except LauncherDied:
+                    pass  # the watcher logs it once; this and every later agent is exec'd the plain way
+                else:
+                    self.counts["warm_launches"] += 1
+                    return process
+            elif not self.warned_not_warm:
+                self.warned_not_warm = True
+                self.log.warning("agent_not_launched_warm", argv0=argv[0], argv1=argv[1][:80] if len(argv) > 1 else "",
+                                 why="only `<this python> <existing script> ...` can be forked warm")
+        with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
                 *argv,
                 cwd=execution.workspace,
                 env=env,
@@ -325,6 +384,8 @@ class Executor(Actor):
                 stderr=stderr,
                 start_new_session=True,  # its own process group: a timeout kills the agent and all it spawned
             )
+        self.counts["cold_launches"] += 1
+        return process
 
     # ---- reports from the children ------------------------------------------------------------------------------
     @handler(AgentLaunched)
@@ -408,4 +469,6 @@ class Executor(Actor):
             executions_failed=c["executions_failed"],
             running=len(self.running),
             queued=len(self.queue),
+            warm_launches=c["warm_launches"],
+            cold_launches=c["cold_launches"],
         )

@@ -11,6 +11,10 @@ executions with a usable tree (an execution that made no model call, or whose tr
 train). If the group filter policy is satisfied (`survivors >= policy.min_survivors(G)`), the samples are built
 with `build_group_samples` (group-normalised advantages over the survivors' rewards, the trajectory processor per
 execution) and sent to the micro-step claimer as one `SamplesLanded`; otherwise the whole group is dropped.
+With `min_reward_spread` > 0 a group whose survivors' rewards all lie within that spread is dropped too (DAPO's
+"dynamic sampling", Yu et al. 2025): its group-normalised advantages are all zero, so it would cost a micro-step and
+move the weights only through the optimizer's momentum; dropped, it frees the step for a group that teaches. The
+task source's staleness gate does not count dropped groups, so it starts another in its place.
 Either way the task source hears `GroupDone`: mean reward and success rate over every scored execution (success:
 reward >= `success_reward`, or the scorer's JSON detail says "success": true), and the counts.
 
@@ -74,6 +78,9 @@ class TrajectoryBuilderConfig:
     """A reward at or above this counts as a success (as does the scorer's "success": true)."""
     advantage_eps: float = 1e-6
     """eps of the group-normalised advantage."""
+    min_reward_spread: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    """A group whose survivors' rewards span no more than this is dropped (all advantages ~0); 0 keeps every group
+    (a group whose rewards are all equal then trains with zero advantages)."""
     max_live_executions: int = attrs.field(default=4096, validator=_count)
     """Trees held at once."""
     max_live_groups: int = attrs.field(default=1024, validator=_count)
@@ -245,7 +252,12 @@ class TrajectoryBuilder(Actor):
         else:
             needed = survivors_needed(self.config.group_filter, len(ids))
             why = f"{len(survivors)} of {len(ids)} executions survived, {needed} needed"
-            if len(survivors) >= needed:
+            spread = max(s.reward for s in survivors) - min(s.reward for s in survivors)
+            if len(survivors) >= needed and self.config.min_reward_spread > 0 and (
+                spread <= self.config.min_reward_spread
+            ):
+                why = f"reward spread {spread:g} <= {self.config.min_reward_spread:g}: nothing to learn"
+            elif len(survivors) >= needed:
                 trees = {s.execution_id: self.trees[s.execution_id] for s in survivors}
                 try:
                     num_dropped = len(ids) - len(survivors)

@@ -63,12 +63,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
                         help="the agents' sampling temperature in training (held-out evaluation is greedy)")
+    parser.add_argument("--min-reward-spread", type=float, default=0.0,
+                        help="drop groups whose rewards span no more than this (DAPO dynamic sampling; 0: keep all)")
     parser.add_argument("--train-tasks", type=int, default=400)
     parser.add_argument("--train-kinds", default="", help="comma-separated task kinds RL trains on (default: all; "
                         "held-out evaluation always covers every kind)")
     parser.add_argument("--heldout-tasks", type=int, default=56)
-    parser.add_argument("--sft-tasks", type=int, default=300, help="expert demonstrations for the warm start")
-    parser.add_argument("--sft-epochs", type=int, default=6)
+    parser.add_argument("--sft-tasks", type=int, default=1200, help="expert demonstrations for the warm start")
+    parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--copy-steps", type=int, default=600, help="synthetic copy-pretraining steps (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
@@ -188,9 +190,13 @@ def topology(argv: list[str]) -> Topology:
         staleness=MaxVersionLag(args.staleness)), process="control")
     result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=CELLS), process="control")
     result.add("executor", Executor, ExecutorConfig(
-        workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.group_size * 2), process="runs")
+        workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.group_size * 2,
+        # The agent imports openai (~2 CPU-s a process): forked from a server that imported it once, it starts in
+        # ~0.1 s, which on 2 cores is about half of a step's CPU.
+        warm_launcher_preload=("openai", "structlog")), process="runs")
     result.add("evaluator", Evaluator, EvaluatorConfig(remove_workspace=True), process="runs")
-    result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(), process="control")
+    result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(
+        min_reward_spread=args.min_reward_spread), process="control")
     result.add("task_source", TaskSource, TaskSourceConfig(
         tasks=_task_specs(args), group_size=args.group_size, groups_in_flight=args.groups_per_step * 2,
         groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),

@@ -11,7 +11,7 @@ class StatisticsAsked:
     """Anyone -> executor, evaluator, trajectory_builder or task_source (ask): your counters, now."""
 
 
-@message("gyre.execution_stats.ExecutorStatistics")
+@message("gyre.execution_stats.ExecutorStatistics", version=2)
 class ExecutorStatistics:
     """The executor's counters."""
 
@@ -31,6 +31,10 @@ class ExecutorStatistics:
     """Executions holding a slot now (asking for a key, or an agent process alive)."""
     queued: int
     """Executions waiting for a slot."""
+    warm_launches: int
+    """Agents forked from the warm launcher's server (their imports already done)."""
+    cold_launches: int
+    """Agents started as fresh processes (warm launcher off, an argv it cannot fork, or its server gone)."""
 
 
 @message("gyre.execution_stats.EvaluatorStatistics")

@@ -319,3 +319,80 @@ def test_safe_path_component() -> None:
     assert safe_path_component("..") != ".."
     odd = safe_path_component("a/b c")
     assert "/" not in odd and odd != safe_path_component("a_b c") and odd != safe_path_component("a/b_c")
+
+
+def test_warm_launches_give_the_same_outcomes_as_plain_ones(tmp_path: Path) -> None:
+    """The fork server on: `python agent.py` agents are forked warm (preload already imported), with the same argv,
+    env, workspace, logs, exit codes and group kill at the time limit; a `-c` agent is exec'd the plain way."""
+    record = RECORD_ENV + "pathlib.Path('preloaded').write_text(str('colorsys' in sys.modules))\n"
+
+    def script_task(task_id: str, body: str, timeout_s: float = 30.0) -> TaskSpec:
+        return attrs.evolve(task("", files={"agent.py": textwrap.dedent(body), "data/in.txt": "42"},
+                                 agent_argv=(sys.executable, "agent.py"), timeout_s=timeout_s), task_id=task_id)
+
+    groups = (
+        StartGroup("rec", script_task("t1", record), 2, 0),
+        StartGroup("fail", script_task("t2", "import sys; sys.exit(3)"), 1, 0),
+        StartGroup("hang", script_task("t3", HANG_AFTER_PARTIAL_ANSWER, timeout_s=4.0), 1, 0),
+        StartGroup("cold", attrs.evolve(task("import sys; sys.exit(5)"), task_id="t4"), 1, 0),
+    )
+    _, got = run(tmp_path, DriverConfig(groups, expected_outcomes=5), kill_grace_s=0.3,
+                 extra_env={"EXTRA_FOR_AGENT": "yes"}, warm_launcher_preload=("colorsys",))
+    finished = {m.execution_id: m for m in got["ExecutionFinished"]}
+    assert sorted(finished) == ["cold.0", "fail.0", "hang.0", "rec.0", "rec.1"]
+    for execution_id in ("rec.0", "rec.1"):
+        msg = finished[execution_id]
+        assert (msg.exit_code, msg.timed_out) == (0, False)
+        workspace = Path(msg.workspace)
+        seen = json.loads((workspace / "seen.json").read_text())
+        assert seen["argv"] == ["do the thing"]
+        assert Path(seen["cwd"]).resolve() == workspace.resolve()
+        assert seen["env"]["GYRE_EXECUTION_ID"] == execution_id
+        assert seen["env"]["OPENAI_API_KEY"] == f"key-{execution_id}" and seen["env"]["EXTRA_FOR_AGENT"] == "yes"
+        assert seen["files"] == ["agent.py", "data", "data/in.txt"]
+        assert (workspace / "preloaded").read_text() == "True"
+        logs = workspace.parent / "logs"
+        assert (logs / AGENT_STDOUT).read_text() == "to stdout\n"
+        assert (logs / AGENT_STDERR).read_text() == "to stderr\n"
+    assert (finished["fail.0"].exit_code, finished["fail.0"].timed_out) == (3, False)
+    assert (finished["cold.0"].exit_code, finished["cold.0"].timed_out) == (5, False)
+    hang = finished["hang.0"]
+    assert hang.timed_out and hang.exit_code == -9  # SIGTERM ignored: SIGKILL after the grace time
+    assert (Path(hang.workspace) / "answer.txt").read_text() == "partial"
+    assert _dies(int((Path(hang.workspace) / "child.pid").read_text()))
+    (stats,) = got["ExecutorStatistics"]
+    assert (stats.executions_launched, stats.executions_finished, stats.executions_timed_out) == (5, 5, 1)
+    assert (stats.warm_launches, stats.cold_launches) == (4, 1)
+
+
+def test_warm_launcher_preload_must_be_module_names() -> None:
+    with pytest.raises(ValueError, match="warm_launcher_preload"):
+        ExecutorConfig(warm_launcher_preload=("openai,structlog",))
+    with pytest.raises(ValueError, match="warm_launcher_preload"):
+        ExecutorConfig(warm_launcher_preload="openai")  # type: ignore[arg-type]
+
+
+KILL_THE_WARM_LAUNCHER = """
+import os, pathlib, signal, time
+parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+if b"warm_launcher_server" in parent:  # never kill anything but the fork server this agent came from
+    os.kill(os.getppid(), signal.SIGKILL)
+time.sleep(600)
+"""
+
+
+def test_a_dead_warm_launcher_kills_its_agents_and_the_rest_run_cold(tmp_path: Path) -> None:
+    def script_task(task_id: str, body: str) -> TaskSpec:
+        spec = task("", files={"agent.py": textwrap.dedent(body)}, agent_argv=(sys.executable, "agent.py"))
+        return attrs.evolve(spec, task_id=task_id)
+
+    groups = (
+        StartGroup("killer", script_task("t1", KILL_THE_WARM_LAUNCHER), 1, 0),
+        StartGroup("after", script_task("t2", "import sys; sys.exit(4)"), 2, 0),
+    )
+    _, got = run(tmp_path, DriverConfig(groups, expected_outcomes=3), max_concurrent=1,
+                 warm_launcher_preload=("colorsys",))
+    finished = {m.execution_id: (m.exit_code, m.timed_out) for m in got["ExecutionFinished"]}
+    assert finished == {"killer.0": (-9, False), "after.0": (4, False), "after.1": (4, False)}
+    (stats,) = got["ExecutorStatistics"]
+    assert (stats.warm_launches, stats.cold_launches, stats.executions_failed) == (1, 2, 0)

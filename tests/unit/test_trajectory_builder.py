@@ -162,6 +162,33 @@ def test_exactly_enough_survivors_land_and_count_the_dropped(tmp_path: Path) -> 
     assert got["GroupDone"] == [GroupDone("h", True, 0.5, 0.5, 2, 2)]
 
 
+def test_group_without_reward_spread_is_dropped_when_asked(tmp_path: Path) -> None:
+    def group(name: str, rewards: tuple[float, ...]) -> tuple[Any, ...]:
+        script: list[Any] = [announce(name, len(rewards))]
+        for i, reward in enumerate(rewards):
+            script += [*calls(f"{name}.{i}", name, i), scored(f"{name}.{i}", reward, name)]
+        return tuple(script)
+
+    script = (*group("flat", (0.2, 0.2, 0.2)), *group("close", (0.2, 0.25, 0.2)), *group("wide", (0.2, 1.0, 0.2)))
+    got = run(tmp_path, DriverConfig(script, expected_groups_done=3), min_reward_spread=0.05)
+    (landed,) = got["SamplesLanded"]
+    assert landed.group_id == "wide"
+    done = {d.group_id: d for d in got["GroupDone"]}
+    assert (done["flat"].landed, done["close"].landed, done["wide"].landed) == (False, False, True)
+    assert done["flat"].mean_reward == pytest.approx(0.2) and done["flat"].num_scored == 3  # still reported
+    assert got["BuilderStatistics"][0].groups_dropped == 2
+
+    # Off by default: a group whose rewards are all equal lands (with zero advantages).
+    got = run(tmp_path, DriverConfig(group("flat", (0.2, 0.2)), expected_groups_done=1))
+    (landed,) = got["SamplesLanded"]
+    assert all(a == 0 for a in landed.advantages)
+
+
+def test_reward_spread_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="min_reward_spread"):
+        TrajectoryBuilderConfig(min_reward_spread=-0.1)
+
+
 def test_scored_execution_without_calls_or_with_a_bad_tree_does_not_survive(tmp_path: Path) -> None:
     good = calls("g.0", "g", 0)
     bad = attrs.evolve(calls("g.2", "g", 2)[0], output_logprobs=(0.0,))  # lengths disagree: refused

@@ -149,8 +149,20 @@ def _task_specs(args: argparse.Namespace) -> tuple[TaskSpec, ...]:
             task_id=t.task_id, prompt=t.prompt, workspace_files=dict(t.workspace_files), agent_argv=command,
             scorer_argv=tuple(t.scorer_argv), timeout_s=180.0, scorer_timeout_s=30.0,
         )
-        for t in tasks.generate_tasks(args.seed, "train", args.train_tasks, kinds=_train_kinds(args, tasks))
+        for t in rl_tasks(args, tasks)
     )
+
+
+RL_TASK_SEED_OFFSET = 1000
+"""RL tasks come from seed + this: another stream than the warm start's (seed) and the held-out set's (seed + 1)."""
+
+
+def rl_tasks(args: argparse.Namespace, tasks) -> tuple:
+    """Training-split tasks the warm start never saw. The expert's demonstrations are the first `sft_tasks` tasks of
+    `seed`; RL on those would reward recall of memorised answers, not behaviour that carries over to held-out tasks."""
+    demonstrated = frozenset(t.task_id for t in tasks.generate_tasks(args.seed, "train", args.sft_tasks))
+    return tasks.generate_tasks(args.seed + RL_TASK_SEED_OFFSET, "train", args.train_tasks,
+                                kinds=_train_kinds(args, tasks), exclude=demonstrated)
 
 
 def _train_kinds(args: argparse.Namespace, tasks) -> tuple[str, ...]:

@@ -183,8 +183,13 @@ def scorer_argv(expected: str, *, python: str = sys.executable) -> tuple[str, ..
     return (python, str(SCORE_SCRIPT), "--answer-file", ANSWER_FILE, "--expected", expected)
 
 
-def generate_tasks(seed: int, split: str, count: int, *, kinds: tuple[str, ...] = KINDS) -> tuple[Task, ...]:
-    """`count` distinct tasks of `split`, the same for the same arguments; kinds take turns in the given order."""
+def generate_tasks(
+    seed: int, split: str, count: int, *, kinds: tuple[str, ...] = KINDS, exclude: frozenset[str] = frozenset()
+) -> tuple[Task, ...]:
+    """`count` distinct tasks of `split`, the same for the same arguments; kinds take turns in the given order.
+
+    `exclude` holds task ids that must not be drawn (for example the tasks a warm start was fine-tuned on, so that
+    RL trains on tasks the model has to solve rather than recall)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     unknown = [kind for kind in kinds if kind not in _DRAWS]
@@ -200,7 +205,7 @@ def generate_tasks(seed: int, split: str, count: int, *, kinds: tuple[str, ...] 
         for _ in range(MAX_ATTEMPTS_PER_TASK):
             prompt, files, expected = _DRAWS[kind](rng)
             digest = content_digest(kind, prompt, files)
-            if digest not in seen and split_of(digest) == split:
+            if digest not in seen and split_of(digest) == split and f"{kind}-{digest[:10]}" not in exclude:
                 break
         else:
             raise TaskSpaceExhausted(f"no new {split} task of kind {kind!r} after {MAX_ATTEMPTS_PER_TASK} draws")

@@ -63,6 +63,17 @@ def test_splits_are_disjoint_across_seeds() -> None:
         assert tasks.split_of(tasks.content_digest(task.kind, task.prompt, task.workspace_files)) == task.split
 
 
+def test_excluded_tasks_are_never_drawn() -> None:
+    seen = tasks.generate_tasks(0, "train", 280)
+    excluded = frozenset(task.task_id for task in seen)
+    fresh = tasks.generate_tasks(5, "train", 140, exclude=excluded)
+    assert len(fresh) == 140 and not {task.task_id for task in fresh} & excluded
+    assert collections.Counter(task.kind for task in fresh) == {kind: 20 for kind in tasks.KINDS}
+    assert fresh == tasks.generate_tasks(5, "train", 140, exclude=excluded)  # still deterministic
+    # Without the exclusion the same seed does draw some of them (the "write" space is small).
+    assert {task.task_id for task in tasks.generate_tasks(5, "train", 140)} & excluded
+
+
 def test_every_task_needs_a_tool_call(tmp_path: Path) -> None:
     for task in tasks.generate_tasks(1, "train", 14):
         assert tasks.ANSWER_FILE not in task.workspace_files

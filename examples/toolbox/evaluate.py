@@ -7,10 +7,11 @@ property of its weights, not of a sampling draw. Each task is its own execution 
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent import agent_argv, load_sibling  # noqa: E402
 
 tasks_module = load_sibling("tasks")
+AGENT_PRELOAD = ("openai", "structlog")
+"""Modules the warm launcher imports once for every agent it forks."""
 
 
 @attrs.frozen
@@ -77,20 +80,64 @@ def _make_app_factory(model_dir: str, keys: dict[str, str], max_context_tokens: 
     return make_app
 
 
-def _run_one(task: Any, key: str, base_url: str, temperature: float, timeout_s: float, root: Path) -> TaskOutcome:
+def _agent_env(base_url: str, key: str) -> dict[str, str]:
+    return dict(os.environ, OPENAI_BASE_URL=f"{base_url}/v1", OPENAI_API_KEY=key, GYRE_MODEL="gyre")
+
+
+async def _run_one(task: Any, key: str, base_url: str, temperature: float, timeout_s: float, root: Path,
+                   launcher: Any) -> TaskOutcome:
+    from gyre.actors.executor import signal_process_group, stop_process_group
+
     started = time.perf_counter()
-    workspace = tasks_module.write_workspace(task, root / task.task_id)
-    env = dict(os.environ, OPENAI_BASE_URL=f"{base_url}/v1", OPENAI_API_KEY=key, GYRE_MODEL="gyre")
+    workspace = tasks_module.write_workspace(task, root / task.task_id / "workspace")
+    logs = root / task.task_id / "logs"  # beside the workspace: the scorer judges only what the agent wrote
+    logs.mkdir()
+    env = _agent_env(base_url, key)
     argv = [*agent_argv(task.prompt), "--temperature", str(temperature)]
+    stdout, stderr = logs / "agent.stdout.log", logs / "agent.stderr.log"
+    if launcher.alive and launcher.accepts(argv, workspace, env):
+        process = await launcher.launch(argv, workspace, env, stdout, stderr)
+    else:
+        with open(stdout, "wb") as out, open(stderr, "wb") as err:
+            process = await asyncio.create_subprocess_exec(*argv, cwd=workspace, env=env, stdin=subprocess.DEVNULL,
+                                                           stdout=out, stderr=err, start_new_session=True)
     try:
-        agent = subprocess.run(argv, cwd=workspace, env=env, capture_output=True, timeout=timeout_s)
-        exit_code = agent.returncode
-    except subprocess.TimeoutExpired:
+        exit_code = await asyncio.wait_for(process.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        await stop_process_group(process, grace_s=2.0)
         exit_code = -9  # scored on what the workspace holds, as in training
-    scored = subprocess.run(list(task.scorer_argv), cwd=workspace, capture_output=True, timeout=60)
-    verdict = json.loads(scored.stdout or b"{}") if scored.returncode == 0 else {"reward": 0.0, "success": False}
+    signal_process_group(process.pid, signal.SIGKILL)  # tool processes the agent left behind
+    scorer = await asyncio.create_subprocess_exec(*task.scorer_argv, cwd=workspace, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.DEVNULL)
+    try:
+        scored, _ = await asyncio.wait_for(scorer.communicate(), 60)
+    except asyncio.TimeoutError:
+        scorer.kill()
+        await scorer.wait()
+        scored = b""
+    verdict = json.loads(scored or b"{}") if scorer.returncode == 0 else {"reward": 0.0, "success": False}
     return TaskOutcome(task.task_id, task.kind, float(verdict.get("reward", 0.0)), bool(verdict.get("success")),
                        exit_code, time.perf_counter() - started)
+
+
+async def _run_all(tasks: Sequence[Any], keys: list[str], base_url: str, temperature: float, timeout_s: float,
+                   root: Path, concurrency: int) -> tuple[TaskOutcome, ...]:
+    """Every task, at most `concurrency` at once. Agents are forked from a warm launcher that imported openai once
+    (gyre.actors.warm_launcher): the import costs ~2 CPU-s per fresh process, more than a short task's model calls."""
+    from gyre.actors.warm_launcher import WarmLauncher
+
+    launcher = WarmLauncher()
+    await launcher.start(AGENT_PRELOAD)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(task: Any, key: str) -> TaskOutcome:
+        async with slots:
+            return await _run_one(task, key, base_url, temperature, timeout_s, root, launcher)
+
+    try:
+        return tuple(await asyncio.gather(*(one(task, key) for task, key in zip(tasks, keys))))
+    finally:
+        await launcher.close()
 
 
 def evaluate(
@@ -109,12 +156,8 @@ def evaluate(
     keys = {f"eval-{i}": secrets.token_hex(16) for i in range(len(tasks))}
     factory = _make_app_factory(str(model_dir), keys, max_context_tokens)
     with ServedApp(factory) as served, tempfile.TemporaryDirectory(prefix="gyre-eval-") as root:
-        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-            futures = [
-                pool.submit(_run_one, task, keys[f"eval-{i}"], served.base_url, temperature, timeout_s, Path(root))
-                for i, task in enumerate(tasks)
-            ]
-            outcomes = tuple(f.result() for f in futures)
+        outcomes = asyncio.run(_run_all(tasks, list(keys.values()), served.base_url, temperature, timeout_s,
+                                        Path(root), concurrency))
     count = max(1, len(outcomes))
     return EvalResult(
         success_rate=sum(o.success for o in outcomes) / count,

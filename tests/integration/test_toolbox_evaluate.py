@@ -1,0 +1,36 @@
+"""Held-out evaluation (examples/toolbox/evaluate.py) end to end: proxy over the embedded engine, the real agent
+forked from the warm launcher, the task's scorer. A random tiny model never solves a task, so this checks the
+plumbing and the outcomes' invariants, not a success rate."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+TOOLBOX = Path(__file__).resolve().parents[2] / "examples" / "toolbox"
+
+
+def load(name: str):
+    qualified = f"_gyre_toolbox_{name}"
+    if qualified not in sys.modules:
+        spec = importlib.util.spec_from_file_location(qualified, TOOLBOX / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[qualified] = module
+        spec.loader.exec_module(module)
+    return sys.modules[qualified]
+
+
+def test_every_task_gets_an_outcome_and_a_hung_agent_is_scored_on_its_workspace(tiny_model_dir: Path) -> None:
+    tasks, evaluate = load("tasks"), load("evaluate")
+    chosen = tasks.generate_tasks(1, "heldout", 3, kinds=("write", "calc", "lookup"))
+    result = evaluate.evaluate(tiny_model_dir, chosen, concurrency=2, timeout_s=4.0)
+    assert [o.task_id for o in result.outcomes] == [t.task_id for t in chosen]
+    assert [o.kind for o in result.outcomes] == ["write", "calc", "lookup"]
+    for outcome in result.outcomes:
+        # 0: the agent finished, 3: it spent its turns, -9: the time limit killed it. Never 1 (the endpoint
+        # failed) or 2 (bad usage): both would mean the evaluation's own plumbing is broken.
+        assert outcome.agent_exit_code in (0, 3, -9), outcome
+        assert outcome.reward in (0.0, 0.2, 0.5, 1.0) and outcome.success == (outcome.reward == 1.0)
+    assert result.success_rate == sum(o.success for o in result.outcomes) / 3
+    assert result.mean_reward == sum(o.reward for o in result.outcomes) / 3

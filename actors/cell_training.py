@@ -442,6 +442,11 @@ class ClaimLoop:
             return
         self.computed += 1
         tokens, loss = int(metrics["num_tokens"]), float(metrics["loss"])
+        # How far the trained policy is from the behaviour policy, per micro-step: a clip fraction near 1 says
+        # the clip range is too tight for this staleness and learning rate (GSPO clips the sequence ratio).
+        cell.log.info("microstep_computed", step_id=grant.step_id, index=grant.microstep_index, tokens=tokens,
+                      loss=loss, clip_fraction=round(float(metrics.get("clip_fraction", 0.0)), 4),
+                      seq_log_ratio_abs_max=float(metrics.get("seq_log_ratio_abs_max", 0.0)))
         if config.is_core:
             await cell.send(cell.name, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, "", 0, 0, tokens,
                                                      loss))

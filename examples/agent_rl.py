@@ -56,14 +56,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", default="report", help="report folder")
     parser.add_argument("--policy", choices=("elastic", "async", "colocate"), default="elastic")
     parser.add_argument("--async-train-cells", default="core", help="comma-separated train cells for --policy async")
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps to train")
+    parser.add_argument("--steps", type=int, default=18, help="optimizer steps to train")
     parser.add_argument("--group-size", type=int, default=16, help="executions per GSPO group")
-    parser.add_argument("--groups-per-step", type=int, default=2)
+    parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
                         help="the agents' sampling temperature in training (held-out evaluation is greedy)")
-    parser.add_argument("--min-reward-spread", type=float, default=0.0,
+    parser.add_argument("--min-reward-spread", type=float, default=0.01,
                         help="drop groups whose rewards span no more than this (DAPO dynamic sampling; 0: keep all)")
     parser.add_argument("--train-tasks", type=int, default=400)
     parser.add_argument("--train-kinds", default="", help="comma-separated task kinds RL trains on (default: all; "
@@ -187,7 +187,8 @@ def topology(argv: list[str]) -> Topology:
     if not prepared.is_file():
         raise SystemExit(f"agent_rl: {prepared} is missing: run this file with `gyre run`, which prepares it")
     model_dir = json.loads(prepared.read_text())["model_dir"]
-    result = Topology("agent_rl", seed=args.seed)
+    # The event log goes into the report: `gyre replay` / `gyre log` debug the very run the report describes.
+    result = Topology("agent_rl", seed=args.seed, log_path=str(Path(args.report) / "events.glog"))
     engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=32, num_threads=1)
     trainer = TrainerConfig(lr=args.lr, num_threads=1, seed=args.seed)
     for name in CELLS:

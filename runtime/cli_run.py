@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("file", help="a Python file defining topology(argv) -> Topology")
     parser.add_argument("--virtual", action="store_true", help="deterministic runner: one process, virtual time")
     parser.add_argument("--seed", type=int, default=None, help="override the topology's seed")
-    parser.add_argument("--log", dest="log_path", default=None, help="write the event log here")
+    parser.add_argument("--log", dest="log_path", default=None,
+                        help="write the event log here (default: the topology's log_path, if it sets one)")
     parser.add_argument("--until-s", type=float, default=None, help="stop after this many (virtual) seconds")
     parser.add_argument("--log-level", default=None, help="debug shows one line per handled message")
     # Unknown options (e.g. `--report DIR`) and anything after `--` go to the file's topology(argv).
@@ -33,7 +34,8 @@ def run_command(args: argparse.Namespace) -> int:
     topology = build_topology(module, argv)
     if args.seed is not None:
         topology.seed = args.seed
-    options = RunOptions(log_path=args.log_path, until_s=args.until_s)
+    # --log wins; otherwise the topology's own choice (e.g. the main job records into its report folder).
+    options = RunOptions(log_path=args.log_path or topology.log_path or None, until_s=args.until_s)
     if args.virtual:
         result = VirtualLauncher().run(topology, options)
     else:

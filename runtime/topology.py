@@ -62,9 +62,11 @@ class ActorSpec:
 class Topology:
     """An ordered set of actor specs plus the run's seed."""
 
-    def __init__(self, name: str, seed: int = 0) -> None:
+    def __init__(self, name: str, seed: int = 0, log_path: str = "") -> None:
         self.name = name
         self.seed = seed
+        self.log_path = log_path
+        """Where `gyre run` records the event log when not told otherwise (`--log`); "" records none."""
         self._specs: dict[str, ActorSpec] = {}
 
     def add(

@@ -25,6 +25,9 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
         sys.executable, "-m", "gyre.runtime.cli", "run", str(ROOT / "examples" / "agent_rl.py"),
         "--report", str(report), "--steps", "2", "--group-size", "4", "--groups-per-step", "1",
         "--copy-steps", "2", "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20", "--skip-eval",
+        # A barely warm-started model gets equal rewards in most groups: keep them (dynamic sampling would drop them
+        # and the two steps might never fill).
+        "--min-reward-spread", "0",
     ]
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -37,3 +40,10 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     assert (report / "reward_curve.png").stat().st_size > 0
     assert (report / "cell_roles.png").stat().st_size > 0
     assert (report / "final_model" / "model.safetensors").is_file()
+    # The event log is recorded into the report without --log, and holds the run's applied steps.
+    from gyre.runtime import Codec, read_log
+
+    applied = [r.decode(Codec()) for r in read_log(report / "events.glog") if r.type_name.endswith(".StepApplied")]
+    assert sorted({(m.step_id, m.version) for m in applied}) == [(0, 1), (1, 2)]
+    executor = [line for line in run.stderr.splitlines() if '"executor_started"' in line]
+    assert executor and '"warm": true' in executor[0]  # agents were forked from the warm launcher

@@ -121,7 +121,8 @@ class ExecutorConfig:
     """More environment variables for every agent (the executor's own variables win on a clash)."""
     warm_launcher_preload: tuple[str, ...] = attrs.field(default=(), validator=_module_names)
     """Modules a fork server imports once, so that agents run as `<this python> <script> ...` start with them
-    already imported; () = off, every agent is a fresh process. Caveat: a preloaded module must not capture the
+    already imported; an entry "module:function" also calls that warm-up once (gyre.actors.sdk_warmup has the SDK
+    clients'); () = off, every agent is a fresh process. Caveat: a preloaded module must not capture the
     environment or the working directory at import time (it would see the executor's, not the agent's)."""
 
 

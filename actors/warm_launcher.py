@@ -45,7 +45,8 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 SERVER_MODULE = "gyre.actors.warm_launcher_server"
-_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_PRELOAD_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?")
+"""A dotted module name, optionally followed by ":function", a warm-up the server calls once after the import."""
 
 
 class LauncherDied(OSError):
@@ -61,12 +62,12 @@ class LauncherStartFailed(RuntimeError):
 
 
 def preload_problem(preload: object) -> str | None:
-    """Why `preload` is not a tuple of dotted module names, or None."""
+    """Why `preload` is not a tuple of entries "package.module" or "package.module:function", or None."""
     if not isinstance(preload, tuple):
         return f"preload must be a tuple of module names, got {preload!r}"
     for name in preload:
-        if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name):
-            return f"preload entry {name!r} is not a dotted module name"
+        if not isinstance(name, str) or not _PRELOAD_ENTRY.fullmatch(name):
+            return f"preload entry {name!r} is not a dotted module name (optionally with ':function')"
     return None
 
 

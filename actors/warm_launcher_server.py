@@ -2,7 +2,8 @@
 
 Why: a fresh `python agent.py` that imports `openai` spends ~2 CPU-seconds on imports before its first model call;
 the executor runs thousands of such short agents. This process pays the imports once (`--preload openai,structlog`),
-then each request forks a child that already has them in `sys.modules` and runs the agent script in it, with the
+and runs warm-ups once (`gyre.actors.sdk_warmup:openai_client`: the SDK's first request imports ~140 more modules,
+0.13 CPU-s that every agent would pay again), then each request forks a child that already has them in `sys.modules` and runs the agent script in it, with the
 script's own argv, cwd, environment, stdio files and process group, as `python script.py args...` would.
 
 Protocol (newline-delimited JSON; the client is gyre.actors.warm_launcher.WarmLauncher):
@@ -297,19 +298,23 @@ class Server:
             os._exit(code)
 
 
-def _preload(names: list[str]) -> str | None:
-    """Import every module; the first failure as text, or None."""
-    for name in names:
+def _preload(entries: list[str]) -> str | None:
+    """Import every module and call each "module:function" warm-up; the first failure as text, or None."""
+    for entry in entries:
+        module_name, _, function_name = entry.partition(":")
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(module_name)
+            if function_name:
+                getattr(module, function_name)()
         except BaseException as error:  # SystemExit from a module's import is a failure too
-            return f"preload {name!r} failed: {type(error).__name__}: {error}"
+            return f"preload {entry!r} failed: {type(error).__name__}: {error}"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Fork server for agent processes (gyre.actors.warm_launcher).")
-    parser.add_argument("--preload", default="", help="comma-separated modules to import once, e.g. openai,structlog")
+    parser.add_argument("--preload", default="", help="comma-separated modules to import once, e.g. openai,structlog; "
+                        "an entry module:function also calls that function once (a warm-up)")
     args = parser.parse_args(argv)
     proto_in, proto_out = os.dup(0), os.dup(1)  # non-inheritable: agents' own subprocesses never see them
     null = os.open(os.devnull, os.O_RDONLY)

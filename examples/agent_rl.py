@@ -47,6 +47,7 @@ from gyre.messages.executions import TaskSpec  # noqa: E402
 from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy  # noqa: E402
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
 from gyre.runtime import Topology  # noqa: E402
+from evaluate import AGENT_PRELOAD  # noqa: E402  (examples/toolbox: what agents are forked warm with)
 
 CELLS = ("core", "sat1", "sat2")
 
@@ -205,8 +206,9 @@ def topology(argv: list[str]) -> Topology:
     result.add("executor", Executor, ExecutorConfig(
         workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.group_size * 2,
         # The agent imports openai (~2 CPU-s a process): forked from a server that imported it once, it starts in
-        # ~0.1 s, which on 2 cores is about half of a step's CPU.
-        warm_launcher_preload=("openai", "structlog")), process="runs")
+        # ~0.1 s, which on 2 cores is about half of a step's CPU. The warm-up also pays, once, the ~0.13 CPU-s of
+        # imports that a client's first request triggers (an agent's model calls cost ~0.05 CPU-s after it).
+        warm_launcher_preload=AGENT_PRELOAD), process="runs")
     result.add("evaluator", Evaluator, EvaluatorConfig(remove_workspace=True), process="runs")
     result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(
         min_reward_spread=args.min_reward_spread), process="control")

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent import agent_argv, load_sibling  # noqa: E402
 
 tasks_module = load_sibling("tasks")
-AGENT_PRELOAD = ("openai", "structlog")
-"""Modules the warm launcher imports once for every agent it forks."""
+AGENT_PRELOAD = ("openai", "structlog", "gyre.actors.sdk_warmup:openai_client")
+"""What the warm launcher imports (and warms up) once for every toolbox agent it forks."""
 
 
 @attrs.frozen

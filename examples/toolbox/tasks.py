@@ -179,8 +179,11 @@ def split_of(digest: str) -> str:
 
 
 def scorer_argv(expected: str, *, python: str = sys.executable) -> tuple[str, ...]:
-    """The scoring command line for a task whose answer is `expected` (run with the workspace as cwd)."""
-    return (python, str(SCORE_SCRIPT), "--answer-file", ANSWER_FILE, "--expected", expected)
+    """The scoring command line for a task whose answer is `expected` (run with the workspace as cwd).
+
+    `-S` skips `site` (the scorer needs only the standard library): 0.04 instead of 0.06 CPU-s a run, and the main
+    job scores ~190 executions a step."""
+    return (python, "-S", str(SCORE_SCRIPT), "--answer-file", ANSWER_FILE, "--expected", expected)
 
 
 def generate_tasks(

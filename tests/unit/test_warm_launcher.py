@@ -304,3 +304,34 @@ def test_a_preload_that_does_not_import_is_a_clear_error_at_start() -> None:
     asyncio.run(main())
     assert preload_problem(("a.b", "c_d")) is None
     assert preload_problem(["a"]) is not None and preload_problem(("",)) is not None
+
+
+def test_preload_entries_may_name_a_warm_up_function() -> None:
+    assert preload_problem(("gyre.actors.sdk_warmup:openai_client", "json")) is None
+    for bad in ("a:b:c", "a:", ":f", "a.b:c.d", "a:1f"):
+        assert preload_problem((bad,)) is not None, bad
+
+
+def test_a_warm_up_runs_once_in_the_server_so_children_start_warm(tmp_path: Path) -> None:
+    # The openai warm-up sends one refused request: the modules on the request path are imported in the server,
+    # so a forked agent's first call imports nothing more.
+    probe = script(tmp_path, """
+        import json, sys
+        json.dump({"chat": "openai.resources.chat.completions" in sys.modules}, open("seen.json", "w"))
+        """)
+
+    async def test(launcher: WarmLauncher) -> int:
+        return await (await launch(launcher, tmp_path, [str(probe)])).wait()
+
+    assert with_launcher(test, preload=("openai", "gyre.actors.sdk_warmup:openai_client")) == 0
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"chat": True}
+
+
+def test_a_warm_up_that_fails_is_a_clear_error_at_start() -> None:
+    async def main() -> None:
+        launcher = WarmLauncher()
+        with pytest.raises(LauncherStartFailed, match="json:no_such_function.*AttributeError"):
+            await launcher.start(("json:no_such_function",))
+        assert not launcher.alive
+
+    asyncio.run(main())

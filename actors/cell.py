@@ -62,6 +62,7 @@ from gyre.messages.cells import (
     SessionsMigrated,
     SwitchRole,
 )
+from gyre.messages.executions import ExecutionEnded
 from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
 
@@ -107,6 +108,9 @@ class CellConfig:
     """GSPO lower clip range."""
     clip_high: float = 4e-4
     """GSPO upper clip range."""
+    train_chunk_padded_tokens: int = attrs.field(default=2048, validator=_positive)
+    """A micro-step is computed in length-sorted chunks of at most this many tokens once padded (a longer sample
+    gets a chunk of its own): less padding, and a bound on activation memory."""
     claim_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     """How long a ClaimMicroStep waits for the claimer."""
     claim_retry_s: float = attrs.field(default=0.2, validator=_positive)
@@ -124,8 +128,9 @@ class CellConfig:
     pull_retry_s: float = attrs.field(default=0.02, validator=_positive)
     """Pause between pull attempts."""
     session_ttl_s: float = attrs.field(default=600.0, validator=_positive)
-    """A session counts as live on this cell (LoadReport.live_sessions) until this long after its last call here:
-    agents run tools between calls. The proxy knows sessions exactly; this is the cell's estimate."""
+    """A session counts as live on this cell (LoadReport.live_sessions) until this long after its last call here
+    (agents run tools between calls), or until the executor publishes its ExecutionEnded. The proxy knows sessions
+    exactly; this is the cell's estimate."""
     max_sessions: int = attrs.field(default=65536, validator=_positive)
     """Sessions the estimate remembers at most."""
     save_dir: str = ""
@@ -136,7 +141,8 @@ class Cell(Actor):
     """See the module docstring."""
 
     config_cls = CellConfig
-    subscriptions = (RoleChanged, LoadReport, CellDraining, SessionPlaced, WeightsPublished, StepReady)
+    subscriptions = (RoleChanged, LoadReport, CellDraining, SessionPlaced, WeightsPublished, StepReady,
+                     ExecutionEnded)
 
     async def on_start(self) -> None:
         config = self.config
@@ -443,6 +449,10 @@ class Cell(Actor):
     def on_session_placed(self, msg: SessionPlaced) -> None:
         if msg.cell == self.name:
             self.sessions.seen(msg.session)
+
+    @handler(ExecutionEnded)
+    def on_execution_ended(self, msg: ExecutionEnded) -> None:
+        self.sessions.ended(msg.execution_id)
 
     @handler(WeightsPublished)
     def on_weights_published(self, msg: WeightsPublished) -> None:

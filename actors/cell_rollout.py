@@ -54,7 +54,10 @@ class RecentSessions:
 
     The proxy knows its sessions exactly; a cell sees only request ids, which the proxy makes
     "<execution_id>/<call_index>". An agent runs tools between its calls, so a session counts as live for `ttl_s`
-    after its last call here (or after the KV migrator placed it here). Bounded: the stalest are forgotten first.
+    after its last call here (or after the KV migrator placed it here), or until the executor publishes its
+    ExecutionEnded, whichever comes first. Without the latter, a stream of short agents would count every agent of
+    the last `ttl_s` as live (100+ per cell in the main job, against ~10 running requests), and the elastic policy
+    would never find capacity to spare. Bounded: the stalest are forgotten first.
     """
 
     def __init__(self, ttl_s: float, max_sessions: int, clock: Callable[[], float]) -> None:
@@ -80,6 +83,10 @@ class RecentSessions:
         while self._last_s and next(iter(self._last_s.values())) < horizon:
             self._last_s.popitem(last=False)
         return len(self._last_s)
+
+    def ended(self, execution_id: str) -> None:
+        """The execution is over (the executor said so): it is no longer live, whatever its last call's time."""
+        self._last_s.pop(execution_id, None)
 
     def clear(self) -> None:
         self._last_s.clear()

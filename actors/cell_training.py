@@ -48,7 +48,13 @@ from gyre.messages.training import (
     StepApplied,
     StepReady,
 )
-from gyre.policies.loss import loss_from_samples, pack_samples
+from gyre.policies.loss import (
+    PackedBatch,
+    combine_chunk_metrics,
+    length_sorted_chunks,
+    loss_from_samples,
+    pack_samples,
+)
 from gyre.runtime import GyreError
 
 if TYPE_CHECKING:
@@ -98,16 +104,21 @@ class TrainerHost:
     # ---- compute ------------------------------------------------------------------------------------------
 
     def compute(
-        self, samples: Sequence[TrainingSample], num_executions: int, clip_low: float, clip_high: float
+        self, samples: Sequence[TrainingSample], num_executions: int, clip_low: float, clip_high: float,
+        chunk_padded_tokens: int,
     ) -> dict[str, Any]:
-        """Forward/backward of one micro-step; gradients accumulate into the trainer. Returns its metrics."""
-        batch = pack_samples(samples)
+        """Forward/backward of one micro-step, in length-sorted chunks (policies.loss.length_sorted_chunks) so that
+        little compute goes into padding; gradients accumulate into the trainer. Returns the micro-step's metrics."""
+        parts = []
+        for chunk in length_sorted_chunks(samples, chunk_padded_tokens):
+            batch = pack_samples(chunk)
 
-        def loss_fn(logprobs: torch.Tensor):
-            return loss_from_samples(logprobs, batch, num_executions=num_executions, clip_low=clip_low,
-                                     clip_high=clip_high)
+            def loss_fn(logprobs: torch.Tensor, batch: PackedBatch = batch):
+                return loss_from_samples(logprobs, batch, num_executions=num_executions, clip_low=clip_low,
+                                         clip_high=clip_high)
 
-        return self.trainer.forward_backward(batch.input_ids, batch.lengths, loss_fn)
+            parts.append(self.trainer.forward_backward(batch.input_ids, batch.lengths, loss_fn))
+        return combine_chunk_metrics(parts)
 
     # ---- gradients ----------------------------------------------------------------------------------------
 
@@ -429,7 +440,7 @@ class ClaimLoop:
         try:
             async with cell.compute_lock:
                 metrics = await cell.offload(host.compute, grant.samples, grant.num_executions_in_step,
-                                             config.clip_low, config.clip_high)
+                                             config.clip_low, config.clip_high, config.train_chunk_padded_tokens)
         except ValueError as error:  # bad samples (LossInputError, TrainerError): hand it back, say loudly why
             if core_steps is not None:
                 core_steps.tracker.unreserve(grant.step_id, grant.microstep_index)

@@ -9,8 +9,8 @@ One execution, start to end:
    GYRE_EXECUTION_ID, GYRE_GROUP_ID set; publish `ExecutionStarted`;
 4. wait for it under `task.timeout_s`; at the limit SIGTERM the whole process group, then SIGKILL it after
    `kill_grace_s` (an agent's tool subprocesses die with it); stragglers of an agent that exited are killed too;
-5. revoke the key (`RevokeKey`) and hand the workspace, preserved even after a timeout, to the evaluator
-   (`ExecutionFinished`).
+5. revoke the key (`RevokeKey`), publish `ExecutionEnded` (rollout cells stop counting its sessions as live), and
+   hand the workspace, preserved even after a timeout, to the evaluator (`ExecutionFinished`).
 An execution that never gets a process (no key, unwritable workspace, a command that does not exist) is dropped
 (`ExecutionDropped` to the trajectory builder): that is the system failing, not the policy, so it is not scored.
 
@@ -50,6 +50,7 @@ from gyre.actors.warm_launcher import LaunchedProcess, LauncherDied, WarmLaunche
 from gyre.messages.execution_reports import AgentExited, AgentLaunched, LaunchFailed
 from gyre.messages.execution_stats import ExecutorStatistics, StatisticsAsked
 from gyre.messages.executions import (
+    ExecutionEnded,
     ExecutionFinished,
     ExecutionStarted,
     IssueKey,
@@ -414,6 +415,7 @@ class Executor(Actor):
             wall_s=round(msg.wall_s, 3),
         )
         self.tell(self.config.proxy, RevokeKey(msg.execution_id))
+        self.publish(ExecutionEnded(msg.execution_id, execution.group_id))
         await self.send(
             self.config.evaluator,
             ExecutionFinished(
@@ -438,6 +440,7 @@ class Executor(Actor):
         self.log.error("execution_not_started", execution_id=msg.execution_id, reason=msg.reason)
         if msg.key_issued:
             self.tell(self.config.proxy, RevokeKey(msg.execution_id))
+            self.publish(ExecutionEnded(msg.execution_id, execution.group_id))
         await self.send(
             self.config.builder, ExecutionDropped(msg.execution_id, execution.group_id, msg.reason, False)
         )

@@ -190,7 +190,9 @@ def topology(argv: list[str]) -> Topology:
     model_dir = json.loads(prepared.read_text())["model_dir"]
     # The event log goes into the report: `gyre replay` / `gyre log` debug the very run the report describes.
     result = Topology("agent_rl", seed=args.seed, log_path=str(Path(args.report) / "events.glog"))
-    engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=32, num_threads=1)
+    # 48 concurrent generations a cell, above the 32 agents the executor runs: the elastic policy lets a satellite
+    # train only while the cells that stay can take every live session with 10% to spare (0.9 * 48 >= 32).
+    engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=48, num_threads=1)
     trainer = TrainerConfig(lr=args.lr, num_threads=1, seed=args.seed)
     for name in CELLS:
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,

@@ -71,6 +71,18 @@ class ExecutionFinished:
     """How long the agent ran."""
 
 
+@message("gyre.executions.ExecutionEnded")
+class ExecutionEnded:
+    """Executor -> everyone interested: an execution's agent is gone (exited, killed, or never started after its key
+    was issued), so its sessions will make no more model calls. Rollout cells stop counting them as live: their
+    LoadReport.live_sessions is what the scheduling policy weighs against capacity."""
+
+    execution_id: str
+    """Which execution (the session key prefix the proxy puts on every call: "<execution_id>/...")."""
+    group_id: str
+    """Its group."""
+
+
 @message("gyre.executions.GroupDone")
 class GroupDone:
     """Trajectory builder -> task source: a group was turned into samples or dropped."""

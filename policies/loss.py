@@ -226,6 +226,50 @@ def pack_samples(samples: Sequence[TrainingSample], pad_to: int | None = None, p
     return PackedBatch(input_ids, lengths, loss_mask, old, adv, weights, tuple(s.execution_id for s in samples))
 
 
+def length_sorted_chunks(samples: Sequence[TrainingSample], max_padded_tokens: int) -> list[list[TrainingSample]]:
+    """The samples sorted by length and cut into chunks of at most `max_padded_tokens` once padded (a sample longer
+    than that gets a chunk of its own).
+
+    Why: a micro-step is filled in landing order, and padding every row to the longest one costs ~40% more
+    forward/backward compute than the real tokens in the main job (samples of 120 to 640 tokens). The loss is a sum
+    over rows (each execution's weights are fixed before batching), so chunks' gradients add up to the whole
+    micro-step's."""
+    if max_padded_tokens < 1:
+        raise LossInputError(f"max_padded_tokens must be >= 1, got {max_padded_tokens}")
+    chunks: list[list[TrainingSample]] = []
+    current: list[TrainingSample] = []
+    for sample in sorted(samples, key=lambda s: len(s.token_ids)):
+        if current and len(sample.token_ids) * (len(current) + 1) > max_padded_tokens:
+            chunks.append(current)
+            current = []
+        current.append(sample)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def combine_chunk_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One micro-step's metrics from its chunks' (`loss_from_samples` metrics plus the trainer's `num_tokens`): sums
+    of losses and counts, the clip fraction weighted by loss tokens, the mean sequence ratio weighted by rows, the
+    largest |sequence log-ratio|."""
+    if not parts:
+        raise LossInputError("combine_chunk_metrics needs at least one chunk")
+    loss_tokens = sum(part["num_loss_tokens"] for part in parts)
+    rows = sum(part["num_rows"] for part in parts)
+    return {
+        "loss": sum(part["loss"] for part in parts),
+        "num_tokens": sum(part["num_tokens"] for part in parts),
+        "num_loss_tokens": loss_tokens,
+        "num_rows": rows,
+        "num_executions": parts[0]["num_executions"],
+        "clip_fraction": sum(part["clip_fraction"] * part["num_loss_tokens"] for part in parts) / loss_tokens
+        if loss_tokens else 0.0,
+        "seq_ratio_mean": sum(part["seq_ratio_mean"] * part["num_rows"] for part in parts) / rows if rows else 1.0,
+        "seq_log_ratio_abs_max": max(part["seq_log_ratio_abs_max"] for part in parts),
+        "chunks": len(parts),
+    }
+
+
 def loss_from_samples(
     log_probs: torch.Tensor,
     batch: PackedBatch,

@@ -35,7 +35,7 @@ from gyre.engines.sglang_client import SGLangClient
 from gyre.engines.trainer import TrainerConfig
 from gyre.messages.cell_internal import CellStatusQuery
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleChanged, SessionPlaced, SwitchRole
-from gyre.messages.executions import IssueKey
+from gyre.messages.executions import ExecutionEnded, IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import ProxyStatusAsked
 from gyre.runtime import Actor, Topology, handler
@@ -156,6 +156,11 @@ def switched(tiny_model_dir):
         await h.wait_until(lambda: recorder.loads[last].role == ROLLOUT and recorder.loads[other].live_sessions,
                            timeout_s=30, what="load reports after the last switch")
         live = {cell: recorder.loads[cell].live_sessions for cell in (last, other)}
+        # The agents are done: once the executor says so, no cell counts their sessions as live (the TTL is long).
+        for index in range(AGENTS):
+            h.publish(ExecutionEnded(f"exec-{index}", "test"))
+        await h.wait_until(lambda: recorder.loads[other].live_sessions == 0, timeout_s=30,
+                           what="live sessions after ExecutionEnded")
         switched_calls = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
         proxy_status = await h.ask("proxy", ProxyStatusAsked())
         # The unswitched run: every call's exact prompt ids and seed again, straight to an engine nothing disturbs.

@@ -118,6 +118,18 @@ def test_recent_sessions_count_executions_seen_within_the_ttl():
     assert sessions.count() == 0
 
 
+def test_recent_sessions_forget_an_execution_as_soon_as_it_ends():
+    now = [0.0]
+    sessions = RecentSessions(ttl_s=600.0, max_sessions=10, clock=lambda: now[0])
+    for i in range(3):
+        sessions.seen(f"g.{i}/0")
+    sessions.ended("g.1")
+    sessions.ended("g.9")  # never seen here (its calls went to another cell): nothing happens
+    assert sessions.count() == 2
+    sessions.seen("g.1/1")  # a late call (a resumed generation) makes it live again until it ends again
+    assert sessions.count() == 3
+
+
 # ---- the core's step bookkeeping ---------------------------------------------------------------------------------
 
 
@@ -319,10 +331,26 @@ def test_flat_weights_convert_to_the_trainers_hf_state_dict(hosts):
     assert all(torch.equal(converted[k], expected[k]) for k in expected)
 
 
+def test_a_micro_step_in_length_sorted_chunks_has_the_gradients_of_one_padded_batch(hosts):
+    _, satellite = hosts
+    samples = [sample(3, n=40), sample(4, n=10, execution="f"), sample(5, n=24), sample(6, n=12, execution="f")]
+    satellite.trainer.zero_grads()
+    whole = satellite.compute(samples, 2, 3e-4, 4e-4, 4096)
+    expected = satellite.trainer.grads_to_flat().clone()
+    satellite.trainer.zero_grads()
+    chunked = satellite.compute(samples, 2, 3e-4, 4e-4, 40)  # (10, 12) | (24) | (40)
+    assert (whole["chunks"], chunked["chunks"]) == (1, 3)
+    assert torch.allclose(satellite.trainer.grads_to_flat(), expected, atol=1e-7)
+    assert chunked["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    assert chunked["num_tokens"] == whole["num_tokens"] == 86
+    assert chunked["num_loss_tokens"] == whole["num_loss_tokens"] and chunked["num_rows"] == 4
+    satellite.trainer.zero_grads()
+
+
 def test_gradients_and_weights_move_between_hosts(hosts):
     core, satellite = hosts
     samples = [sample(1), sample(2, execution="f")]
-    satellite.compute(samples, 2, 3e-4, 4e-4)
+    satellite.compute(samples, 2, 3e-4, 4e-4, 4096)
     expected = satellite.trainer.grads_to_flat()
     assert float(expected.abs().sum()) > 0
     addr, nbytes = satellite.export_grads()

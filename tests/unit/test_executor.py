@@ -26,6 +26,7 @@ from gyre.actors.executor import (
 from gyre.messages.execution_stats import ExecutorStatistics, StatisticsAsked
 from gyre.messages.executions import (
     ExecutionFinished,
+    ExecutionEnded,
     ExecutionStarted,
     IssueKey,
     KeyIssued,
@@ -60,7 +61,7 @@ class Driver(Actor):
     """The proxy, evaluator and builder as far as the executor can tell; stops the run when all is heard."""
 
     config_cls = DriverConfig
-    subscriptions = (GroupStarted, ExecutionStarted)
+    subscriptions = (GroupStarted, ExecutionStarted, ExecutionEnded)
 
     async def on_start(self) -> None:
         self.outcomes = 0
@@ -76,6 +77,10 @@ class Driver(Actor):
 
     @handler(RevokeKey)
     def on_revoke(self, msg: RevokeKey) -> None:
+        pass
+
+    @handler(ExecutionEnded)
+    def on_ended(self, msg: ExecutionEnded) -> None:
         pass
 
     @handler(ExecutionStarted)
@@ -156,6 +161,7 @@ def test_group_runs_agents_in_fresh_workspaces_with_the_proxy_env(tmp_path: Path
     assert sorted(finished) == ["grp.0", "grp.1", "grp.2"]
     assert sorted(m.execution_id for m in got["RevokeKey"]) == sorted(finished)
     assert sorted(m.execution_id for m in got["ExecutionStarted"]) == sorted(finished)
+    assert sorted((m.execution_id, m.group_id) for m in got["ExecutionEnded"]) == [(e, "grp") for e in sorted(finished)]
     workspaces = set()
     for execution_id, msg in finished.items():
         assert (msg.exit_code, msg.timed_out, msg.group_id, msg.task) == (0, False, "grp", spec)
@@ -266,6 +272,7 @@ def test_no_key_drops_the_executions_without_running_anything(tmp_path: Path) ->
     assert sorted(m.execution_id for m in dropped) == ["g.0", "g.1"]
     assert all("no API key" in m.reason and "no keys today" in m.reason for m in dropped)
     assert "ExecutionFinished" not in got and "ExecutionStarted" not in got and "RevokeKey" not in got
+    assert "ExecutionEnded" not in got  # no key, no session anywhere
     assert not list(root.rglob("ran"))
     assert got["ExecutorStatistics"][0].executions_failed == 2
 
@@ -276,6 +283,7 @@ def test_agent_that_cannot_start_is_dropped_and_its_key_revoked(tmp_path: Path) 
     (dropped,) = got["ExecutionDropped"]
     assert dropped.execution_id == "g.0" and "agent did not start" in dropped.reason
     assert [m.execution_id for m in got["RevokeKey"]] == ["g.0"]
+    assert [m.execution_id for m in got["ExecutionEnded"]] == ["g.0"]  # its key was out: cells may have seen it
 
 
 def test_bad_groups_are_refused_and_announced(tmp_path: Path) -> None:

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from gyre.messages.samples import TrainingSample
-from gyre.policies.loss import LossInputError, group_advantages, gspo_loss, loss_from_samples, pack_samples
+from gyre.policies.loss import (
+    LossInputError,
+    combine_chunk_metrics,
+    group_advantages,
+    gspo_loss,
+    length_sorted_chunks,
+    loss_from_samples,
+    pack_samples,
+)
 
 LOW, HIGH = 1 - 3e-4, 1 + 4e-4
 F64 = torch.float64
@@ -278,3 +286,31 @@ def test_pack_samples_rejects_bad_input():
     assert pack_samples([good], pad_to=5).input_ids.shape == (1, 5)
     with pytest.raises(LossInputError):
         loss_from_samples(torch.zeros(1, 2), pack_samples([good]), num_executions=0)
+
+
+def test_length_sorted_chunks_bound_the_padded_size_and_keep_every_sample():
+    lengths = [7, 3, 12, 3, 5, 30, 4]
+    samples = [sample(f"e{i}", [1] * n, [1] * n, [0.0] * n, 1.0, 1.0) for i, n in enumerate(lengths)]
+    chunks = length_sorted_chunks(samples, 12)
+    assert [[len(s.token_ids) for s in chunk] for chunk in chunks] == [[3, 3, 4], [5], [7], [12], [30]]
+    assert sorted(id(s) for chunk in chunks for s in chunk) == sorted(id(s) for s in samples)
+    assert length_sorted_chunks(samples, 1000) == [sorted(samples, key=lambda s: len(s.token_ids))]
+    assert length_sorted_chunks([], 10) == []
+    with pytest.raises(LossInputError):
+        length_sorted_chunks(samples, 0)
+
+
+def test_chunk_metrics_add_counts_and_weight_the_averages():
+    parts = [
+        {"loss": 0.5, "num_tokens": 30, "num_loss_tokens": 10.0, "num_rows": 2.0, "num_executions": 4.0,
+         "clip_fraction": 0.5, "seq_ratio_mean": 1.0, "seq_log_ratio_abs_max": 0.1},
+        {"loss": -0.25, "num_tokens": 50, "num_loss_tokens": 30.0, "num_rows": 6.0, "num_executions": 4.0,
+         "clip_fraction": 0.1, "seq_ratio_mean": 1.2, "seq_log_ratio_abs_max": 0.3},
+    ]
+    combined = combine_chunk_metrics(parts)
+    assert combined["loss"] == 0.25 and combined["num_tokens"] == 80 and combined["num_rows"] == 8.0
+    assert combined["clip_fraction"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
+    assert combined["seq_ratio_mean"] == pytest.approx((1.0 * 2 + 1.2 * 6) / 8)
+    assert combined["seq_log_ratio_abs_max"] == 0.3 and combined["chunks"] == 2
+    with pytest.raises(LossInputError):
+        combine_chunk_metrics([])

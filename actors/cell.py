@@ -41,7 +41,7 @@ from gyre.actors.cell_training import ClaimLoop, CoreSteps, TrainerHost
 from gyre.actors.weight_broker import WeightPuller
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.model_format import ModelSpec
-from gyre.engines.trainer import TrainerConfig
+from gyre.engines.trainer import TrainerConfig, prepare_training_runtime
 from gyre.engines.transfer import TransferAgent, TransferConfig
 from gyre.messages.cell_internal import (
     CellStatus,
@@ -108,6 +108,10 @@ class CellConfig:
     """GSPO lower clip range."""
     clip_high: float = 4e-4
     """GSPO upper clip range."""
+    prepare_trainer_at_start: bool = False
+    """Satellite: import and set up the training runtime (engines.trainer.prepare_training_runtime) in the background
+    as the cell starts, so its first switch into training does not pay 5-13 s in the middle of a run. Worth it when
+    satellites are expected to train (the elastic policy); it costs the import's memory and CPU on every cell."""
     train_chunk_padded_tokens: int = attrs.field(default=2048, validator=_positive)
     """A micro-step is computed in length-sorted chunks of at most this many tokens once padded (a longer sample
     gets a chunk of its own): less padding, and a bound on activation memory."""
@@ -168,7 +172,18 @@ class Cell(Actor):
         self.engine_weights = EngineWeights(self)
         self.sessions = RecentSessions(config.session_ttl_s, config.max_sessions, self.clock.now)
         self.spawn(self.guarded(self._start_role(config.initial_role)), name=f"{self.name}.start")
+        if config.prepare_trainer_at_start and not config.is_core:
+            self.spawn(self._prepare_training_runtime(), name=f"{self.name}.prepare_training")
         self.send_later(config.report_interval_s, ReportTick())
+
+    async def _prepare_training_runtime(self) -> None:
+        started = self.clock.now()
+        try:
+            await self.offload(prepare_training_runtime)
+        except Exception:  # the first switch into training builds it again and fails there, with the cell's handling
+            self.log.exception("training_runtime_not_prepared")
+            return
+        self.log.info("training_runtime_prepared", seconds=round(self.clock.now() - started, 3))
 
     async def on_stop(self) -> None:
         if self.config.is_core and self.config.save_dir and self.training is not None:

@@ -195,9 +195,10 @@ def topology(argv: list[str]) -> Topology:
     engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=48, num_threads=1)
     trainer = TrainerConfig(lr=args.lr, num_threads=1, seed=args.seed)
     for name in CELLS:
+        # Satellites import megatron while they start rolling out, so a first switch into training is quick.
+        save_dir = str(Path(args.report) / "final_model") if name == "core" else ""
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
-                                          trainer=trainer, save_dir=str(Path(args.report) / "final_model")
-                                          if name == "core" else ""))
+                                          trainer=trainer, prepare_trainer_at_start=True, save_dir=save_dir))
     result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir))
     result.add("kv_migrator", KVMigrator, KVMigratorConfig(), process="control")
     result.add("weight_broker", WeightBroker, WeightBrokerConfig(), process="control")

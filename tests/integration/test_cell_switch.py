@@ -82,7 +82,8 @@ def topology(model_dir: str) -> Topology:
     result.add("claimer", MicroStepClaimer, ClaimerConfig(groups_per_step=1, group_size=4, retry_after_s=0.1))
     result.add("weight_broker", WeightBroker)
     result.add("core", Cell, CellConfig(is_core=True, initial_role=TRAIN, **cells))
-    result.add("cell-a", Cell, CellConfig(initial_role=ROLLOUT, **cells))
+    # cell-a prepares its training runtime in the background as it starts; its switches must work all the same.
+    result.add("cell-a", Cell, CellConfig(initial_role=ROLLOUT, prepare_trainer_at_start=True, **cells))
     result.add("cell-b", Cell, CellConfig(initial_role=ROLLOUT, **cells))
     return result
 

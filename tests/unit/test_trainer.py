@@ -244,3 +244,22 @@ def test_weight_decay_spares_norm_weights(tiny_model_dir):
             torch.testing.assert_close(new, old * (1 - 0.1 * 0.5))
         else:
             assert torch.equal(new, old), slot.name
+
+
+def test_preparing_the_training_runtime_sets_up_megatron_once_for_later_trainers() -> None:
+    # A fresh interpreter: this one set the parallel state up long ago.
+    code = (
+        "from megatron.core import parallel_state\n"
+        "from gyre.engines.trainer import prepare_training_runtime\n"
+        "assert not parallel_state.model_parallel_is_initialized()\n"
+        "prepare_training_runtime()\n"
+        "prepare_training_runtime()  # idempotent\n"
+        "assert parallel_state.model_parallel_is_initialized()\n"
+        "print('ok')\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

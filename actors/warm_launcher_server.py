@@ -3,8 +3,9 @@
 Why: a fresh `python agent.py` that imports `openai` spends ~2 CPU-seconds on imports before its first model call;
 the executor runs thousands of such short agents. This process pays the imports once (`--preload openai,structlog`),
 and runs warm-ups once (`gyre.actors.sdk_warmup:openai_client`: the SDK's first request imports ~140 more modules,
-0.13 CPU-s that every agent would pay again), then each request forks a child that already has them in `sys.modules` and runs the agent script in it, with the
-script's own argv, cwd, environment, stdio files and process group, as `python script.py args...` would.
+0.13 CPU-s that every agent would pay again). Then each request forks a child that already has them in
+`sys.modules` and runs the agent script in it, with the script's own argv, cwd, environment, stdio files and process
+group, as `python script.py args...` would.
 
 Protocol (newline-delimited JSON; the client is gyre.actors.warm_launcher.WarmLauncher):
 - first line out: {"ready": <server pid>} once the preload is done, or {"error": "..."} and exit 2;

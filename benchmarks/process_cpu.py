@@ -9,8 +9,8 @@ visible: the warm launcher's server reaps every agent it forks, the executor's p
 end it prints one line per process that used at least a second, largest first, and writes all of them to `--out`.
 
 Do not add the rows up: a parent's reaped time already holds the whole CPU time of every descendant it reaped
-(the root's holds nearly everything once the run's processes have exited). Linux only (/proc). A process that starts and ends between two polls is counted only through its parent's reaped
-time, which is the point of reading it.
+(the root's holds nearly everything once the run's processes have exited). A process that starts and ends between
+two polls is counted only through its parent's reaped time, which is the point of reading it. Linux only (/proc).
 """
 
 from __future__ import annotations

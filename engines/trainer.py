@@ -175,8 +175,7 @@ def _sdpa_core_attention():
 
 def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa", device: str = "cpu"):
     """A megatron-core GPTModel with the Qwen3 layout of `spec` (fp32, CPU initialisation, no fusions)."""
-    megatron_cpu.apply()
-    ensure_parallel_state()
+    prepare_training_runtime()  # a no-op after the first call in this process
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -73,6 +73,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sft-tasks", type=int, default=1200, help="expert demonstrations for the warm start")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--copy-steps", type=int, default=600, help="synthetic copy-pretraining steps (0: none)")
+    parser.add_argument("--cell-cpu-cores", type=float, default=0.0,
+                        help="cap each cell's process at this many cores (a cgroup quota: one device per cell, as on "
+                        "a GPU cluster; 0: no cap)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
@@ -199,6 +202,8 @@ def topology(argv: list[str]) -> Topology:
         save_dir = str(Path(args.report) / "final_model") if name == "core" else ""
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
                                           trainer=trainer, prepare_trainer_at_start=True, save_dir=save_dir))
+        if args.cell_cpu_cores > 0:
+            result.limit_cpu(name, args.cell_cpu_cores)
     result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir))
     result.add("kv_migrator", KVMigrator, KVMigratorConfig(), process="control")
     result.add("weight_broker", WeightBroker, WeightBrokerConfig(), process="control")

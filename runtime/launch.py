@@ -27,6 +27,7 @@ import structlog
 
 from gyre.runtime.clock import RealClock, VirtualClock
 from gyre.runtime.codec import Codec
+from gyre.runtime.cpu_limits import RunCpuGroups
 from gyre.runtime.event_log import EventLogWriter, merge_segments
 from gyre.runtime.node import Node, NodeConfig
 from gyre.runtime.supervisor import Supervisor, SupervisorConfig
@@ -87,10 +88,17 @@ async def _run_node(node: Node, until_s: float | None) -> tuple[str, int]:
     return await node.stop_requested
 
 
+def _warn_limits_not_applied(topology: Topology, launcher: str) -> None:
+    if topology.cpu_cores_by_process:
+        log.warning("cpu_limits_not_applied", launcher=launcher, limits=topology.cpu_cores_by_process,
+                    why="one process runs every actor; only the local-process launcher limits process groups")
+
+
 class InProcessLauncher:
     """All actors on one node in this process, in real time."""
 
     def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
+        _warn_limits_not_applied(topology, "in-process")
         node = _single_node(topology, RealClock(), options, options.node)
 
         async def main() -> tuple[str, int]:
@@ -191,6 +199,14 @@ class LocalProcessLauncher:
     stop_timeout_s: float = 10.0
 
     def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
+        cpu_groups = RunCpuGroups(topology.cpu_cores_by_process)
+        cpu_groups.create()  # before anything starts: a machine that cannot limit CPU fails the run here
+        try:
+            return self._run(topology, options, cpu_groups)
+        finally:
+            cpu_groups.remove()
+
+    def _run(self, topology: Topology, options: RunOptions, cpu_groups: RunCpuGroups) -> RunResult:
         run_dir = Path(tempfile.mkdtemp(prefix="gyre-run-"))
         groups = topology.processes()
         endpoints = {name: f"ipc://{run_dir}/{index}.sock" for index, name in enumerate(sorted(groups))}
@@ -224,13 +240,15 @@ class LocalProcessLauncher:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, node.resolve_stop, f"signal {signal.Signals(signum).name}", 128 + signum)
             await node.start()
-            for child in children.values():
-                child.start()
             watcher = loop.create_task(self._watch_children(node, children))
-            if options.until_s is not None:
-                loop.call_later(options.until_s, node.resolve_stop, f"time limit of {options.until_s}s reached", 0)
-            assert node.stop_requested is not None
             try:
+                for name, child in children.items():
+                    child.start()
+                    assert child.pid is not None
+                    cpu_groups.add_process(name, child.pid)
+                if options.until_s is not None:
+                    loop.call_later(options.until_s, node.resolve_stop, f"time limit of {options.until_s}s reached", 0)
+                assert node.stop_requested is not None
                 return await node.stop_requested
             finally:
                 watcher.cancel()
@@ -243,6 +261,7 @@ class LocalProcessLauncher:
             for child in children.values():
                 if child.is_alive():
                     child.kill()
+                    child.join(timeout=5.0)
             shutil.rmtree(run_dir, ignore_errors=True)
         if parts_dir is not None and options.log_path:
             report = merge_segments(sorted(parts_dir.glob("*.glog")), Path(options.log_path))
@@ -274,4 +293,5 @@ class LocalProcessLauncher:
                 break
             await asyncio.sleep(0.05)
         for child in children.values():
-            child.join(timeout=1.0)
+            if child.pid is not None:
+                child.join(timeout=1.0)

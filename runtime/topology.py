@@ -68,6 +68,8 @@ class Topology:
         self.log_path = log_path
         """Where `gyre run` records the event log when not told otherwise (`--log`); "" records none."""
         self._specs: dict[str, ActorSpec] = {}
+        self.cpu_cores_by_process: dict[str, float] = {}
+        """Process group -> cores it may use at most (`limit_cpu`); the local-process launcher applies them."""
 
     def add(
         self,
@@ -92,6 +94,15 @@ class Topology:
         spec = ActorSpec(name, actor_cls, config, process or name, restart, len(self._specs) + 1)
         self._specs[name] = spec
         return spec
+
+    def limit_cpu(self, process: str, cores: float) -> None:
+        """Cap a process group at `cores` CPU cores (a cgroup quota, runtime/cpu_limits.py): on one CPU machine this
+        gives each cell a device of its own, whose capacity the other cells cannot take."""
+        if process not in self.processes():
+            raise TopologyError(f"limit_cpu: no process group {process!r}; add its actors first")
+        if not (isinstance(cores, (int, float)) and cores > 0):
+            raise TopologyError(f"limit_cpu: {process}: cores must be a positive number, got {cores!r}")
+        self.cpu_cores_by_process[process] = float(cores)
 
     @property
     def specs(self) -> tuple[ActorSpec, ...]:

@@ -152,6 +152,67 @@ def test_a_signal_to_the_launcher_shuts_everything_down_and_keeps_the_log(tmp_pa
     assert sum(1 for r in records if r.type_name == Ball.__gyre_type__ and r.envelope.receiver == "pong") >= 1
 
 
+LIMITED_PING_PONG = """
+import sys
+sys.path.insert(0, {examples!r})
+from ping_pong import topology as ping_pong_topology
+
+
+def topology(argv):
+    result = ping_pong_topology(argv)
+    result.limit_cpu("pong", 0.5)
+    return result
+"""
+
+
+def _cpu_group_of(pid: int) -> str:
+    """The cgroup v1 `cpu` (or v2) path a process is in, "" if it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(",") or controllers == "":
+            return path
+    return ""
+
+
+def test_a_cpu_limited_process_group_runs_in_its_own_cgroup_which_is_removed_after_the_run(tmp_path) -> None:
+    from gyre.runtime.cpu_limits import CpuLimitsUnavailable, find_cgroup_cpu
+
+    try:
+        controller = find_cgroup_cpu()
+    except CpuLimitsUnavailable as error:
+        pytest.skip(f"no cgroup CPU controller here: {error}")
+    if not os.access(controller.own_group, os.W_OK):
+        pytest.skip(f"{controller.own_group} is not writable here")
+    topology_file = tmp_path / "limited.py"
+    topology_file.write_text(LIMITED_PING_PONG.format(examples=str(PING_PONG.parent)))
+    log = tmp_path / "limited.glog"
+    with open(tmp_path / "stderr.txt", "wb") as stderr:
+        launcher = subprocess.Popen(
+            [*_LIGHT_GYRE, "run", str(topology_file), "--log", str(log), "--", "--rounds", "1000000"],
+            stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path, start_new_session=True,
+        )
+    try:
+        _wait_for(lambda: _balls_in(Path(str(log) + ".parts") / "pong.glog") > 0, 120.0, "pong to handle balls")
+        groups = {pid: _cpu_group_of(pid) for pid in _descendants(launcher.pid)}
+        limited = [path for path in groups.values() if "/gyre-" in path]
+        assert len(limited) == 1 and limited[0].endswith("/pong"), groups  # pong's process only, not ping's
+        group_dir = controller.own_group / Path(limited[0]).parent.name / "pong"  # the run's group is ours' child
+        quota_file = group_dir / ("cpu.cfs_quota_us" if controller.version == 1 else "cpu.max")
+        assert quota_file.read_text().split()[0] == "50000"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    assert not group_dir.exists() and not group_dir.parent.exists()
+    assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
+
+
 # ---- determinism and replay ---------------------------------------------------------------------------------------
 def test_seeded_virtual_runs_are_byte_identical(tmp_path) -> None:
     logs = {}

@@ -3,6 +3,7 @@
     gyre run examples/agent_rl.py --report report                   # elastic cells (the default)
     gyre run examples/agent_rl.py --report report --policy async    # the baselines, same cells and staleness
     gyre run examples/agent_rl.py --report report --policy colocate
+    gyre run examples/agent_rl.py --report report --cell-cpu-cores 0.4  # each cell capped: a device of its own
 
 What happens:
 1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches

@@ -15,7 +15,12 @@ wall time per optimizer step, (time of the last step - time of the first) / (ste
 loads) is the same for all policies and would otherwise drown the difference in a short run. The time to the first
 step, which does depend on the policy (colocate's first barrier, for one), is reported beside it.
 
+On one CPU machine all cells share the cores, so a cell that idles gives its CPU to the others and the policies
+look alike. The main job's `--cell-cpu-cores C` (after `--`) caps each cell process at C cores with a cgroup quota,
+which gives each cell a device of its own as on a cluster (runtime/cpu_limits.py; BENCHMARKS.md, session 5).
+
     gyre bench policies --steps 4 --json
+    gyre bench policies --steps 8 --json -- --min-reward-spread 0 --cell-cpu-cores 0.4
     gyre bench policies --topology examples/agent_rl.py --out /tmp/policies -- --group-size 8
 """
 

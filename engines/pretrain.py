@@ -12,7 +12,8 @@ second half:
     join  <items>\\n<the same items joined by + or ,>\\n     copy with a changed separator
     look  {"k1": v1, "k2": v2, ...} k2\\n<v2>\\n             look a key up in a JSON object
 
-Items are numbers and words from a vocabulary the caller gives (a topology passes the words its tasks use). The
+With `max_gap_items` a line of unrelated items follows the source, so the copy reaches back past it (agents copy
+from a prompt hundreds of tokens back). Items are numbers and words from a vocabulary the caller gives (a topology passes the words its tasks use). The
 corpus is a function of the seed; the result is a model directory like any other, so it is cached by a digest of
 the base model and the config.
 """
@@ -58,6 +59,10 @@ class CopyPretrainConfig:
     """Vocabulary of word items (numbers 1..999 are the other items)."""
     number_share: float = 0.6
     """Share of items that are numbers."""
+    max_gap_items: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Longest line of unrelated items between an example's source and its target (0: adjacent). An agent copies
+    from far back: a task's words sit a system prompt and tool schemas away from the call that needs them, and a
+    model that only ever copied from the line above does not."""
     seed: int = 0
     """Corpus and initialisation of the order."""
     num_threads: int | None = None
@@ -102,6 +107,9 @@ def copy_examples(template: ChatTemplate, config: CopyPretrainConfig, rng: rando
             values = {key: rng.randint(1, 99) for key in keys}
             key = rng.choice(keys)
             source, target = f"{json.dumps(values)} {key}", str(values[key])
+        if config.max_gap_items > 0:
+            gap = [_item(rng, config) for _ in range(rng.randint(0, config.max_gap_items))]
+            source = f"{source}\n{' '.join(gap)}"
         source_ids = template.encode(source + "\n")
         target_ids = template.encode(target + "\n")
         examples.append(SFTExample(tuple(source_ids + target_ids),
@@ -112,7 +120,10 @@ def copy_examples(template: ChatTemplate, config: CopyPretrainConfig, rng: rando
 def copy_pretrain_digest(base_dir: str | Path, config: CopyPretrainConfig) -> str:
     """A cache key: the same base model and config give the same pretrained model."""
     digest = hashlib.sha256((Path(base_dir) / "model.safetensors").read_bytes())
-    digest.update(json.dumps(attrs.asdict(config), sort_keys=True).encode())
+    fields = attrs.asdict(config)
+    if fields["max_gap_items"] == 0:  # added later: without a gap the key stays what it was, and so do caches
+        del fields["max_gap_items"]
+    digest.update(json.dumps(fields, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 
 

@@ -74,6 +74,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sft-tasks", type=int, default=1200, help="expert demonstrations for the warm start")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--copy-steps", type=int, default=600, help="synthetic copy-pretraining steps (0: none)")
+    parser.add_argument("--copy-gap-steps", type=int, default=0,
+                        help="then steps of copying past a line of unrelated items (0: none; 400 forms copying over "
+                        "~100 items, BENCHMARKS.md session 5): the long-range copy an agent needs across its context")
+    parser.add_argument("--copy-gap-items", type=int, default=40, help="longest gap of those steps, in items")
     parser.add_argument("--cell-cpu-cores", type=float, default=0.0,
                         help="cap each cell's process at this many cores (a cgroup quota: one device per cell, as on "
                         "a GPU cluster; 0: no cap)")
@@ -90,9 +94,22 @@ def _toolbox():
 
 
 # ---- prepare: base model, warm start, held-out score before RL ----------------------------------------------------
+def _copy_pretrain_stage(base: Path, cache: Path, what: str, config) -> Path:
+    """One stage of synthetic copy pretraining on `base`, cached under a digest of both."""
+    from gyre.engines.pretrain import copy_pretrain_digest, run_copy_pretrain
+
+    out = cache / f"copy-{copy_pretrain_digest(base, config)}"
+    if not (out / "copy_pretrain.json").is_file():
+        print(f"agent_rl: {what}, {config.steps} steps (cached in {out})", file=sys.stderr)
+        run_copy_pretrain(base, out, config, progress=lambda step, total, loss, accuracy: print(
+            f"  copy step {step}/{total} loss {loss:.3f} accuracy {accuracy:.2f}", file=sys.stderr)
+            if step % 25 == 0 or step == total else None)
+    return out
+
+
 def prepare(argv: list[str]) -> None:
     from gyre.engines.model_format import init_model_dir
-    from gyre.engines.pretrain import CopyPretrainConfig, copy_pretrain_digest, run_copy_pretrain
+    from gyre.engines.pretrain import CopyPretrainConfig
     from gyre.engines.sft import SFTConfig, demonstrations_digest, run_sft
 
     args = parse_args(argv)
@@ -105,15 +122,13 @@ def prepare(argv: list[str]) -> None:
         init_model_dir(base, "tiny", seed=args.seed)
     tasks, _, expert = _toolbox()
     if args.copy_steps > 0:
-        copy_config = CopyPretrainConfig(steps=args.copy_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed)
-        copied = cache / f"copy-{copy_pretrain_digest(base, copy_config)}"
-        if not (copied / "copy_pretrain.json").is_file():
-            print(f"agent_rl: synthetic copy pretraining, {args.copy_steps} steps (cached in {copied})",
-                  file=sys.stderr)
-            run_copy_pretrain(base, copied, copy_config, progress=lambda step, total, loss, accuracy: print(
-                f"  copy step {step}/{total} loss {loss:.3f} accuracy {accuracy:.2f}", file=sys.stderr)
-                if step % 25 == 0 or step == total else None)
+        copied = _copy_pretrain_stage(base, cache, "synthetic copy pretraining", CopyPretrainConfig(
+            steps=args.copy_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed))
         base = copied
+        if args.copy_gap_steps > 0:
+            base = _copy_pretrain_stage(base, cache, "copy past a gap", CopyPretrainConfig(
+                steps=args.copy_gap_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed,
+                max_gap_items=args.copy_gap_items, warmup_steps=20))
     demos = expert.demonstrations(args.sft_tasks, seed=args.seed)
     lines = [json.dumps(d.to_json(), sort_keys=True) for d in demos]
     config = SFTConfig(epochs=args.sft_epochs, seed=args.seed)

@@ -1,7 +1,7 @@
 """A short run of the main job: real cells, proxy, agents, scorer, trainer, a couple of GSPO steps.
 
-Small on purpose (groups of 4, one group per step, 2 copy-pretraining steps and a 1-epoch warm start on 20
-demonstrations, no held-out evaluation) so CI can afford it; it checks that samples were trained and that weight versions advanced.
+Small on purpose (groups of 4, one group per step, 2 + 2 copy-pretraining steps (adjacent, then past a gap) and
+a 1-epoch warm start on 20 demonstrations, no held-out evaluation) so CI can afford it; it checks that samples were trained and that weight versions advanced.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "gyre.runtime.cli", "run", str(ROOT / "examples" / "agent_rl.py"),
         "--report", str(report), "--steps", "2", "--group-size", "4", "--groups-per-step", "1",
-        "--copy-steps", "2", "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20", "--skip-eval",
+        "--copy-steps", "2", "--copy-gap-steps", "2", "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20",
+        "--skip-eval",
         # A barely warm-started model gets equal rewards in most groups: keep them (dynamic sampling would drop them
         # and the two steps might never fill).
         "--min-reward-spread", "0",

@@ -32,6 +32,25 @@ def test_examples_carry_loss_only_on_the_copy_and_the_copy_matches_its_source(ti
     assert copy_examples(template, config, random.Random(3), 60) == examples  # a function of the seed
 
 
+def test_a_gap_puts_unrelated_items_between_the_source_and_its_copy(tiny_model_dir):
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    config = CopyPretrainConfig(words=WORDS, max_gap_items=30)
+    gaps = []
+    for example in copy_examples(template, config, random.Random(5), 60):
+        first_target = example.loss_mask.index(True)
+        source_line, gap_line = template.decode(example.token_ids[:first_target]).removesuffix("\n").split("\n")
+        target = template.decode(example.token_ids[first_target:]).rstrip("\n")
+        if source_line.startswith("{"):
+            table, _, key = source_line.rpartition(" ")
+            assert target == str(json.loads(table)[key])
+        else:
+            assert target.replace("+", " ").replace(",", " ").split() == source_line.split()
+        gaps.append(len(gap_line.split()))
+    assert max(gaps) <= 30 and max(gaps) > 10 and min(gaps) < max(gaps)
+    with pytest.raises(ValueError):
+        CopyPretrainConfig(max_gap_items=-1)
+
+
 def test_the_cache_key_follows_the_config_and_bad_configs_are_refused(tiny_model_dir):
     one = copy_pretrain_digest(tiny_model_dir, CopyPretrainConfig(words=WORDS))
     assert one == copy_pretrain_digest(tiny_model_dir, CopyPretrainConfig(words=WORDS))

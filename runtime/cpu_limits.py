@@ -111,6 +111,8 @@ class RunCpuGroups:
         if not self.cores_by_process:
             return
         controller = self._controller or find_cgroup_cpu()
+        if controller.version == 2:
+            _delegate_cpu(controller.own_group)
         self.run_group = controller.own_group / f"gyre-{os.getpid()}-{next(_RUN_NUMBERS)}"
         try:
             self.run_group.mkdir()
@@ -152,6 +154,15 @@ class RunCpuGroups:
                 _rmdir_quietly(group)
         _rmdir_quietly(self.run_group)
         self.run_group = None
+
+
+def _delegate_cpu(group: Path) -> None:
+    """cgroup v2: a child group gets `cpu.max` only if its parent enables `cpu` for its children. The kernel refuses
+    that for a non-root group that holds processes itself, which surfaces here as CpuLimitsUnavailable."""
+    subtree = group / "cgroup.subtree_control"
+    enabled = subtree.read_text().split() if subtree.is_file() else []
+    if "cpu" not in enabled:
+        _write(subtree, "+cpu")
 
 
 def _rmdir_quietly(group: Path) -> None:

@@ -53,7 +53,8 @@ def test_a_limit_writes_its_quota_per_process_group(tmp_path, version: int, file
     assert (groups.run_group / "sat1" / file).read_text() == text
     if version == 1:
         assert (groups.run_group / "sat1" / "cpu.cfs_period_us").read_text() == str(PERIOD_US)
-    else:
+    else:  # cpu is enabled for the children of our own group and of the run's group
+        assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpu"
         assert (groups.run_group / "cgroup.subtree_control").read_text() == "+cpu"
 
 

@@ -45,3 +45,20 @@ def copy_model_dir(tiny_model_dir: Path, tmp_path: Path):
         return Path(shutil.copytree(tiny_model_dir, tmp_path / name))
 
     return copy
+
+
+@pytest.fixture
+def writable_cgroup_cpu():
+    """This machine's cgroup CPU controller (`CgroupCpu`) where this process may make groups in it; skips otherwise
+    (a container without cgroup access, a user without root)."""
+    import os
+
+    from gyre.runtime.cpu_limits import CpuLimitsUnavailable, find_cgroup_cpu
+
+    try:
+        controller = find_cgroup_cpu()
+    except CpuLimitsUnavailable as error:
+        pytest.skip(f"no cgroup CPU controller here: {error}")
+    if not os.access(controller.own_group, os.W_OK):
+        pytest.skip(f"{controller.own_group} is not writable here")
+    return controller

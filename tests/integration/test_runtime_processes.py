@@ -178,15 +178,10 @@ def _cpu_group_of(pid: int) -> str:
     return ""
 
 
-def test_a_cpu_limited_process_group_runs_in_its_own_cgroup_which_is_removed_after_the_run(tmp_path) -> None:
-    from gyre.runtime.cpu_limits import CpuLimitsUnavailable, find_cgroup_cpu
-
-    try:
-        controller = find_cgroup_cpu()
-    except CpuLimitsUnavailable as error:
-        pytest.skip(f"no cgroup CPU controller here: {error}")
-    if not os.access(controller.own_group, os.W_OK):
-        pytest.skip(f"{controller.own_group} is not writable here")
+def test_a_cpu_limited_process_group_runs_in_its_own_cgroup_which_is_removed_after_the_run(
+    tmp_path, writable_cgroup_cpu
+) -> None:
+    controller = writable_cgroup_cpu
     topology_file = tmp_path / "limited.py"
     topology_file.write_text(LIMITED_PING_PONG.format(examples=str(PING_PONG.parent)))
     log = tmp_path / "limited.glog"

@@ -94,19 +94,8 @@ def test_topology_limit_cpu_checks_the_process_and_the_cores() -> None:
         topology.limit_cpu("ping", -1)
 
 
-def _real_controller() -> CgroupCpu:
-    try:
-        controller = find_cgroup_cpu()
-    except CpuLimitsUnavailable as error:
-        pytest.skip(f"this machine has no cgroup CPU controller: {error}")
-    if not os.access(controller.own_group, os.W_OK):
-        pytest.skip(f"{controller.own_group} is not writable here")
-    return controller
-
-
-def test_a_real_limit_throttles_a_busy_process_and_is_removed_after_it(tmp_path) -> None:
-    controller = _real_controller()
-    groups = RunCpuGroups({"busy": 0.2}, controller)
+def test_a_real_limit_throttles_a_busy_process_and_is_removed_after_it(writable_cgroup_cpu: CgroupCpu) -> None:
+    groups = RunCpuGroups({"busy": 0.2}, writable_cgroup_cpu)
     groups.create()
     assert groups.run_group is not None
     run_group = groups.run_group

@@ -7,7 +7,8 @@
 
 What happens:
 1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches
-   it to copy spans and look values up (engines/pretrain.py: what a real base model brings and a random one lacks);
+   it to copy spans and look values up, first adjacent, then past a line of unrelated items (engines/pretrain.py:
+   what a real base model brings and a random one lacks);
    the scripted expert's demonstrations warm-start it with SFT; each stage is cached under ~/.cache/gyre, keyed by
    its inputs. The warm-started model is scored on held-out tasks (greedy).
 2. the topology: one core cell and two satellites (each its own process; the core holds weights and optimizer),
@@ -74,9 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sft-tasks", type=int, default=1200, help="expert demonstrations for the warm start")
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--copy-steps", type=int, default=600, help="synthetic copy-pretraining steps (0: none)")
-    parser.add_argument("--copy-gap-steps", type=int, default=0,
-                        help="then steps of copying past a line of unrelated items (0: none; 400 forms copying over "
-                        "~100 items, BENCHMARKS.md session 5): the long-range copy an agent needs across its context")
+    parser.add_argument("--copy-gap-steps", type=int, default=400,
+                        help="then steps of copying past a line of unrelated items (0: none): the long-range copy an "
+                        "agent needs across its context (BENCHMARKS.md, session 5)")
     parser.add_argument("--copy-gap-items", type=int, default=40, help="longest gap of those steps, in items")
     parser.add_argument("--cell-cpu-cores", type=float, default=0.0,
                         help="cap each cell's process at this many cores (a cgroup quota: one device per cell, as on "

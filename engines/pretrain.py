@@ -13,9 +13,9 @@ second half:
     look  {"k1": v1, "k2": v2, ...} k2\\n<v2>\\n             look a key up in a JSON object
 
 With `max_gap_items` a line of unrelated items follows the source, so the copy reaches back past it (agents copy
-from a prompt hundreds of tokens back). Items are numbers and words from a vocabulary the caller gives (a topology passes the words its tasks use). The
-corpus is a function of the seed; the result is a model directory like any other, so it is cached by a digest of
-the base model and the config.
+from a prompt hundreds of tokens back). Items are numbers and words from a vocabulary the caller gives (a topology
+passes the words its tasks use). The corpus is a function of the seed; the result is a model directory like any
+other, so it is cached by a digest of the base model and the config.
 """
 
 from __future__ import annotations

@@ -85,7 +85,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.cell_cpu_cores < 0:
+        parser.error(f"--cell-cpu-cores must be >= 0 (0: no cap), got {args.cell_cpu_cores}")
+    return args
 
 
 def _toolbox():
@@ -264,7 +267,8 @@ def finish(argv: list[str], run_result) -> int:
         after = {"success_rate": result.success_rate, "mean_reward": result.mean_reward}
     summary = write_report(report, prepared["before"], after, {
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
-        "groups_per_step": args.groups_per_step, "staleness": args.staleness, "exit_reason": run_result.reason,
+        "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
+        "exit_reason": run_result.reason,
     })
     print(json.dumps(summary, indent=1))
     return run_result.exit_code

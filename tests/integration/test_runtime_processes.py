@@ -4,6 +4,7 @@ shutdown on SIGTERM/SIGINT with no orphans), seeded virtual runs that give byte-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import structlog
@@ -123,15 +125,27 @@ def test_gyre_run_across_processes_exits_cleanly_with_a_merged_replayable_log(tm
     assert f"records: {len(records)} " in capsys.readouterr().out
 
 
+@contextlib.contextmanager
+def _long_rally(topology_file: Path, log: Path, folder: Path) -> Iterator[subprocess.Popen]:
+    """`gyre run` of a ping-pong topology with a rally that outlasts the test (stderr in folder/stderr.txt); the
+    launcher's whole session is killed if the test leaves it running."""
+    with open(folder / "stderr.txt", "wb") as stderr:
+        launcher = subprocess.Popen(
+            [*_LIGHT_GYRE, "run", str(topology_file), "--log", str(log), "--", "--rounds", "1000000"],
+            stdout=subprocess.DEVNULL, stderr=stderr, cwd=folder, start_new_session=True,
+        )
+    try:
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_launcher_shuts_everything_down_and_keeps_the_log(tmp_path, signum: int) -> None:
     log = tmp_path / "long.glog"
-    with open(tmp_path / "stderr.txt", "wb") as stderr:
-        launcher = subprocess.Popen(
-            [*_LIGHT_GYRE, "run", str(PING_PONG), "--log", str(log), "--", "--rounds", "1000000"],
-            stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path, start_new_session=True,
-        )
-    try:
+    with _long_rally(PING_PONG, log, tmp_path) as launcher:
         pong_segment = Path(str(log) + ".parts") / "pong.glog"
         # Running for real: pong's process has handled balls and flushed them to its segment of the log.
         _wait_for(lambda: _balls_in(pong_segment) > 0, 120.0, "pong to record its first balls")
@@ -140,10 +154,6 @@ def test_a_signal_to_the_launcher_shuts_everything_down_and_keeps_the_log(tmp_pa
         launcher.send_signal(signum)
         assert launcher.wait(timeout=60) == 128 + signum
         _wait_for(lambda: not any(_alive(pid) for pid in family), 15.0, "every child process to end")
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
     stderr_text = (tmp_path / "stderr.txt").read_text()
     assert f"signal {signal.Signals(signum).name}" in stderr_text
     assert "Traceback" not in stderr_text
@@ -185,12 +195,7 @@ def test_a_cpu_limited_process_group_runs_in_its_own_cgroup_which_is_removed_aft
     topology_file = tmp_path / "limited.py"
     topology_file.write_text(LIMITED_PING_PONG.format(examples=str(PING_PONG.parent)))
     log = tmp_path / "limited.glog"
-    with open(tmp_path / "stderr.txt", "wb") as stderr:
-        launcher = subprocess.Popen(
-            [*_LIGHT_GYRE, "run", str(topology_file), "--log", str(log), "--", "--rounds", "1000000"],
-            stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path, start_new_session=True,
-        )
-    try:
+    with _long_rally(topology_file, log, tmp_path) as launcher:
         _wait_for(lambda: _balls_in(Path(str(log) + ".parts") / "pong.glog") > 0, 120.0, "pong to handle balls")
         groups = {pid: _cpu_group_of(pid) for pid in _descendants(launcher.pid)}
         limited = [path for path in groups.values() if "/gyre-" in path]
@@ -200,10 +205,6 @@ def test_a_cpu_limited_process_group_runs_in_its_own_cgroup_which_is_removed_aft
         assert quota_file.read_text().split()[0] == "50000"
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 128 + signal.SIGTERM
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
     assert not group_dir.exists() and not group_dir.parent.exists()
     assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
 

@@ -2,7 +2,10 @@
 
 It sends `StartGroup` to the executor until `groups_in_flight` groups are running, starts the next one on each
 `GroupDone` (from the trajectory builder), and after `max_groups` groups are done stops the run (when told to).
-Tasks are taken in epochs: every epoch visits each task once, in an order shuffled from `seed`.
+Which task runs next is the `sampling` policy's call (policies/task_sampling.py): by default tasks are taken in
+epochs, every epoch visiting each task once in an order shuffled from `seed`; `SignalWeighted` instead draws a
+task family by how often its recent groups landed (a group whose rewards are all equal is dropped and teaches
+nothing), then that family's next task from its own shuffled cycle.
 
 Staleness hook. Rollouts must not run too far ahead of training, or their samples are too stale to train on when
 their step comes (the micro-step claimer refuses them, which wastes the rollout). The task source subscribes
@@ -39,6 +42,7 @@ import attrs
 from gyre.messages.execution_stats import GroupRecord, StatisticsAsked, TaskSourceStatistics
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
+from gyre.policies.task_sampling import EpochOrder, TaskSampling, checked_weights, family_of
 from gyre.runtime import Actor, handler
 
 __all__ = ["TaskSourceConfig", "TaskSource", "groups_ahead_for_staleness"]
@@ -62,6 +66,11 @@ def _tasks(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
 def _optional_count(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{attribute.name} must be None or an int >= 1, got {value!r}")
+
+
+def _sampling(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, TaskSampling) or not attrs.has(type(value)):
+        raise TypeError(f"sampling must be a TaskSampling attrs object, got {type(value).__qualname__}")
 
 
 def groups_ahead_for_staleness(max_staleness_steps: int, groups_per_step: int) -> int:
@@ -103,6 +112,8 @@ class TaskSourceConfig:
     """Group records kept (the newest)."""
     group_id_prefix: str = "g"
     """Group ids are the prefix plus a 6-digit counter."""
+    sampling: TaskSampling = attrs.field(default=EpochOrder(), validator=_sampling)
+    """Which task runs next (policies/task_sampling.py)."""
 
 
 class TaskSource(Actor):
@@ -112,7 +123,16 @@ class TaskSource(Actor):
     subscriptions = (StepApplied,)
 
     async def on_start(self) -> None:
-        self.order = self._order()
+        self.order = self._order(self.config.tasks, "")
+        separator = self.config.sampling.family_separator
+        families: dict[str, list[TaskSpec]] = collections.defaultdict(list)
+        for task in self.config.tasks:
+            families[family_of(task.task_id, separator)].append(task)
+        self.family_orders = {family: self._order(tasks, family) for family, tasks in families.items()}
+        self.landed_by_family: dict[str, collections.deque[bool]] = {
+            family: collections.deque(maxlen=self.config.history_size) for family in families
+        }
+        self.family_rng = random.Random(f"task_source:{self.config.seed}:families")
         self.version = self.config.initial_weight_version
         self.steps_done = 0
         self.steps_skipped = 0
@@ -126,9 +146,8 @@ class TaskSource(Actor):
         self.stopping = False
         self._fill()
 
-    def _order(self) -> Iterator[TaskSpec]:
-        rng = random.Random(f"task_source:{self.config.seed}")
-        tasks = list(self.config.tasks)
+    def _order(self, tasks: tuple[TaskSpec, ...] | list[TaskSpec], family: str) -> Iterator[TaskSpec]:
+        rng = random.Random(f"task_source:{self.config.seed}" + (f":{family}" if family else ""))
         while True:
             epoch = list(tasks)
             if self.config.shuffle:
@@ -150,12 +169,21 @@ class TaskSource(Actor):
             and (cfg.max_groups is None or self.started < cfg.max_groups)
             and not self._held_by_staleness()
         ):
-            task = next(self.order)
+            task = self._next_task()
             group_id = f"{cfg.group_id_prefix}{self.started:06d}"
             self.started += 1
             self.in_flight[group_id] = (task.task_id, self.version)
             self.log.info("group_sent", group_id=group_id, task_id=task.task_id, weight_version=self.version)
             self.tell(cfg.executor, StartGroup(group_id, task, cfg.group_size, self.version))
+
+    def _next_task(self) -> TaskSpec:
+        weights = checked_weights(self.config.sampling, self.landed_by_family)
+        if weights is None:
+            return next(self.order)
+        families = sorted(weights)
+        family = self.family_rng.choices(families, [weights[f] for f in families])[0]
+        self.log.debug("family_drawn", family=family, weights={f: round(w, 3) for f, w in weights.items()})
+        return next(self.family_orders[family])
 
     @handler(GroupDone)
     def on_group_done(self, msg: GroupDone) -> None:
@@ -170,6 +198,7 @@ class TaskSource(Actor):
             self.landed += 1
         else:
             self.dropped += 1
+        self.landed_by_family[family_of(task_id, self.config.sampling.family_separator)].append(msg.landed)
         self.history.append(
             GroupRecord(
                 msg.group_id, task_id, version, msg.landed, msg.mean_reward, msg.success_rate, msg.num_scored,

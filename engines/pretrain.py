@@ -5,12 +5,17 @@ from the task into a file. A real base model learned to copy in pretraining; `gy
 and supervised fine-tuning on a few hundred demonstrations teaches the tiny model the tool-call format but not the
 copying (measured: teacher-forced accuracy on argument tokens stayed at the marginal guess after 800 SFT steps,
 on training and held-out tasks alike). Copying is the induction circuit, and it forms quickly on short sequences
-made for it. So before SFT the model reads a synthetic corpus of three kinds of short examples, loss only on the
-second half:
+made for it. So before SFT the model reads a synthetic corpus of short examples, loss only on the second half:
 
-    span  <items>\\n<the same items>\\n                     plain copy
-    join  <items>\\n<the same items joined by + or ,>\\n     copy with a changed separator
-    look  {"k1": v1, "k2": v2, ...} k2\\n<v2>\\n             look a key up in a JSON object
+    span   <items>\\n<the same items>\\n                     plain copy
+    join   <items>\\n<the same items joined by + or ,>\\n     copy with a changed separator
+    look   {"k1": v1, "k2": v2, ...} k2\\n<v2>\\n             look a key up in a JSON object
+    quote  <lead-in> <items>\\n"<the same items>"\\n         a span from inside a line into a quoted string
+
+"quote" (opt-in through `kinds`) is there for the tokenizer: a word inside a line is one token sequence with its
+leading space (" st" "one"), the same word right after a quote is another ("st" "one"). An agent writing a task's
+words into a JSON argument makes exactly that jump for the first word, and a model that only ever copied line
+starts to line starts wrote the second word alone (BENCHMARKS.md, session 6).
 
 With `max_gap_items` a line of unrelated items follows the source, so the copy reaches back past it (agents copy
 from a prompt hundreds of tokens back). Items are numbers and words from a vocabulary the caller gives (a topology
@@ -38,7 +43,11 @@ log = structlog.get_logger(__name__)
 
 __all__ = ["CopyPretrainConfig", "CopyPretrainResult", "copy_examples", "copy_pretrain_digest", "run_copy_pretrain"]
 
-KINDS = ("span", "join", "look")
+KINDS = ("span", "join", "look", "quote")
+DEFAULT_KINDS = ("span", "join", "look")
+"""The kinds a config trains unless told otherwise (the first three; caches made before "quote" keep their key)."""
+QUOTE_LEAD_INS = ("the words", "write", "say", "text:", "copy")
+"""Phrases that open a quote example's source line; the items follow them."""
 
 
 @attrs.frozen
@@ -63,6 +72,8 @@ class CopyPretrainConfig:
     """Longest line of unrelated items between an example's source and its target (0: adjacent). An agent copies
     from far back: a task's words sit a system prompt and tool schemas away from the call that needs them, and a
     model that only ever copied from the line above does not."""
+    kinds: tuple[str, ...] = attrs.field(default=DEFAULT_KINDS, converter=tuple)
+    """Example kinds the corpus draws from, uniformly (a subset of KINDS)."""
     seed: int = 0
     """Corpus and initialisation of the order."""
     num_threads: int | None = None
@@ -73,6 +84,8 @@ class CopyPretrainConfig:
             raise ValueError("words needs at least two entries (the lookup kind samples distinct keys)")
         if not 0.0 <= self.number_share <= 1.0:
             raise ValueError(f"number_share must be in [0, 1], got {self.number_share}")
+        if not self.kinds or set(self.kinds) - set(KINDS):
+            raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds!r}")
 
 
 @attrs.frozen
@@ -96,12 +109,14 @@ def copy_examples(template: ChatTemplate, config: CopyPretrainConfig, rng: rando
     """`count` examples; each is (source text, target text) tokenised separately, loss on the target only."""
     examples = []
     for _ in range(count):
-        kind = rng.choice(KINDS)
+        kind = rng.choice(config.kinds)
         items = [_item(rng, config) for _ in range(rng.randint(1, config.max_items))]
         if kind == "span":
             source, target = " ".join(items), " ".join(items)
         elif kind == "join":
             source, target = " ".join(items), rng.choice("+,").join(items)
+        elif kind == "quote":
+            source, target = f"{rng.choice(QUOTE_LEAD_INS)} {' '.join(items)}", f'"{" ".join(items)}"'
         else:
             keys = rng.sample(config.words, min(len(config.words), rng.randint(2, 6)))
             values = {key: rng.randint(1, 99) for key in keys}
@@ -121,8 +136,11 @@ def copy_pretrain_digest(base_dir: str | Path, config: CopyPretrainConfig) -> st
     """A cache key: the same base model and config give the same pretrained model."""
     digest = hashlib.sha256((Path(base_dir) / "model.safetensors").read_bytes())
     fields = attrs.asdict(config)
-    if fields["max_gap_items"] == 0:  # added later: without a gap the key stays what it was, and so do caches
+    # Fields added later leave the key as it was while they hold their defaults, and so the caches made before them.
+    if fields["max_gap_items"] == 0:
         del fields["max_gap_items"]
+    if tuple(fields["kinds"]) == DEFAULT_KINDS:
+        del fields["kinds"]
     digest.update(json.dumps(fields, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 

@@ -48,6 +48,7 @@ from gyre.engines.trainer import TrainerConfig  # noqa: E402
 from gyre.messages.executions import TaskSpec  # noqa: E402
 from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy  # noqa: E402
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
+from gyre.policies.task_sampling import EpochOrder, SignalWeighted  # noqa: E402
 from gyre.runtime import Topology  # noqa: E402
 from evaluate import AGENT_PRELOAD  # noqa: E402  (examples/toolbox: what agents are forked warm with)
 
@@ -64,10 +65,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--clip-low", type=float, default=3e-4, help="GSPO lower clip range of the sequence ratio")
+    parser.add_argument("--clip-high", type=float, default=4e-4, help="GSPO upper clip range of the sequence ratio")
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
                         help="the agents' sampling temperature in training (held-out evaluation is greedy)")
     parser.add_argument("--min-reward-spread", type=float, default=0.01,
                         help="drop groups whose rewards span no more than this (DAPO dynamic sampling; 0: keep all)")
+    parser.add_argument("--task-sampling", choices=("signal", "epoch"), default="signal",
+                        help="signal: run task kinds more often while their groups still land, i.e. their 16 rewards "
+                        "differ (policies/task_sampling.py); epoch: every training task in turn")
     parser.add_argument("--train-tasks", type=int, default=400)
     parser.add_argument("--train-kinds", default="", help="comma-separated task kinds RL trains on (default: all; "
                         "held-out evaluation always covers every kind)")
@@ -113,7 +119,7 @@ def _copy_pretrain_stage(base: Path, cache: Path, what: str, config) -> Path:
 
 def prepare(argv: list[str]) -> None:
     from gyre.engines.model_format import init_model_dir
-    from gyre.engines.pretrain import CopyPretrainConfig
+    from gyre.engines.pretrain import KINDS as COPY_KINDS, CopyPretrainConfig
     from gyre.engines.sft import SFTConfig, demonstrations_digest, run_sft
 
     args = parse_args(argv)
@@ -130,9 +136,10 @@ def prepare(argv: list[str]) -> None:
             steps=args.copy_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed))
         base = copied
         if args.copy_gap_steps > 0:
+            # With the "quote" kind: the task's words go from inside the prompt into a JSON string argument.
             base = _copy_pretrain_stage(base, cache, "copy past a gap", CopyPretrainConfig(
                 steps=args.copy_gap_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed,
-                max_gap_items=args.copy_gap_items, warmup_steps=20))
+                max_gap_items=args.copy_gap_items, warmup_steps=20, kinds=COPY_KINDS))
     demos = expert.demonstrations(args.sft_tasks, seed=args.seed)
     lines = [json.dumps(d.to_json(), sort_keys=True) for d in demos]
     config = SFTConfig(epochs=args.sft_epochs, seed=args.seed)
@@ -221,7 +228,8 @@ def topology(argv: list[str]) -> Topology:
         # Satellites import megatron while they start rolling out, so a first switch into training is quick.
         save_dir = str(Path(args.report) / "final_model") if name == "core" else ""
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
-                                          trainer=trainer, prepare_trainer_at_start=True, save_dir=save_dir))
+                                          trainer=trainer, prepare_trainer_at_start=True, save_dir=save_dir,
+                                          clip_low=args.clip_low, clip_high=args.clip_high))
         if args.cell_cpu_cores > 0:
             result.limit_cpu(name, args.cell_cpu_cores)
     result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir))
@@ -243,7 +251,8 @@ def topology(argv: list[str]) -> Topology:
     result.add("task_source", TaskSource, TaskSourceConfig(
         tasks=_task_specs(args), group_size=args.group_size, groups_in_flight=args.groups_per_step * 2,
         groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),
-        seed=args.seed, stop_topology_when_done=False), process="control")
+        seed=args.seed, stop_topology_when_done=False,
+        sampling=SignalWeighted() if args.task_sampling == "signal" else EpochOrder()), process="control")
     monitor = RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=CELLS, core_cell=CELLS[0])
     result.add("monitor", RunMonitor, monitor, process="control")
     return result
@@ -268,6 +277,7 @@ def finish(argv: list[str], run_result) -> int:
     summary = write_report(report, prepared["before"], after, {
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
+        "task_sampling": args.task_sampling, "lr": args.lr,
         "exit_reason": run_result.reason,
     })
     print(json.dumps(summary, indent=1))

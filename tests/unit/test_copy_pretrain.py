@@ -9,42 +9,85 @@ import attrs
 import pytest
 
 from gyre.engines.chat_template import ChatTemplate
-from gyre.engines.pretrain import CopyPretrainConfig, copy_examples, copy_pretrain_digest, run_copy_pretrain
+from gyre.engines.pretrain import (
+    DEFAULT_KINDS,
+    KINDS,
+    QUOTE_LEAD_INS,
+    CopyPretrainConfig,
+    copy_examples,
+    copy_pretrain_digest,
+    run_copy_pretrain,
+)
 
 WORDS = ("pear", "plum", "kiwi", "lemon", "river")
 
 
+def _check_copy(source: str, target: str) -> str:
+    """Asserts that `target` is the right copy of `source`; returns the example's kind."""
+    if source.startswith("{"):  # look: the value of the named key
+        table, _, key = source.rpartition(" ")
+        assert target == str(json.loads(table)[key])
+        return "look"
+    lead_in = next((lead for lead in QUOTE_LEAD_INS if source.startswith(lead + " ")), None)
+    if lead_in is not None:  # quote: the items after the lead-in, in a quoted string
+        assert target == f'"{source.removeprefix(lead_in + " ")}"'
+        return "quote"
+    assert target.replace("+", " ").replace(",", " ").split() == source.split()  # span or join
+    return "span or join"
+
+
 def test_examples_carry_loss_only_on_the_copy_and_the_copy_matches_its_source(tiny_model_dir):
     template = ChatTemplate.from_model_dir(tiny_model_dir)
-    config = CopyPretrainConfig(words=WORDS)
-    examples = copy_examples(template, config, random.Random(3), 60)
+    config = CopyPretrainConfig(words=WORDS, kinds=KINDS)
+    examples = copy_examples(template, config, random.Random(3), 80)
+    kinds = set()
     for example in examples:
         assert len(example.token_ids) == len(example.loss_mask)
         first_target = example.loss_mask.index(True)
         assert not any(example.loss_mask[:first_target]) and all(example.loss_mask[first_target:])
         source = template.decode(example.token_ids[:first_target]).rstrip("\n")
         target = template.decode(example.token_ids[first_target:]).rstrip("\n")
-        if source.startswith("{"):  # look: the value of the named key
-            table, _, key = source.rpartition(" ")
-            assert target == str(json.loads(table)[key])
-        else:  # span or join: the same items, maybe with another separator
-            assert target.replace("+", " ").replace(",", " ").split() == source.split()
-    assert copy_examples(template, config, random.Random(3), 60) == examples  # a function of the seed
+        kinds.add(_check_copy(source, target))
+    assert kinds == {"look", "quote", "span or join"}
+    assert copy_examples(template, config, random.Random(3), 80) == examples  # a function of the seed
+
+
+def test_a_quote_copies_a_word_from_inside_a_line_into_its_other_token_form(tiny_model_dir):
+    """The point of "quote": the first copied word is tokenised with its leading space in the source and without
+    it after the quote, so the copy is not the same token sequence."""
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    config = CopyPretrainConfig(words=("stone", "eagle"), number_share=0.0, kinds=("quote",), max_items=2)
+    example = copy_examples(template, config, random.Random(1), 1)[0]
+    first_target = example.loss_mask.index(True)
+    source_ids, target_ids = example.token_ids[:first_target], example.token_ids[first_target:]
+    word = template.decode(target_ids).split()[0].strip('"')
+    assert template.encode(" " + word) != template.encode(word)  # two token forms of one word
+    assert _contains(source_ids, template.encode(" " + word)) and _contains(target_ids, template.encode(word))
+
+
+def _contains(haystack, needle) -> bool:
+    return any(tuple(haystack[i:i + len(needle)]) == tuple(needle) for i in range(len(haystack) - len(needle) + 1))
+
+
+def test_the_default_kinds_leave_out_quote_so_earlier_caches_keep_their_key(tiny_model_dir):
+    assert CopyPretrainConfig().kinds == DEFAULT_KINDS and "quote" not in DEFAULT_KINDS
+    assert copy_pretrain_digest(tiny_model_dir, CopyPretrainConfig(words=WORDS)) != copy_pretrain_digest(
+        tiny_model_dir, CopyPretrainConfig(words=WORDS, kinds=KINDS))
+    with pytest.raises(ValueError, match="kinds"):
+        CopyPretrainConfig(kinds=("span", "poem"))
+    with pytest.raises(ValueError, match="kinds"):
+        CopyPretrainConfig(kinds=())
 
 
 def test_a_gap_puts_unrelated_items_between_the_source_and_its_copy(tiny_model_dir):
     template = ChatTemplate.from_model_dir(tiny_model_dir)
-    config = CopyPretrainConfig(words=WORDS, max_gap_items=30)
+    config = CopyPretrainConfig(words=WORDS, max_gap_items=30, kinds=KINDS)
     gaps = []
     for example in copy_examples(template, config, random.Random(5), 60):
         first_target = example.loss_mask.index(True)
         source_line, gap_line = template.decode(example.token_ids[:first_target]).removesuffix("\n").split("\n")
         target = template.decode(example.token_ids[first_target:]).rstrip("\n")
-        if source_line.startswith("{"):
-            table, _, key = source_line.rpartition(" ")
-            assert target == str(json.loads(table)[key])
-        else:
-            assert target.replace("+", " ").replace(",", " ").split() == source_line.split()
+        _check_copy(source_line, target)
         gaps.append(len(gap_line.split()))
     assert max(gaps) <= 30 and max(gaps) > 10 and min(gaps) < max(gaps)
     with pytest.raises(ValueError):

@@ -14,6 +14,7 @@ from gyre.actors.task_source import TaskSource, TaskSourceConfig, groups_ahead_f
 from gyre.messages.execution_stats import StatisticsAsked, TaskSourceStatistics
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
+from gyre.policies.task_sampling import EpochOrder, SignalWeighted
 from gyre.runtime import Actor, Codec, RunOptions, Topology, VirtualLauncher, handler, read_log
 
 
@@ -28,6 +29,8 @@ TASKS = tuple(spec(f"t{i}") for i in range(5))
 class DriverConfig:
     dropped: tuple[str, ...] = ()
     """Groups reported as dropped (not landed)."""
+    dropped_families: tuple[str, ...] = ()
+    """Groups of tasks whose id starts with one of these (and "-") are reported as dropped."""
     steps_after_done: tuple[int, ...] = ()
     """Publish StepApplied (next step, next version) when this many groups are done."""
     skipped_steps: tuple[int, ...] = ()
@@ -48,7 +51,8 @@ class Driver(Actor):
     @handler(StartGroup)
     def on_start_group(self, msg: StartGroup) -> None:
         self.started += 1
-        landed = msg.group_id not in self.config.dropped
+        landed = msg.group_id not in self.config.dropped and not any(
+            msg.task.task_id.startswith(family + "-") for family in self.config.dropped_families)
         reward = self.started / 10
         result = GroupDone(msg.group_id, landed, reward, 0.5, msg.group_size, 0 if landed else msg.group_size)
         self.send_later(1.0 + self.started % 3, result)  # groups take different times: they finish out of order
@@ -160,6 +164,29 @@ def test_records_every_group_in_its_statistics(tmp_path: Path) -> None:
                                                                        started[msg.group_id])
 
 
+def test_signal_weighted_sampling_runs_the_families_whose_groups_land_and_keeps_visiting_the_others(
+    tmp_path: Path,
+) -> None:
+    tasks = tuple(spec(f"{family}-{i}") for family in ("flat", "split") for i in range(6))
+    config = TaskSourceConfig(tasks, groups_in_flight=2, max_groups=80, seed=3,
+                              sampling=SignalWeighted(window_groups=4, min_groups=2, floor=0.1))
+    reason, seen = run(tmp_path, config, DriverConfig(dropped_families=("flat",)))
+    assert reason == "task source: 80 groups done (%d landed)" % sum(
+        1 for m in seen if isinstance(m, GroupDone) and m.landed)
+    order = [m.task.task_id for m in seen if isinstance(m, StartGroup)]
+    late = order[20:]
+    flat_share = sum(task.startswith("flat-") for task in late) / len(late)
+    assert 0.0 < flat_share < 0.3  # weights 0.1 vs 1: about 1 in 11, yet never none
+    split_tasks = [task for task in order if task.startswith("split-")]
+    assert sorted(split_tasks[:6]) == [f"split-{i}" for i in range(6)]  # a family's tasks still go in epochs
+    assert run(tmp_path / "again", config, DriverConfig(dropped_families=("flat",)))[1] == seen  # seeded
+
+    even = run(tmp_path / "even", attrs.evolve(config, sampling=EpochOrder(), max_groups=72),
+               DriverConfig(dropped_families=("flat",)))
+    even_order = [m.task.task_id for m in even[1] if isinstance(m, StartGroup)]
+    assert sum(task.startswith("flat-") for task in even_order) == 36  # the default ignores what landed: 6 epochs
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -170,6 +197,7 @@ def test_records_every_group_in_its_statistics(tmp_path: Path) -> None:
         {"max_groups": 0},
         {"max_groups_ahead_of_training": 0},
         {"groups_per_step": True},
+        {"sampling": "signal"},
     ],
 )
 def test_bad_config_is_refused(change: dict[str, Any]) -> None:

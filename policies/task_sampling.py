@@ -1,0 +1,101 @@
+"""Which task the next group runs: every task in turn, or more often the families whose groups still teach.
+
+A GSPO group teaches only when its rewards differ: the trajectory builder drops a group whose 16 rewards are all
+the same (DAPO's dynamic sampling), and its rollouts were spent for nothing. On the main job's toolbox tasks that
+was more than half of all groups (BENCHMARKS.md, session 6): every agent already solves one family ("sum"), none
+solves another yet ("write"), and both keep their full share of the rollouts. `SignalWeighted` moves that share
+to the families whose recent groups landed, while a floor keeps every family sampled, so a family that starts to
+split its group (the model begins to solve it, or forgets it) comes back.
+
+A task's family is the part of its id before `family_separator` ("lookup-3fa2..." is in "lookup"); an id without
+the separator is a family of its own. Policies are frozen attrs classes, so they travel inside the task source's
+config and into the event log; the task source keeps the state (each family's recent outcomes and its own
+shuffled cycle of tasks) and asks `family_weights` before each group.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol, Sequence, runtime_checkable
+
+import attrs
+
+__all__ = ["TaskSampling", "EpochOrder", "SignalWeighted", "TaskSamplingError", "family_of", "checked_weights"]
+
+
+class TaskSamplingError(ValueError):
+    """A policy gave weights that cannot be sampled from (negative, not finite, missing, or all zero)."""
+
+
+@runtime_checkable
+class TaskSampling(Protocol):
+    """Contract (tests/unit/test_task_sampling.py): `family_weights` returns a finite weight >= 0 for every family it
+    is given, at least one of them > 0; None means "no preference: run the tasks in shuffled epochs"."""
+
+    family_separator: str
+
+    def family_weights(self, landed_by_family: Mapping[str, Sequence[bool]]) -> dict[str, float] | None:
+        """Relative chance of each family to run next, from its groups' outcomes, oldest first (True: landed)."""
+        ...
+
+
+def family_of(task_id: str, separator: str) -> str:
+    """The family of a task id: its text before the first `separator` (the whole id when there is none)."""
+    return task_id.split(separator, 1)[0] if separator else task_id
+
+
+@attrs.frozen
+class EpochOrder:
+    """Every task once per epoch, in an order shuffled from the seed. The default."""
+
+    family_separator: str = "-"
+
+    def family_weights(self, landed_by_family: Mapping[str, Sequence[bool]]) -> dict[str, float] | None:
+        return None
+
+
+def _share(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{attribute.name} must be a number in (0, 1], got {value!r}")
+
+
+@attrs.frozen
+class SignalWeighted:
+    """A family's weight is `floor` plus the share of its last `window_groups` groups that landed, scaled into
+    [floor, 1]; a family with fewer than `min_groups` finished groups has weight 1 (not judged yet)."""
+
+    window_groups: int = attrs.field(default=6, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
+    """Recent groups of a family that its weight looks at."""
+    min_groups: int = attrs.field(default=2, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
+    """Groups a family must have finished before its weight moves off 1."""
+    floor: float = attrs.field(default=0.15, validator=_share)
+    """Weight of a family none of whose recent groups landed: kept above 0 so a change in it is seen."""
+    family_separator: str = "-"
+
+    def family_weights(self, landed_by_family: Mapping[str, Sequence[bool]]) -> dict[str, float] | None:
+        weights = {}
+        for family, outcomes in landed_by_family.items():
+            recent = list(outcomes)[-self.window_groups:]
+            if len(recent) < self.min_groups:
+                weights[family] = 1.0
+            else:
+                weights[family] = self.floor + (1.0 - self.floor) * sum(recent) / len(recent)
+        return weights
+
+
+def checked_weights(
+    policy: TaskSampling, landed_by_family: Mapping[str, Sequence[bool]]
+) -> dict[str, float] | None:
+    """`policy.family_weights(...)`, checked against the contract: raises TaskSamplingError on a broken answer."""
+    weights = policy.family_weights(landed_by_family)
+    if weights is None:
+        return None
+    name = type(policy).__qualname__
+    missing = sorted(set(landed_by_family) - set(weights))
+    if missing:
+        raise TaskSamplingError(f"{name} gave no weight for families {missing}")
+    for family, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 <= weight < float("inf"):
+            raise TaskSamplingError(f"{name} gave family {family!r} the weight {weight!r}; need a finite number >= 0")
+    if landed_by_family and not any(weights[family] > 0 for family in landed_by_family):
+        raise TaskSamplingError(f"{name} gave every family a weight of 0: no task can run")
+    return {family: float(weights[family]) for family in landed_by_family}

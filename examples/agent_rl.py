@@ -7,14 +7,15 @@
 
 What happens:
 1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches
-   it to copy spans and look values up, first adjacent, then past a line of unrelated items (engines/pretrain.py:
-   what a real base model brings and a random one lacks);
+   it to copy spans and look values up, first adjacent, then past a line of unrelated items and into quoted strings
+   (engines/pretrain.py: what a real base model brings and a random one lacks);
    the scripted expert's demonstrations warm-start it with SFT; each stage is cached under ~/.cache/gyre, keyed by
    its inputs. The warm-started model is scored on held-out tasks (greedy).
 2. the topology: one core cell and two satellites (each its own process; the core holds weights and optimizer),
    the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
    executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
-   runs until `--steps` optimizer steps are applied; the core saves the final weights.
+   runs until `--steps` optimizer steps are applied; the core saves the final weights. The task source runs the
+   task kinds whose groups still teach (rewards that differ) more often (policies/task_sampling.py).
 3. finish: the final model is scored on the same held-out tasks and the report is written: summary.json, the
    reward curve, each cell's role over time.
 """

@@ -95,6 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.cell_cpu_cores < 0:
         parser.error(f"--cell-cpu-cores must be >= 0 (0: no cap), got {args.cell_cpu_cores}")
+    if not 0.0 <= args.clip_low < 1.0 or args.clip_high < 0.0:
+        parser.error(f"need 0 <= --clip-low < 1 and --clip-high >= 0, got {args.clip_low} and {args.clip_high}")
     return args
 
 

@@ -17,6 +17,10 @@ leading space (" st" "one"), the same word right after a quote is another ("st" 
 words into a JSON argument makes exactly that jump for the first word, and a model that only ever copied line
 starts to line starts wrote the second word alone (BENCHMARKS.md, session 6).
 
+With `expression_share` some items are calculator expressions ("53-8", "7*120"): copied verbatim they teach the
+operator and operands of any length, where a model that copied only lone numbers wrote "53*8" for "53-8" and
+"2*5" for "22*5" (BENCHMARKS.md, session 6).
+
 With `max_gap_items` a line of unrelated items follows the source, so the copy reaches back past it (agents copy
 from a prompt hundreds of tokens back). Items are numbers and words from a vocabulary the caller gives (a topology
 passes the words its tasks use). The corpus is a function of the seed; the result is a model directory like any
@@ -72,6 +76,9 @@ class CopyPretrainConfig:
     """Longest line of unrelated items between an example's source and its target (0: adjacent). An agent copies
     from far back: a task's words sit a system prompt and tool schemas away from the call that needs them, and a
     model that only ever copied from the line above does not."""
+    expression_share: float = 0.0
+    """Share of items that are expressions "<a><op><b>" (op one of + - *; operands 1..999) instead of a number or
+    a word."""
     kinds: tuple[str, ...] = attrs.field(default=DEFAULT_KINDS, converter=tuple)
     """Example kinds the corpus draws from, uniformly (a subset of KINDS)."""
     seed: int = 0
@@ -84,6 +91,8 @@ class CopyPretrainConfig:
             raise ValueError("words needs at least two entries (the lookup kind samples distinct keys)")
         if not 0.0 <= self.number_share <= 1.0:
             raise ValueError(f"number_share must be in [0, 1], got {self.number_share}")
+        if not 0.0 <= self.expression_share <= 1.0:
+            raise ValueError(f"expression_share must be in [0, 1], got {self.expression_share}")
         if not self.kinds or set(self.kinds) - set(KINDS):
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds!r}")
 
@@ -101,7 +110,13 @@ class CopyPretrainResult:
     seconds: float
 
 
+def _number(rng: random.Random) -> int:
+    return rng.randint(1, 10 ** rng.randint(1, 3) - 1)  # as many 1-, 2- and 3-digit draws
+
+
 def _item(rng: random.Random, config: CopyPretrainConfig) -> str:
+    if config.expression_share > 0 and rng.random() < config.expression_share:
+        return f"{_number(rng)}{rng.choice('+-*')}{_number(rng)}"
     return str(rng.randint(1, 999)) if rng.random() < config.number_share else rng.choice(config.words)
 
 
@@ -141,6 +156,8 @@ def copy_pretrain_digest(base_dir: str | Path, config: CopyPretrainConfig) -> st
         del fields["max_gap_items"]
     if tuple(fields["kinds"]) == DEFAULT_KINDS:
         del fields["kinds"]
+    if fields["expression_share"] == 0.0:
+        del fields["expression_share"]
     digest.update(json.dumps(fields, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 

@@ -86,6 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="then steps of copying past a line of unrelated items (0: none): the long-range copy an "
                         "agent needs across its context (BENCHMARKS.md, session 5)")
     parser.add_argument("--copy-gap-items", type=int, default=40, help="longest gap of those steps, in items")
+    parser.add_argument("--copy-expression-share", type=float, default=0.2,
+                        help="share of the gap stage's items that are calculator expressions like 53-8 (0: none)")
     parser.add_argument("--cell-cpu-cores", type=float, default=0.0,
                         help="cap each cell's process at this many cores (a cgroup quota: one device per cell, as on "
                         "a GPU cluster; 0: no cap)")
@@ -139,10 +141,12 @@ def prepare(argv: list[str]) -> None:
             steps=args.copy_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed))
         base = copied
         if args.copy_gap_steps > 0:
-            # With the "quote" kind: the task's words go from inside the prompt into a JSON string argument.
+            # With the "quote" kind (the task's words go from inside the prompt into a JSON string argument) and
+            # expressions among the items (a "calc" task's expression goes into the calculator's argument).
             base = _copy_pretrain_stage(base, cache, "copy past a gap", CopyPretrainConfig(
                 steps=args.copy_gap_steps, words=tasks.WORDS + tasks.ITEMS, seed=args.seed,
-                max_gap_items=args.copy_gap_items, warmup_steps=20, kinds=COPY_KINDS))
+                max_gap_items=args.copy_gap_items, warmup_steps=20, kinds=COPY_KINDS,
+                expression_share=args.copy_expression_share))
     demos = expert.demonstrations(args.sft_tasks, seed=args.seed)
     lines = [json.dumps(d.to_json(), sort_keys=True) for d in demos]
     config = SFTConfig(epochs=args.sft_epochs, seed=args.seed)

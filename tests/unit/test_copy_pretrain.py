@@ -32,7 +32,8 @@ def _check_copy(source: str, target: str) -> str:
     if lead_in is not None:  # quote: the items after the lead-in, in a quoted string
         assert target == f'"{source.removeprefix(lead_in + " ")}"'
         return "quote"
-    assert target.replace("+", " ").replace(",", " ").split() == source.split()  # span or join
+    if target.split() != source.split():  # not a span: a join, whose items come back with its separator
+        assert target.replace("+", " ").replace(",", " ").split() == source.split()
     return "span or join"
 
 
@@ -63,6 +64,30 @@ def test_a_quote_copies_a_word_from_inside_a_line_into_its_other_token_form(tiny
     word = template.decode(target_ids).split()[0].strip('"')
     assert template.encode(" " + word) != template.encode(word)  # two token forms of one word
     assert _contains(source_ids, template.encode(" " + word)) and _contains(target_ids, template.encode(word))
+
+
+def test_expression_items_are_copied_verbatim_with_operands_of_every_length(tiny_model_dir):
+    import re
+
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    config = CopyPretrainConfig(words=WORDS, kinds=("span", "quote"), expression_share=1.0)
+    operand_lengths, operators = set(), set()
+    for example in copy_examples(template, config, random.Random(4), 40):
+        first_target = example.loss_mask.index(True)
+        source = template.decode(example.token_ids[:first_target]).rstrip("\n")
+        target = template.decode(example.token_ids[first_target:]).rstrip("\n")
+        _check_copy(source, target)
+        for item in target.strip('"').split():
+            match = re.fullmatch(r"(\d+)([+*-])(\d+)", item)
+            assert match, item
+            operand_lengths.update((len(match[1]), len(match[3])))
+            operators.add(match[2])
+    assert operand_lengths == {1, 2, 3} and operators == {"+", "-", "*"}
+    plain = CopyPretrainConfig(words=WORDS)
+    assert copy_pretrain_digest(tiny_model_dir, plain) != copy_pretrain_digest(
+        tiny_model_dir, attrs.evolve(plain, expression_share=0.2))
+    with pytest.raises(ValueError, match="expression_share"):
+        CopyPretrainConfig(expression_share=1.5)
 
 
 def _contains(haystack, needle) -> bool:

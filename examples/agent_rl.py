@@ -7,7 +7,8 @@
 
 What happens:
 1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches
-   it to copy spans and look values up, first adjacent, then past a line of unrelated items and into quoted strings
+   it to copy spans and look values up, first adjacent, then past a line of unrelated items, into quoted strings
+   and with calculator expressions among the items
    (engines/pretrain.py: what a real base model brings and a random one lacks);
    the scripted expert's demonstrations warm-start it with SFT; each stage is cached under ~/.cache/gyre, keyed by
    its inputs. The warm-started model is scored on held-out tasks (greedy).
@@ -97,6 +98,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.cell_cpu_cores < 0:
         parser.error(f"--cell-cpu-cores must be >= 0 (0: no cap), got {args.cell_cpu_cores}")
+    if not 0.0 <= args.copy_expression_share <= 1.0:
+        parser.error(f"--copy-expression-share must be in [0, 1], got {args.copy_expression_share}")
     if not 0.0 <= args.clip_low < 1.0 or args.clip_high < 0.0:
         parser.error(f"need 0 <= --clip-low < 1 and --clip-high >= 0, got {args.clip_low} and {args.clip_high}")
     return args

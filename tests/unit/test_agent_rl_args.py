@@ -30,6 +30,7 @@ def test_defaults(agent_rl) -> None:
     ["--clip-low", "1"],
     ["--clip-high", "-0.01"],
     ["--task-sampling", "random"],
+    ["--copy-expression-share", "1.5"],
 ])
 def test_bad_values_are_refused_with_a_message(agent_rl, argv, capsys) -> None:
     with pytest.raises(SystemExit) as exited:

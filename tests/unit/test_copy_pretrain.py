@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import attrs
 import pytest
@@ -67,8 +68,6 @@ def test_a_quote_copies_a_word_from_inside_a_line_into_its_other_token_form(tiny
 
 
 def test_expression_items_are_copied_verbatim_with_operands_of_every_length(tiny_model_dir):
-    import re
-
     template = ChatTemplate.from_model_dir(tiny_model_dir)
     config = CopyPretrainConfig(words=WORDS, kinds=("span", "quote"), expression_share=1.0)
     operand_lengths, operators = set(), set()

@@ -34,6 +34,8 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads((report / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["task_sampling"] == "signal"
+    # Which warm start the run began from is on record (a cache directory under GYRE_CACHE).
+    assert summary["sft_epochs"] == 1 and summary["warm_start"].startswith(str(tmp_path / "cache"))
     assert summary["samples_trained"] > 0 and summary["tokens_trained"] > 0
     timeline = json.loads((report / "run.json").read_text())
     assert [step["version"] for step in timeline["steps"]] == [1, 2]

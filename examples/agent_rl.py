@@ -118,6 +118,22 @@ def _toolbox():
 
 
 # ---- prepare: base model, warm start, held-out score before RL ----------------------------------------------------
+NOT_SCORED = {"success_rate": float("nan"), "mean_reward": float("nan")}
+"""The held-out score of a run that skips evaluation (--skip-eval)."""
+
+
+def held_out_score(result) -> dict:
+    """What the report keeps of a held-out evaluation: success rate and mean reward over all tasks, and the success
+    rate of each task kind (which kinds RL moved, and which it could not)."""
+    by_kind: dict[str, list[bool]] = {}
+    for outcome in result.outcomes:
+        by_kind.setdefault(outcome.kind, []).append(outcome.success)
+    return {
+        "success_rate": result.success_rate, "mean_reward": result.mean_reward,
+        "success_by_kind": {kind: sum(wins) / len(wins) for kind, wins in by_kind.items()},
+    }
+
+
 def _copy_pretrain_stage(base: Path, cache: Path, what: str, config) -> Path:
     """One stage of synthetic copy pretraining on `base`, cached under a digest of both."""
     from gyre.engines.pretrain import copy_pretrain_digest, run_copy_pretrain
@@ -168,17 +184,16 @@ def prepare(argv: list[str]) -> None:
         run_sft(base, pairs, sft_dir, config,
                 progress=lambda step, total, loss: print(f"  sft step {step}/{total} loss {loss:.3f}", file=sys.stderr)
                 if step % 10 == 0 or step == total else None)
-    before = {"success_rate": float("nan"), "mean_reward": float("nan")}
+    before = NOT_SCORED
     if not args.skip_eval:
         cached = sft_dir / f"eval-{args.heldout_tasks}-{args.seed}.json"
         if cached.is_file():
             before = json.loads(cached.read_text())
-        else:
+        if "success_by_kind" not in before:  # not scored yet, or scored before the per-kind split was recorded
             from evaluate import evaluate
 
             held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
-            result = evaluate(sft_dir, held_out)
-            before = {"success_rate": result.success_rate, "mean_reward": result.mean_reward}
+            before = held_out_score(evaluate(sft_dir, held_out))
             cached.write_text(json.dumps(before))
         print(f"agent_rl: held-out success before RL: {before['success_rate']:.2f}", file=sys.stderr)
     (report / "prepare.json").write_text(json.dumps({
@@ -282,14 +297,13 @@ def finish(argv: list[str], run_result) -> int:
     report = Path(args.report)
     prepared = json.loads((report / "prepare.json").read_text())
     final_model = report / "final_model"
-    after = {"success_rate": float("nan"), "mean_reward": float("nan")}
+    after = NOT_SCORED
     if not args.skip_eval and (final_model / "model.safetensors").is_file():
         from evaluate import evaluate
 
         tasks, _, _ = _toolbox()
         held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
-        result = evaluate(final_model, held_out)
-        after = {"success_rate": result.success_rate, "mean_reward": result.mean_reward}
+        after = held_out_score(evaluate(final_model, held_out))
     summary = write_report(report, prepared["before"], after, {
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,

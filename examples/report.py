@@ -69,6 +69,8 @@ def write_report(report_dir: str | Path, before: dict[str, Any], after: dict[str
         "success_rate_after": after["success_rate"],
         "mean_reward_before": before["mean_reward"],
         "mean_reward_after": after["mean_reward"],
+        "success_by_kind_before": before.get("success_by_kind", {}),
+        "success_by_kind_after": after.get("success_by_kind", {}),
         "steps": len(run["steps"]),
         "wall_s": extra.get("wall_s", run["elapsed_s"]),
         "train_wall_s": run["elapsed_s"],

@@ -37,3 +37,16 @@ def test_bad_values_are_refused_with_a_message(agent_rl, argv, capsys) -> None:
     with pytest.raises(SystemExit) as exited:
         agent_rl.parse_args(argv)
     assert exited.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_held_out_score_splits_success_by_kind(agent_rl) -> None:
+    import evaluate  # examples/toolbox, on the path once agent_rl is loaded
+
+    outcome = lambda kind, success: evaluate.TaskOutcome(  # noqa: E731
+        task_id=f"{kind}-0", kind=kind, reward=1.0 if success else 0.2, success=success, agent_exit_code=0, seconds=1.0)
+    result = evaluate.EvalResult(
+        success_rate=0.5, mean_reward=0.6, seconds=4.0,
+        outcomes=(outcome("sum", True), outcome("sum", False), outcome("write", False), outcome("calc", True)))
+    score = agent_rl.held_out_score(result)
+    assert score == {"success_rate": 0.5, "mean_reward": 0.6,
+                     "success_by_kind": {"sum": 0.5, "write": 0.0, "calc": 1.0}}

@@ -2,9 +2,9 @@
 
     python benchmarks/heldout_passk.py MODEL_DIR --samples 4 --temperature 1.0
 
-Runs the main job's 56 held-out tasks (seed 1, as examples/agent_rl.py scores them) `--samples` times at
+Runs the main job's 224 held-out tasks (seed 1, as examples/agent_rl.py scores them) `--samples` times at
 `--temperature` through examples/toolbox/evaluate.py, and prints per kind how many tasks were solved at least once
-(pass@k) and the mean success, then the totals. Compare with the greedy score in the warm start's eval-56-0.json.
+(pass@k) and the mean success, then the totals. Compare with the greedy score in the warm start's eval-224-0.json.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir")
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--tasks", type=int, default=56)
+    parser.add_argument("--tasks", type=int, default=224)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(TOOLBOX))
     from agent import load_sibling

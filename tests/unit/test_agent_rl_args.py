@@ -23,6 +23,7 @@ def test_defaults(agent_rl) -> None:
     assert (args.policy, args.task_sampling, args.group_size, args.steps) == ("elastic", "signal", 16, 18)
     assert (args.clip_low, args.clip_high, args.cell_cpu_cores) == (3e-4, 4e-4, 0.0)
     assert (args.sft_epochs, args.lr) == (1, 3e-4)  # the warm start RL has room above (BENCHMARKS.md, session 7)
+    assert args.min_reward_spread == 0.25  # drop groups that differ only by the written-file reward (session 8)
     assert args.heldout_tasks == 224  # runs gaining +6.7 on 224 read +3.6 to +10.7 on 56 (session 8)
 
 

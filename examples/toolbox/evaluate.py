@@ -53,6 +53,13 @@ class EvalResult:
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
+    def success_by_kind(self) -> dict[str, float]:
+        """Success rate of each task kind, in the order the kinds first appear among the outcomes."""
+        wins: dict[str, list[bool]] = {}
+        for outcome in self.outcomes:
+            wins.setdefault(outcome.kind, []).append(outcome.success)
+        return {kind: sum(kind_wins) / len(kind_wins) for kind, kind_wins in wins.items()}
+
 
 def _make_app_factory(model_dir: str, keys: dict[str, str], max_context_tokens: int):
     async def make_app():

@@ -168,6 +168,7 @@ class RoutedBackend:
         self._resumed_prompt_tokens = 0
         self._resumed_cached_tokens = 0
         self._waits = 0
+        self._stopping = False
 
     # ---- the view (actor handlers) ---------------------------------------------------------------------------
 
@@ -338,6 +339,8 @@ class RoutedBackend:
         waited = False
         try:
             while True:
+                if self._stopping:
+                    raise BackendUnavailable("the proxy is stopping")
                 holder = self._cells.get(route.cell) if route.cell is not None else None
                 if route.migrating and holder is not None and holder.draining and holder.role == ROLLOUT:
                     if loop.time() - started < self.config.placement_wait_s:
@@ -371,7 +374,7 @@ class RoutedBackend:
     async def _after_abort(self, route: _Route, cell: _Cell) -> None:
         """Give the view a moment to explain an abort (the cell drains; the migrator places the session)."""
         deadline = asyncio.get_running_loop().time() + self.config.resume_grace_s
-        while cell.accepts_new_calls and route.cell == cell.name and not route.revoked:
+        while cell.accepts_new_calls and route.cell == cell.name and not route.revoked and not self._stopping:
             if asyncio.get_running_loop().time() >= deadline:
                 return
             await self._wait_change(deadline)
@@ -388,6 +391,13 @@ class RoutedBackend:
         task = asyncio.ensure_future(abort())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def stop_accepting(self) -> None:
+        """From now on, calls that wait for a cell or would resume an aborted generation fail at once (503)
+        instead of waiting: at shutdown the engines stop too, and a call retrying a gone engine would hold the
+        proxy's HTTP server open until the launcher kills the process. Generations under way may still finish."""
+        self._stopping = True
+        self._notify()
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -486,10 +496,17 @@ class RoutedBackend:
                 route.ids = array("q", request.prompt_ids)
                 route.ids.extend(out_ids)
             attempt += 1
-            if route.revoked or attempt > self.config.max_resumes:
+            if route.revoked or self._stopping or attempt > self.config.max_resumes:
                 if result is None:
-                    raise BackendUnavailable(f"cell {cell.name}: {failure}")
-                log.warning("generation aborted for good", rid=request.rid, attempts=attempt, revoked=route.revoked)
+                    reason = "the proxy is stopping" if self._stopping else failure
+                    raise BackendUnavailable(f"cell {cell.name}: {reason}")
+                log.warning(
+                    "generation aborted for good",
+                    rid=request.rid,
+                    attempts=attempt,
+                    revoked=route.revoked,
+                    stopping=self._stopping,
+                )
                 return BackendResult(
                     output_ids=tuple(out_ids),
                     output_logprobs=tuple(out_logprobs),
@@ -527,6 +544,9 @@ class ProxyConfig:
     """Routing policy, waits and resumes."""
     max_engine_connections: int = 1024
     """HTTP connections to all engines together."""
+    shutdown_timeout_s: float = 3.0
+    """How long stopping waits for generations under way to finish before it cancels them (calls waiting for a
+    cell or to resume fail at once). Below the launcher's stop timeout (10 s), so the proxy stops on its own."""
 
 
 class Proxy(Actor):
@@ -549,7 +569,7 @@ class Proxy(Actor):
         )
         app = build_proxy_app(config.http, self.sessions, self.backend, self._call_completed, clock=self.clock.now)
         self.service = app[PROXY_SERVICE]
-        self.runner = web.AppRunner(app, access_log=None)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=config.shutdown_timeout_s)
         await self.runner.setup()
         await web.TCPSite(self.runner, config.host, config.port).start()
         port = self.runner.addresses[0][1]
@@ -557,6 +577,7 @@ class Proxy(Actor):
         self.log.info("proxy serving", base_url=self.base_url)
 
     async def on_stop(self) -> None:
+        self.backend.stop_accepting()
         await self.runner.cleanup()
         await self.backend.close()
         await self.http_client.close()

@@ -13,6 +13,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 from typing import Any, Awaitable, Callable
 
@@ -460,3 +461,62 @@ def test_a_streamed_call_resumes_after_an_abort_without_resending_text(engines, 
     if ids and ids[-1] in template.stop_token_ids:
         ids.pop()
     assert "".join(out["pieces"]) == template.decode(ids)  # nothing sent twice, nothing missing
+
+
+
+def call_in_thread(base_url: str, api_key: str, outcome: dict[str, Any]) -> threading.Thread:
+    """A call through the synchronous SDK on its own thread, so that it outlives the topology it calls into."""
+
+    def call() -> None:
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+        try:
+            client.chat.completions.create(model="gyre", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            outcome["result"] = "answered"
+        except openai.APIStatusError as error:
+            outcome["result"] = (error.status_code, str(error))
+        except openai.APIError as error:
+            outcome["result"] = type(error).__name__
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread
+
+
+async def call_then_stop(driver: Driver, cell: str | None) -> dict[str, Any]:
+    """Start a call (on `cell` if given, else with no rollout cell at all) and return, which stops the topology
+    while the call waits for a cell or retries an engine that is gone."""
+    if cell is not None:
+        driver.announce(cell)
+    key, _ = await driver.agent("exec-stop")
+    outcome: dict[str, Any] = {}
+    thread = call_in_thread(key.openai_base_url, key.api_key, outcome)
+    while (await driver.status()).in_flight < 1:
+        await asyncio.sleep(0.01)
+    if cell is not None:
+        while (await driver.status()).resumed_generations < 1:  # the engine is unreachable: the call retries
+            await asyncio.sleep(0.01)
+    return {"thread": thread, "outcome": outcome}
+
+
+@scenario
+async def stopping_with_a_call_waiting_for_a_cell(driver: Driver) -> dict[str, Any]:
+    return await call_then_stop(driver, None)
+
+
+@scenario
+async def stopping_with_a_call_retrying_a_gone_engine(driver: Driver) -> dict[str, Any]:
+    return await call_then_stop(driver, "cell-gone")
+
+
+@pytest.mark.parametrize(
+    "scenario_name", ["stopping_with_a_call_waiting_for_a_cell", "stopping_with_a_call_retrying_a_gone_engine"]
+)
+def test_stopping_answers_calls_that_wait_or_retry_with_503(engines, tiny_model_dir, scenario_name) -> None:
+    """At the end of a run the engines stop with the proxy; a call that waits for a cell or retries a gone engine
+    must get a 503 at once rather than hold the proxy's server open until the launcher kills the process."""
+    cells = {**engines, "cell-gone": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    out = run(scenario_name, cells, tiny_model_dir, no_cell_wait_s=250, resume_grace_s=0.05, max_resumes=10_000)
+    out["thread"].join(timeout=120)
+    result = out["outcome"].get("result")
+    assert isinstance(result, tuple) and result[0] == 503, result
+    assert "the proxy is stopping" in result[1], result

@@ -68,8 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=3e-4,
-                        help="RL learning rate (3e-4: five runs scored on 224 held-out tasks gained +6.7 to +10.3 points; "
-                        "4e-4 collapsed once: BENCHMARKS.md, sessions 7 and 8)")
+                        help="RL learning rate (3e-4: ten runs scored on 224 held-out tasks gained +4.0 to +12.5 points; "
+                        "4e-4 collapsed once: BENCHMARKS.md, sessions 7 to 9)")
     parser.add_argument("--clip-low", type=float, default=3e-4, help="GSPO lower clip range of the sequence ratio")
     parser.add_argument("--clip-high", type=float, default=4e-4, help="GSPO upper clip range of the sequence ratio")
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
@@ -77,8 +77,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--min-reward-spread", type=float, default=0.25,
                         help="drop groups whose rewards span no more than this (DAPO dynamic sampling; 0: keep all). "
                         "0.25 also drops groups that differ only by the 0.2 written-file reward, so the task sampling "
-                        "moves rollouts to kinds that can succeed: +10.3 and +9.8 held-out points in two runs, "
-                        "against +6.7 twice at 0.01 (BENCHMARKS.md, session 8)")
+                        "moves rollouts to kinds that can succeed: +9.4 to +12.1 held-out points in four runs (median +10.05), "
+                        "against +6.7 twice at 0.01 (BENCHMARKS.md, sessions 8 and 9)")
     parser.add_argument("--task-sampling", choices=("signal", "epoch"), default="signal",
                         help="signal: run task kinds more often while their groups still land, i.e. their 16 rewards "
                         "differ (policies/task_sampling.py); epoch: every training task in turn")

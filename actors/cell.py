@@ -139,6 +139,18 @@ class CellConfig:
     """Sessions the estimate remembers at most."""
     save_dir: str = ""
     """Core only: when the cell stops, save its authoritative weights here as an HF model directory ("" = don't)."""
+    average_save_dir: str = ""
+    """Core only, with `trainer.average_decay` > 0: when the cell stops, also save the weights' moving average here
+    ("" = don't)."""
+    checkpoint_dir: str = ""
+    """Core only: after every `checkpoint_every_steps`-th applied step, save the weights as an HF model directory
+    `<checkpoint_dir>/v<version>` ("" = never). A failed save is logged and training goes on."""
+    checkpoint_every_steps: int = attrs.field(default=1, validator=_positive)
+    """Steps between checkpoints (versions divisible by it are saved)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.average_save_dir and self.trainer.average_decay <= 0:
+            raise ValueError("average_save_dir needs a trainer that keeps a weight average (trainer.average_decay > 0)")
 
 
 class Cell(Actor):
@@ -190,6 +202,11 @@ class Cell(Actor):
             trainer = self.training.trainer
             await self.offload(trainer.save_hf, self.config.save_dir)
             self.log.info("final_weights_saved", path=self.config.save_dir, version=trainer.version)
+        if self.config.is_core and self.config.average_save_dir and self.training is not None:
+            trainer = self.training.trainer
+            await self.offload(trainer.save_hf, self.config.average_save_dir, True)
+            self.log.info("final_average_saved", path=self.config.average_save_dir, version=trainer.version,
+                          decay=trainer.config.average_decay)
         await self._release_all()
 
     # ---- resources ----------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import attrs
@@ -349,6 +350,23 @@ class CoreSteps:
             cell.publish(applied)
             if not skipped:
                 cell.on_core_weights_changed()
+                if cell.config.checkpoint_dir and applied.version % cell.config.checkpoint_every_steps == 0:
+                    await self.save_checkpoint(applied.version)
+
+    async def save_checkpoint(self, version: int) -> None:
+        """The weights of `version` to `<checkpoint_dir>/v<version>`; a failure (a full disk) is logged, not raised:
+        a lost checkpoint must not stop the run."""
+        cell = self.cell
+        host = cell.training
+        assert host is not None
+        path = Path(cell.config.checkpoint_dir) / f"v{version:05d}"
+        try:
+            async with cell.compute_lock:  # no step changes the weights while they are copied out
+                await cell.offload(host.trainer.save_hf, path)
+        except OSError as error:
+            cell.log.error("checkpoint_failed", path=str(path), version=version, error=str(error))
+            return
+        cell.log.info("checkpoint_saved", path=str(path), version=version)
 
 
 class ClaimLoop:

@@ -44,8 +44,8 @@ from gyre.engines.model_format import (
 )
 from gyre.engines.weight_convert import hf_to_megatron, megatron_to_hf
 
-__all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "build_gpt_model", "ensure_parallel_state",
-           "token_logprobs"]
+__all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "build_gpt_model", "ema_update",
+           "ensure_parallel_state", "token_logprobs"]
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +83,11 @@ class TrainerConfig:
     long agent trajectories fit in memory); "local": megatron's own DotProductAttention (the reference path)."""
     device: str | None = None
     """"cpu" or "cuda"; None picks cuda when available. The CPU path is the tested one."""
+    average_decay: float = 0.0
+    """Keep an exponential moving average of the weights, moved towards the new weights by (1 - decay) after each
+    applied optimizer step; 0 keeps none. Why: the last weights of a short RL run carry the noise of its last few
+    steps' gradients, and a small model's greedy answers flip on such changes; the average smooths them out. It
+    costs one more copy of the parameters, so only the cell that applies the steps (the core) should keep one."""
 
     def __attrs_post_init__(self) -> None:
         if self.core_attention not in CORE_ATTENTION:
@@ -91,6 +96,8 @@ class TrainerConfig:
             raise TrainerError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
         if self.grad_clip < 0 or self.lr < 0 or self.weight_decay < 0:
             raise TrainerError("lr, weight_decay and grad_clip must be >= 0")
+        if not 0.0 <= self.average_decay < 1.0:
+            raise TrainerError(f"average_decay must be in [0, 1), got {self.average_decay!r}")
 
 
 @attrs.frozen
@@ -252,6 +259,8 @@ class MegatronTrainer:
         self.model = build_gpt_model(self.spec, config.seed, config.core_attention, self.device.type)
         self.version = 0
         """Weight version: bumped by each applied optimizer step, or set by the loads."""
+        self._average: torch.Tensor | None = None
+        """The moving average of the weights (config.average_decay), flat like the parameters; None without one."""
         self._layout, self._params, self._grads, groups = self._flatten()
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
@@ -372,6 +381,8 @@ class MegatronTrainer:
         self.optimizer.step()
         self.zero_grads()
         self.version += 1
+        if self._average is not None:
+            ema_update(self._average, self._params, self.config.average_decay)
         return {"grad_norm": grad_norm, "skipped": False, "version": self.version,
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
@@ -393,10 +404,15 @@ class MegatronTrainer:
             self._params.copy_(flat.to(self.device))
         if version is not None:
             self.version = version
+        self._restart_average()
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under HF Qwen3 names (copies)."""
-        return {k: v.cpu() for k, v in megatron_to_hf(self.model.state_dict(), self.spec).items()}
+    def hf_state_dict(self, averaged: bool = False) -> dict[str, torch.Tensor]:
+        """The weights under HF Qwen3 names (copies); `averaged` gives the moving average instead of the live ones."""
+        if not averaged:
+            return {k: v.cpu() for k, v in megatron_to_hf(self.model.state_dict(), self.spec).items()}
+        flat = self.averaged_params()
+        weights = {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self._layout}
+        return {k: v.cpu() for k, v in megatron_to_hf(weights, self.spec).items()}
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Load HF-named weights (optimizer moments are kept)."""
@@ -408,9 +424,29 @@ class MegatronTrainer:
             raise TrainerError(f"weights do not fit the model: missing {missing}, unexpected {result.unexpected_keys}")
         if version is not None:
             self.version = version
+        self._restart_average()
 
-    def save_hf(self, model_dir: str | Path) -> Path:
-        """Write a complete model directory: config and side files of the source directory, plus the weights."""
+    # -- weight average ----------------------------------------------------------------------------------------
+
+    def _restart_average(self) -> None:
+        """Loaded weights start a new average: an average across a load would mix unrelated weights."""
+        if self.config.average_decay > 0:
+            self._average = self._params.detach().clone()
+
+    @property
+    def has_average(self) -> bool:
+        return self._average is not None
+
+    def averaged_params(self) -> torch.Tensor:
+        """A copy of the weights' moving average, flat in `param_layout()` order. Raises TrainerError without one."""
+        if self._average is None:
+            raise TrainerError("this trainer keeps no weight average (TrainerConfig.average_decay is 0)")
+        return self._average.detach().clone()
+
+    def save_hf(self, model_dir: str | Path, averaged: bool = False) -> Path:
+        """Write a complete model directory: config and side files of the source directory, plus the weights (their
+        moving average with `averaged`)."""
+        state = self.hf_state_dict(averaged)
         target = Path(model_dir)
         target.mkdir(parents=True, exist_ok=True)
         config = json.loads((self.model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -419,5 +455,11 @@ class MegatronTrainer:
             source = self.model_dir / name
             if source.is_file() and source.resolve() != (target / name).resolve():
                 shutil.copyfile(source, target / name)
-        save_hf_state_dict(target, self.hf_state_dict())
+        save_hf_state_dict(target, state)
         return target
+
+
+def ema_update(average: torch.Tensor, params: torch.Tensor, decay: float) -> None:
+    """average <- decay * average + (1 - decay) * params, in place (the weight average's one step)."""
+    with torch.no_grad():
+        average.lerp_(params.to(average.device), 1.0 - decay)

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "toolbox"))
 sys.path.insert(0, str(HERE))
@@ -103,6 +105,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cell-cpu-cores", type=float, default=0.0,
                         help="cap each cell's process at this many cores (a cgroup quota: one device per cell, as on "
                         "a GPU cluster; 0: no cap)")
+    parser.add_argument("--weight-average-decay", type=float, default=0.0,
+                        help="the core keeps an exponential moving average of its weights (this decay per step) and "
+                        "the held-out score after RL is the average's (0: the last weights')")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="save the weights every N steps to REPORT/checkpoints/vNNNNN (0: never); "
+                        "benchmarks/average_checkpoints.py averages them afterwards")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
@@ -111,6 +119,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--cell-cpu-cores must be >= 0 (0: no cap), got {args.cell_cpu_cores}")
     if not 0.0 <= args.copy_expression_share <= 1.0:
         parser.error(f"--copy-expression-share must be in [0, 1], got {args.copy_expression_share}")
+    if not 0.0 <= args.weight_average_decay < 1.0:
+        parser.error(f"--weight-average-decay must be in [0, 1), got {args.weight_average_decay}")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
     if not 0.0 <= args.clip_low < 1.0 or args.clip_high < 0.0:
         parser.error(f"need 0 <= --clip-low < 1 and --clip-high >= 0, got {args.clip_low} and {args.clip_high}")
     return args
@@ -257,12 +269,20 @@ def topology(argv: list[str]) -> Topology:
     # train only while the cells that stay can take every live session with 10% to spare (0.9 * 48 >= 32).
     engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=48, num_threads=1)
     trainer = TrainerConfig(lr=args.lr, num_threads=1, seed=args.seed)
+    report = Path(args.report)
     for name in CELLS:
         # Satellites import megatron while they start rolling out, so a first switch into training is quick.
-        save_dir = str(Path(args.report) / "final_model") if name == "core" else ""
+        # Only the core applies steps, so only the core keeps a weight average and saves weights.
+        saves = {}
+        if name == "core":
+            saves = {"save_dir": str(report / "final_model"), "checkpoint_every_steps": max(1, args.checkpoint_every),
+                     "checkpoint_dir": str(report / "checkpoints") if args.checkpoint_every else ""}
+            if args.weight_average_decay > 0:
+                saves["average_save_dir"] = str(report / "final_model_average")
+        cell_trainer = attrs.evolve(trainer, average_decay=args.weight_average_decay) if name == "core" else trainer
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
-                                          trainer=trainer, prepare_trainer_at_start=True, save_dir=save_dir,
-                                          clip_low=args.clip_low, clip_high=args.clip_high))
+                                          trainer=cell_trainer, prepare_trainer_at_start=True,
+                                          clip_low=args.clip_low, clip_high=args.clip_high, **saves))
         if args.cell_cpu_cores > 0:
             result.limit_cpu(name, args.cell_cpu_cores)
     result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir))
@@ -298,7 +318,8 @@ def finish(argv: list[str], run_result) -> int:
     args = parse_args(argv)
     report = Path(args.report)
     prepared = json.loads((report / "prepare.json").read_text())
-    final_model = report / "final_model"
+    # The model the report scores: the weights' moving average when the core kept one, else the last weights.
+    final_model = report / ("final_model_average" if args.weight_average_decay > 0 else "final_model")
     after = NOT_SCORED
     if not args.skip_eval and (final_model / "model.safetensors").is_file():
         from evaluate import evaluate
@@ -310,6 +331,7 @@ def finish(argv: list[str], run_result) -> int:
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
         "task_sampling": args.task_sampling, "lr": args.lr, "sft_epochs": args.sft_epochs,
+        "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,
         "warm_start": prepared["model_dir"], "exit_reason": run_result.reason,
     })
     print(json.dumps(summary, indent=1))

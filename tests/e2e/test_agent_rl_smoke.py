@@ -25,7 +25,7 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
         sys.executable, "-m", "gyre.runtime.cli", "run", str(ROOT / "examples" / "agent_rl.py"),
         "--report", str(report), "--steps", "2", "--group-size", "4", "--groups-per-step", "1",
         "--copy-steps", "2", "--copy-gap-steps", "2", "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20",
-        "--skip-eval",
+        "--skip-eval", "--weight-average-decay", "0.5", "--checkpoint-every", "1",
         # A barely warm-started model gets equal rewards in most groups: keep them (dynamic sampling would drop them
         # and the two steps might never fill).
         "--min-reward-spread", "0",
@@ -45,6 +45,10 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     assert (report / "reward_curve.png").stat().st_size > 0
     assert (report / "cell_roles.png").stat().st_size > 0
     assert (report / "final_model" / "model.safetensors").is_file()
+    # The core kept a weight average, which is the model the report scores, and saved a checkpoint every step.
+    assert summary["scored_model"] == "final_model_average" and summary["weight_average_decay"] == 0.5
+    assert (report / "final_model_average" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (report / "checkpoints").iterdir()) == ["v00001", "v00002"]
     # The event log is recorded into the report without --log, and holds the run's applied steps.
     from gyre.runtime import Codec, read_log
 

@@ -6,14 +6,17 @@ look inside). Three steps of synthetic samples are trained (in the third the sat
 - (a) the core's weights after them equal one trainer's trained on the union of each step's micro-steps, and
   every micro-step was computed exactly once;
 - (b) after each step the rollout cell pulls the new weights through Mooncake (the same bytes as the core's) and its
-  engine's output tokens carry the new version.
+  engine's output tokens carry the new version;
+- (c) the core saved a checkpoint of every version, and when it stopped its last weights and their moving average.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -38,6 +41,8 @@ EXECUTIONS_PER_STEP = 4
 TRAINER = TrainerConfig(lr=1e-3, eps=1e-6, num_threads=1)
 """lr well above the tolerance, eps well above float noise: a gradient component that differs in sign (a missing
 micro-step) moves a weight by ~2e-3, while rounding noise near zero moves it by far less than 1e-5."""
+AVERAGE_DECAY = 0.5
+"""The core's weight average (only the core keeps one)."""
 
 
 class Recorder(Actor):
@@ -80,7 +85,7 @@ def make_group(name: str, seed: int, version: int) -> SamplesLanded:
     )
 
 
-def topology(model_dir: str, save_dir: str) -> Topology:
+def topology(model_dir: str, save_dir: Path) -> Topology:
     engine = EngineConfig(num_blocks=128, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
     common = dict(model_dir=model_dir, engine=engine, trainer=TRAINER, report_interval_s=0.5)
     result = Topology("weights", seed=0)
@@ -88,7 +93,10 @@ def topology(model_dir: str, save_dir: str) -> Topology:
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
         groups_per_step=1, group_size=EXECUTIONS_PER_STEP, microstep_token_budget=30, retry_after_s=0.05))
     result.add("weight_broker", WeightBroker)
-    result.add("core", Cell, CellConfig(is_core=True, initial_role="train", save_dir=save_dir, **common))
+    core = dict(common, trainer=attrs.evolve(TRAINER, average_decay=AVERAGE_DECAY))
+    result.add("core", Cell, CellConfig(is_core=True, initial_role="train", save_dir=str(save_dir / "model"),
+                                        average_save_dir=str(save_dir / "average"),
+                                        checkpoint_dir=str(save_dir / "checkpoints"), **core))
     result.add("satellite", Cell, CellConfig(initial_role="train", **common))
     result.add("roller", Cell, CellConfig(initial_role="rollout", **common))
     return result
@@ -155,16 +163,17 @@ def trained(tiny_model_dir, tmp_path_factory):
         result["events"] = list(recorder.events)
         return result
 
-    save_dir = tmp_path_factory.mktemp("final") / "model"
-    run = run_actors(topology(str(tiny_model_dir), str(save_dir)), driver, transport="zmq", timeout_s=400)
+    save_dir = tmp_path_factory.mktemp("final")
+    run = run_actors(topology(str(tiny_model_dir), save_dir), driver, transport="zmq", timeout_s=400)
     assert run.stop_reason is None, run.stop_reason
     return groups, dict(run.value, save_dir=save_dir)
 
 
 def test_core_weights_equal_one_trainer_on_the_union(trained, tiny_model_dir):
     groups, seen = trained
-    reference = MegatronTrainer(tiny_model_dir, TRAINER)
+    reference = MegatronTrainer(tiny_model_dir, attrs.evolve(TRAINER, average_decay=AVERAGE_DECAY))
     initial = reference.flat_params()
+    checkpoints = []
     for group in groups:
         batch = pack_samples(group.samples)
         reference.forward_backward(
@@ -172,13 +181,22 @@ def test_core_weights_equal_one_trainer_on_the_union(trained, tiny_model_dir):
             lambda lp, batch=batch: loss_from_samples(lp, batch, num_executions=EXECUTIONS_PER_STEP),
         )
         reference.optimizer_step()
+        checkpoints.append(reference.hf_state_dict())
     core = seen["core_params"]
     assert float((core - initial).abs().max()) > 1e-4  # the steps did move the weights
     assert float((core - reference.flat_params()).abs().max()) < 1e-5
-    saved = load_hf_state_dict(seen["save_dir"])  # the core saved its weights when it stopped
-    expected = reference.hf_state_dict()
-    assert saved.keys() == expected.keys()
-    assert max(float((saved[k] - expected[k]).abs().max()) for k in expected) < 1e-5
+    save_dir = seen["save_dir"]
+    # When it stopped the core saved its weights and their moving average; after each step, a checkpoint.
+    saved = {name: load_hf_state_dict(save_dir / name) for name in ("model", "average")}
+    saved.update({f"v{i + 1:05d}": load_hf_state_dict(save_dir / "checkpoints" / f"v{i + 1:05d}") for i in range(3)})
+    assert sorted(p.name for p in (save_dir / "checkpoints").iterdir()) == ["v00001", "v00002", "v00003"]
+    expected = {"model": reference.hf_state_dict(), "average": reference.hf_state_dict(averaged=True)}
+    expected.update({f"v{i + 1:05d}": state for i, state in enumerate(checkpoints)})
+    for name, state in expected.items():
+        assert saved[name].keys() == state.keys(), name
+        assert max(float((saved[name][k] - state[k]).abs().max()) for k in state) < 1e-5, name
+    # The average is not the last weights: it lags them (decay 0.5 over three steps).
+    assert max(float((expected["average"][k] - expected["model"][k]).abs().max()) for k in state) > 1e-4
 
 
 def test_micro_steps_were_shared_and_counted_once(trained):

@@ -34,6 +34,9 @@ def test_defaults(agent_rl) -> None:
     ["--clip-high", "-0.01"],
     ["--task-sampling", "random"],
     ["--copy-expression-share", "1.5"],
+    ["--weight-average-decay", "1"],
+    ["--weight-average-decay", "-0.5"],
+    ["--checkpoint-every", "-1"],
 ])
 def test_bad_values_are_refused_with_a_message(agent_rl, argv, capsys) -> None:
     with pytest.raises(SystemExit) as exited:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import types
 
 import attrs
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from gyre.actors.cell import Cell, CellConfig
 from gyre.actors.cell_rollout import PeerView, RecentSessions
-from gyre.actors.cell_training import StepTracker, TrainerHost
+from gyre.actors.cell_training import CoreSteps, StepTracker, TrainerHost
 from gyre.actors.weight_broker import (
     NO_SOURCE,
     StaleWeights,
@@ -81,6 +82,40 @@ def test_config_refuses_bad_values(tiny_model_dir):
         CellConfig(model_dir=str(tiny_model_dir), report_interval_s=0.0)
     with pytest.raises(ValueError):
         CellConfig(model_dir=str(tiny_model_dir), pull_attempts=0)
+    with pytest.raises(ValueError):
+        CellConfig(model_dir=str(tiny_model_dir), checkpoint_every_steps=0)
+    with pytest.raises(ValueError, match="average_decay"):  # nothing to save without an average
+        CellConfig(model_dir=str(tiny_model_dir), is_core=True, average_save_dir="/tmp/average")
+
+
+class _CheckpointingCore:
+    """What CoreSteps.save_checkpoint uses of a core cell: its config, trainer host, lock, offload and log."""
+
+    def __init__(self, model_dir, checkpoint_dir) -> None:
+        from gyre.engines.trainer import MegatronTrainer
+
+        self.config = CellConfig(model_dir=str(model_dir), is_core=True, checkpoint_dir=str(checkpoint_dir))
+        self.training = types.SimpleNamespace(trainer=MegatronTrainer(model_dir))
+        self.compute_lock = asyncio.Lock()
+        self.logged: list[tuple[str, dict]] = []
+        self.log = types.SimpleNamespace(info=lambda event, **kw: self.logged.append((event, kw)),
+                                   error=lambda event, **kw: self.logged.append((event, kw)))
+
+    async def offload(self, fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+
+def test_a_checkpoint_is_a_model_directory_and_a_failed_one_is_logged(tiny_model_dir, tmp_path):
+    core = _CheckpointingCore(tiny_model_dir, tmp_path / "checkpoints")
+    asyncio.run(CoreSteps(core).save_checkpoint(7))
+    assert (tmp_path / "checkpoints" / "v00007" / "model.safetensors").is_file()
+    assert core.logged[-1][0] == "checkpoint_saved"
+    # A checkpoint directory that cannot be made (a file is in the way) is logged; training is not stopped.
+    (tmp_path / "blocked").write_text("not a directory")
+    core = _CheckpointingCore(tiny_model_dir, tmp_path / "blocked")
+    asyncio.run(CoreSteps(core).save_checkpoint(8))
+    event, fields = core.logged[-1]
+    assert event == "checkpoint_failed" and fields["version"] == 8 and fields["error"]
 
 
 def test_peer_view_targets_only_serving_cells_that_do_not_drain():

@@ -231,6 +231,47 @@ def test_config_validation():
         TrainerConfig(device="tpu")
     with pytest.raises(TrainerError):
         TrainerConfig(lr=-1.0)
+    for decay in (-0.1, 1.0, 1.5):
+        with pytest.raises(TrainerError, match="average_decay"):
+            TrainerConfig(average_decay=decay)
+
+
+def test_weight_average_follows_the_applied_steps(tiny_model_dir, tmp_path):
+    decay = 0.6
+    t = MegatronTrainer(tiny_model_dir, TrainerConfig(lr=0.01, average_decay=decay))
+    expected = t.flat_params()
+    assert t.has_average and torch.equal(t.averaged_params(), expected)
+    for seed in range(3):
+        t.forward_backward(*batch(20 + seed, [8, 5]), summed_nll)
+        t.optimizer_step()
+        expected = decay * expected + (1 - decay) * t.flat_params()
+        torch.testing.assert_close(t.averaged_params(), expected, atol=1e-7, rtol=1e-6)
+    assert not torch.allclose(t.averaged_params(), t.flat_params())
+    # A skipped step (non-finite gradients) leaves the average alone.
+    t.add_flat_grads(torch.full((t.num_params,), float("nan")))
+    t.optimizer_step()
+    torch.testing.assert_close(t.averaged_params(), expected, atol=1e-7, rtol=1e-6)
+    # The average saves as a complete model directory whose weights load back to the average.
+    averaged = t.save_hf(tmp_path / "average", averaged=True)
+    live = t.save_hf(tmp_path / "live")
+    loader = MegatronTrainer(tiny_model_dir)
+    loader.load_hf_state_dict(load_hf_state_dict(averaged))
+    torch.testing.assert_close(loader.flat_params(), t.averaged_params(), atol=0, rtol=0)
+    loader.load_hf_state_dict(load_hf_state_dict(live))
+    assert torch.equal(loader.flat_params(), t.flat_params())
+    # Loaded weights restart the average: it never mixes unrelated weights.
+    t.load_flat_params(loader.flat_params() * 0.5, version=9)
+    assert torch.equal(t.averaged_params(), t.flat_params())
+
+
+def test_no_weight_average_unless_configured(fresh, tmp_path):
+    a, _ = fresh
+    assert not a.has_average
+    with pytest.raises(TrainerError, match="no weight average"):
+        a.averaged_params()
+    with pytest.raises(TrainerError, match="no weight average"):
+        a.save_hf(tmp_path / "average", averaged=True)
+    assert not (tmp_path / "average").exists()
 
 
 def test_weight_decay_spares_norm_weights(tiny_model_dir):

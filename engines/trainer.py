@@ -83,6 +83,10 @@ class TrainerConfig:
     long agent trajectories fit in memory); "local": megatron's own DotProductAttention (the reference path)."""
     device: str | None = None
     """"cpu" or "cuda"; None picks cuda when available. The CPU path is the tested one."""
+    lr_warmup_steps: int = 0
+    """Ramp the learning rate linearly over the first this many versions (lr * v / n for the step that makes version
+    v); 0: none. Why: Adam's first updates move every weight by about lr whatever its gradient's noise (the moment
+    estimates are one sample old), which for a small model is a jolt to skills the run is not training."""
     average_decay: float = 0.0
     """Keep an exponential moving average of the weights, moved towards the new weights by (1 - decay) after each
     applied optimizer step; 0 keeps none. Why: the last weights of a short RL run carry the noise of its last few
@@ -96,6 +100,8 @@ class TrainerConfig:
             raise TrainerError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
         if self.grad_clip < 0 or self.lr < 0 or self.weight_decay < 0:
             raise TrainerError("lr, weight_decay and grad_clip must be >= 0")
+        if self.lr_warmup_steps < 0:
+            raise TrainerError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps!r}")
         if not 0.0 <= self.average_decay < 1.0:
             raise TrainerError(f"average_decay must be in [0, 1), got {self.average_decay!r}")
 
@@ -366,8 +372,8 @@ class MegatronTrainer:
 
     def optimizer_step(self, lr: float | None = None) -> dict:
         """Clip, apply AdamW, zero the gradients and bump the version. `lr` applies to this step only (a schedule
-        passes it every step); without it the config's lr is used. A step whose gradient norm is not finite is
-        skipped (weights and version unchanged) and reported with skipped=True."""
+        passes it every step); without it the config's lr is used, ramped up over `lr_warmup_steps`. A step whose
+        gradient norm is not finite is skipped (weights and version unchanged) and reported with skipped=True."""
         grad_norm = float(torch.linalg.vector_norm(self._grads))
         if not math.isfinite(grad_norm):
             self.zero_grads()
@@ -377,7 +383,7 @@ class MegatronTrainer:
         if clip > 0 and grad_norm > clip:
             self._grads.mul_(clip / (grad_norm + 1e-6))
         for group in self.optimizer.param_groups:
-            group["lr"] = self.config.lr if lr is None else lr
+            group["lr"] = self.scheduled_lr() if lr is None else lr
         self.optimizer.step()
         self.zero_grads()
         self.version += 1
@@ -385,6 +391,11 @@ class MegatronTrainer:
             ema_update(self._average, self._params, self.config.average_decay)
         return {"grad_norm": grad_norm, "skipped": False, "version": self.version,
                 "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def scheduled_lr(self) -> float:
+        """The config's lr for the step that makes the next version, after the warm-up ramp."""
+        warmup = self.config.lr_warmup_steps
+        return self.config.lr * min(1.0, (self.version + 1) / warmup) if warmup else self.config.lr
 
     # -- weights -----------------------------------------------------------------------------------------------
 

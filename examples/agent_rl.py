@@ -12,11 +12,14 @@ What happens:
    (engines/pretrain.py: what a real base model brings and a random one lacks);
    the scripted expert's demonstrations warm-start it with one epoch of SFT (a model that sometimes succeeds and
    whose failures RL can still fix; see --sft-epochs); each stage is cached under ~/.cache/gyre, keyed by
-   its inputs. The warm-started model is scored on held-out tasks (greedy).
+   its inputs (the base model's bytes among them: copy pretraining is not bit-reproducible across CPUs, so each
+   machine builds its own warm start, and the RL gain depends on it: BENCHMARKS.md, session 10). The
+   warm-started model is scored on held-out tasks (greedy).
 2. the topology: one core cell and two satellites (each its own process; the core holds weights and optimizer),
    the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
    executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
-   runs until `--steps` optimizer steps are applied; the core saves the final weights. The task source runs the
+   runs until `--steps` optimizer steps are applied; the core saves the final weights (and, when asked, a
+   checkpoint every `--checkpoint-every` steps and the weights' moving average, `--weight-average-decay`). The task source runs the
    task kinds whose groups still teach (rewards that differ) more often (policies/task_sampling.py).
 3. finish: the final model is scored on the same held-out tasks and the report is written: summary.json, the
    reward curve, each cell's role over time.
@@ -70,8 +73,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=3e-4,
-                        help="RL learning rate (3e-4: ten runs scored on 224 held-out tasks gained +4.0 to +12.5 points; "
-                        "4e-4 collapsed once: BENCHMARKS.md, sessions 7 to 9)")
+                        help="RL learning rate (3e-4: from the sessions 7-9 warm start ten runs scored on 224 held-out tasks "
+                        "gained +4.0 to +12.5 points, from session 10's +0.0 to +2.2; "
+                        "4e-4 collapsed once: BENCHMARKS.md, sessions 7 to 10)")
+    parser.add_argument("--lr-warmup-steps", type=int, default=0,
+                        help="ramp the learning rate up linearly over the first N steps (0: none)")
     parser.add_argument("--clip-low", type=float, default=3e-4, help="GSPO lower clip range of the sequence ratio")
     parser.add_argument("--clip-high", type=float, default=4e-4, help="GSPO upper clip range of the sequence ratio")
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
@@ -121,6 +127,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--copy-expression-share must be in [0, 1], got {args.copy_expression_share}")
     if not 0.0 <= args.weight_average_decay < 1.0:
         parser.error(f"--weight-average-decay must be in [0, 1), got {args.weight_average_decay}")
+    if args.lr_warmup_steps < 0:
+        parser.error(f"--lr-warmup-steps must be >= 0 (0: none), got {args.lr_warmup_steps}")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
     if not 0.0 <= args.clip_low < 1.0 or args.clip_high < 0.0:
@@ -268,7 +276,7 @@ def topology(argv: list[str]) -> Topology:
     # 48 concurrent generations a cell, above the 32 agents the executor runs: the elastic policy lets a satellite
     # train only while the cells that stay can take every live session with 10% to spare (0.9 * 48 >= 32).
     engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=48, num_threads=1)
-    trainer = TrainerConfig(lr=args.lr, num_threads=1, seed=args.seed)
+    trainer = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, num_threads=1, seed=args.seed)
     report = Path(args.report)
     for name in CELLS:
         # Satellites import megatron while they start rolling out, so a first switch into training is quick.
@@ -330,7 +338,7 @@ def finish(argv: list[str], run_result) -> int:
     summary = write_report(report, prepared["before"], after, {
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
-        "task_sampling": args.task_sampling, "lr": args.lr, "sft_epochs": args.sft_epochs,
+        "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps, "sft_epochs": args.sft_epochs,
         "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,
         "warm_start": prepared["model_dir"], "exit_reason": run_result.reason,
     })

@@ -37,6 +37,7 @@ def test_defaults(agent_rl) -> None:
     ["--weight-average-decay", "1"],
     ["--weight-average-decay", "-0.5"],
     ["--checkpoint-every", "-1"],
+    ["--lr-warmup-steps", "-2"],
 ])
 def test_bad_values_are_refused_with_a_message(agent_rl, argv, capsys) -> None:
     with pytest.raises(SystemExit) as exited:

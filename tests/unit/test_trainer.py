@@ -236,6 +236,20 @@ def test_config_validation():
             TrainerConfig(average_decay=decay)
 
 
+def test_lr_warmup_ramps_by_version(tiny_model_dir):
+    t = MegatronTrainer(tiny_model_dir, TrainerConfig(lr=0.01, lr_warmup_steps=4))
+    seen = []
+    for seed in range(5):
+        t.forward_backward(*batch(40 + seed, [6]), summed_nll)
+        seen.append(t.optimizer_step()["lr"])
+    assert seen == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01])
+    assert t.optimizer_step(lr=0.5)["lr"] == 0.5  # an explicit lr wins over the ramp
+    t.load_flat_params(t.flat_params(), version=1)  # the ramp follows the version, also after a load
+    assert t.scheduled_lr() == pytest.approx(0.005)
+    with pytest.raises(TrainerError, match="lr_warmup_steps"):
+        TrainerConfig(lr_warmup_steps=-1)
+
+
 def test_weight_average_follows_the_applied_steps(tiny_model_dir, tmp_path):
     decay = 0.6
     t = MegatronTrainer(tiny_model_dir, TrainerConfig(lr=0.01, average_decay=decay))

@@ -86,12 +86,14 @@ class TrainerConfig:
     lr_warmup_steps: int = 0
     """Ramp the learning rate linearly over the first this many versions (lr * v / n for the step that makes version
     v); 0: none. Why: Adam's first updates move every weight by about lr whatever its gradient's noise (the moment
-    estimates are one sample old), which for a small model is a jolt to skills the run is not training."""
+    estimates are one sample old), a jolt to skills the run is not training. (One run of the main job with 6 gained
+    +1.8 held-out points against +0.0 without: within its noise; BENCHMARKS.md, session 10.)"""
     average_decay: float = 0.0
     """Keep an exponential moving average of the weights, moved towards the new weights by (1 - decay) after each
     applied optimizer step; 0 keeps none. Why: the last weights of a short RL run carry the noise of its last few
-    steps' gradients, and a small model's greedy answers flip on such changes; the average smooths them out. It
-    costs one more copy of the parameters, so only the cell that applies the steps (the core) should keep one."""
+    steps' gradients, and a small model's greedy answers flip on such changes; an average smooths that noise (on
+    the main job's tasks it scored within the noise of the last weights: BENCHMARKS.md, session 10). It costs one
+    more copy of the parameters, so only the cell that applies the steps (the core) should keep one."""
 
     def __attrs_post_init__(self) -> None:
         if self.core_attention not in CORE_ATTENTION:

@@ -19,8 +19,9 @@ What happens:
    the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
    executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
    runs until `--steps` optimizer steps are applied; the core saves the final weights (and, when asked, a
-   checkpoint every `--checkpoint-every` steps and the weights' moving average, `--weight-average-decay`). The task source runs the
-   task kinds whose groups still teach (rewards that differ) more often (policies/task_sampling.py).
+   checkpoint every `--checkpoint-every` steps and the weights' moving average, `--weight-average-decay`). The
+   task source runs the task kinds whose groups still teach (rewards that differ) more often
+   (policies/task_sampling.py).
 3. finish: the final model is scored on the same held-out tasks and the report is written: summary.json, the
    reward curve, each cell's role over time.
 """
@@ -73,8 +74,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=3e-4,
-                        help="RL learning rate (3e-4: from the sessions 7-9 warm start ten runs scored on 224 held-out tasks "
-                        "gained +4.0 to +12.5 points, from session 10's +0.0 to +2.2; "
+                        help="RL learning rate (3e-4: from the sessions 7-9 warm start ten runs scored on 224 "
+                        "held-out tasks gained +4.0 to +12.5 points, from session 10's +0.0 to +2.2; "
                         "4e-4 collapsed once: BENCHMARKS.md, sessions 7 to 10)")
     parser.add_argument("--lr-warmup-steps", type=int, default=0,
                         help="ramp the learning rate up linearly over the first N steps (0: none)")
@@ -338,7 +339,8 @@ def finish(argv: list[str], run_result) -> int:
     summary = write_report(report, prepared["before"], after, {
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
-        "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps, "sft_epochs": args.sft_epochs,
+        "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
+        "sft_epochs": args.sft_epochs,
         "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,
         "warm_start": prepared["model_dir"], "exit_reason": run_result.reason,
     })

@@ -75,7 +75,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=3e-4,
                         help="RL learning rate (3e-4: from the sessions 7-9 warm start ten runs scored on 224 "
-                        "held-out tasks gained +4.0 to +12.5 points, from session 10's +0.0 to +2.2; "
+                        "held-out tasks gained +4.0 to +12.5 points, from session 10's -1.8 to +2.2; "
                         "4e-4 collapsed once: BENCHMARKS.md, sessions 7 to 10)")
     parser.add_argument("--lr-warmup-steps", type=int, default=0,
                         help="ramp the learning rate up linearly over the first N steps (0: none)")

@@ -102,8 +102,12 @@ def test_prefix_moves_from_a_to_b(servers):
             assert on_a["meta_info"]["cached_tokens"] == 144
             assert finish_reason_type(on_b["meta_info"]) == "length"
             assert on_b["output_ids"] == on_a["output_ids"]
-            # Same bytes of KV, same computation after them: identical log-probs, not merely close ones.
-            assert on_b["meta_info"]["output_token_logprobs"] == on_a["meta_info"]["output_token_logprobs"]
+            # Same bytes of KV, same computation after them: the same tokens, and log-probs equal to float32 rounding.
+            # (Bit-identical on the sessions 1-9 VM; on session 10's AMD EPYC VM two engine processes differ in the last
+            # bits, ~5e-7, deterministically. A wrong or missing block moves a log-prob by far more than 1e-5.)
+            lp_b, lp_a = on_b["meta_info"]["output_token_logprobs"], on_a["meta_info"]["output_token_logprobs"]
+            assert [row[1:] for row in lp_b] == [row[1:] for row in lp_a]
+            assert max(abs(b[0] - a[0]) for b, a in zip(lp_b, lp_a, strict=True)) < 1e-5
 
             # Importing again is a no-op: B already holds the prefix.
             export = await a.export_kv(history)

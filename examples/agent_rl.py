@@ -75,14 +75,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=3e-4,
                         help="RL learning rate (3e-4: from the sessions 7-9 warm start ten runs scored on 224 "
-                        "held-out tasks gained +4.0 to +12.5 points, from session 10's -1.8 to +2.2; "
+                        "held-out tasks gained +4.0 to +12.5 points, from session 10's -1.8 and +0.0; "
                         "4e-4 collapsed once: BENCHMARKS.md, sessions 7 to 10)")
     parser.add_argument("--lr-warmup-steps", type=int, default=0,
                         help="ramp the learning rate up linearly over the first N steps (0: none)")
     parser.add_argument("--clip-low", type=float, default=3e-4, help="GSPO lower clip range of the sequence ratio")
     parser.add_argument("--clip-high", type=float, default=4e-4, help="GSPO upper clip range of the sequence ratio")
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
-                        help="the agents' sampling temperature in training (held-out evaluation is greedy)")
+                        help="the agents' sampling temperature in training (held-out evaluation is greedy). From "
+                        "session 10's warm start 1.0 gained +2.2 to +3.6 points in three runs and 0.7 -1.8 and +0.0 "
+                        "(BENCHMARKS.md, session 10)")
     parser.add_argument("--min-reward-spread", type=float, default=0.25,
                         help="drop groups whose rewards span no more than this (DAPO dynamic sampling; 0: keep all). "
                         "0.25 also drops groups that differ only by the 0.2 written-file reward, so the task sampling "

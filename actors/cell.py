@@ -198,15 +198,16 @@ class Cell(Actor):
         self.log.info("training_runtime_prepared", seconds=round(self.clock.now() - started, 3))
 
     async def on_stop(self) -> None:
-        if self.config.is_core and self.config.save_dir and self.training is not None:
+        config = self.config
+        if config.is_core and self.training is not None:
             trainer = self.training.trainer
-            await self.offload(trainer.save_hf, self.config.save_dir)
-            self.log.info("final_weights_saved", path=self.config.save_dir, version=trainer.version)
-        if self.config.is_core and self.config.average_save_dir and self.training is not None:
-            trainer = self.training.trainer
-            await self.offload(trainer.save_hf, self.config.average_save_dir, True)
-            self.log.info("final_average_saved", path=self.config.average_save_dir, version=trainer.version,
-                          decay=trainer.config.average_decay)
+            if config.save_dir:
+                await self.offload(trainer.save_hf, config.save_dir)
+                self.log.info("final_weights_saved", path=config.save_dir, version=trainer.version)
+            if config.average_save_dir:
+                await self.offload(trainer.save_hf, config.average_save_dir, True)
+                self.log.info("final_average_saved", path=config.average_save_dir, version=trainer.version,
+                              decay=trainer.config.average_decay)
         await self._release_all()
 
     # ---- resources ----------------------------------------------------------------------------------------

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import sys
 from pathlib import Path
 
-from gyre.engines.model_format import CONFIG_FILE, load_hf_state_dict, save_hf_state_dict
+from gyre.engines.model_format import load_hf_state_dict, save_model_dir
 from gyre.engines.trainer import ema_update
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
-_SIDE_FILES = (CONFIG_FILE, "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -47,11 +45,7 @@ def average_checkpoints(start: Path, root: Path, out: Path, decay: float) -> lis
         for name, tensor in average.items():
             ema_update(tensor, weights[name].float(), decay)
         versions.append(version)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in _SIDE_FILES:
-        if (start / name).is_file():
-            shutil.copyfile(start / name, out / name)
-    save_hf_state_dict(out, average)
+    save_model_dir(start, out, average)
     return versions
 
 

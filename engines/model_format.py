@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Mapping
 
@@ -27,7 +28,7 @@ from gyre.engines.tokenizer import MODEL_MAX_LENGTH, VOCAB_SIZE, build_tokenizer
 
 __all__ = [
     "PRESETS", "ModelFormatError", "ModelSpec", "check_state_dict", "hf_param_shapes", "init_model_dir",
-    "init_state_dict", "load_hf_state_dict", "save_hf_state_dict",
+    "init_state_dict", "load_hf_state_dict", "save_hf_state_dict", "save_model_dir",
 ]
 
 CONFIG_FILE = "config.json"
@@ -227,6 +228,23 @@ def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 def save_hf_state_dict(model_dir: str | Path, state: Mapping[str, torch.Tensor]) -> None:
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
     safetensors.torch.save_file(tensors, str(Path(model_dir) / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+"""Files besides config and weights that make a directory a complete model directory (those present are kept)."""
+
+
+def save_model_dir(source_dir: str | Path, target_dir: str | Path, state: Mapping[str, torch.Tensor]) -> Path:
+    """Write a complete model directory: `source_dir`'s config and side files, plus these HF-named weights."""
+    source, target = Path(source_dir), Path(target_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / CONFIG_FILE).read_text(encoding="utf-8"))
+    (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    for name in SIDE_FILES:
+        if (source / name).is_file() and (source / name).resolve() != (target / name).resolve():
+            shutil.copyfile(source / name, target / name)
+    save_hf_state_dict(target, state)
+    return target
 
 
 def write_config(model_dir: str | Path, spec: ModelSpec) -> None:

@@ -23,9 +23,7 @@ CUDA present the model and buffers live on the GPU and megatron runs unpatched; 
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -36,12 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gyre.engines import megatron_cpu
-from gyre.engines.model_format import (
-    CONFIG_FILE,
-    ModelSpec,
-    load_hf_state_dict,
-    save_hf_state_dict,
-)
+from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
 from gyre.engines.weight_convert import hf_to_megatron, megatron_to_hf
 
 __all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "build_gpt_model", "ema_update",
@@ -53,8 +46,6 @@ CORE_ATTENTION = ("sdpa", "local")
 
 LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, Mapping[str, Any]]"]
 
-# Files copied next to the weights by save_hf, so that a saved directory is a complete model directory.
-_SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 class TrainerError(ValueError):
@@ -459,17 +450,7 @@ class MegatronTrainer:
     def save_hf(self, model_dir: str | Path, averaged: bool = False) -> Path:
         """Write a complete model directory: config and side files of the source directory, plus the weights (their
         moving average with `averaged`)."""
-        state = self.hf_state_dict(averaged)
-        target = Path(model_dir)
-        target.mkdir(parents=True, exist_ok=True)
-        config = json.loads((self.model_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-        (target / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        for name in _SIDE_FILES:
-            source = self.model_dir / name
-            if source.is_file() and source.resolve() != (target / name).resolve():
-                shutil.copyfile(source, target / name)
-        save_hf_state_dict(target, state)
-        return target
+        return save_model_dir(self.model_dir, model_dir, self.hf_state_dict(averaged))
 
 
 def ema_update(average: torch.Tensor, params: torch.Tensor, decay: float) -> None:

@@ -118,7 +118,7 @@ class TrainerHost:
                 return loss_from_samples(logprobs, batch, num_executions=num_executions, clip_low=clip_low,
                                          clip_high=clip_high)
 
-            parts.append(self.trainer.forward_backward(batch.input_ids, batch.lengths, loss_fn))
+            parts.append(self.trainer.forward_backward(batch.input_ids, batch.lengths, loss_fn, batch.temperatures))
         return combine_chunk_metrics(parts)
 
     # ---- gradients ----------------------------------------------------------------------------------------

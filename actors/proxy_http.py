@@ -36,6 +36,7 @@ from gyre.actors import anthropic_api, openai_api
 from gyre.actors.openai_api import ApiError, ChatOutcome, ChatRequest, sse
 from gyre.actors.proxy_sessions import ExecutionSession, ProxySessions, RenderedPrompt, turn_key
 from gyre.actors.proxy_stream import Delta, TextDelta, TurnStreamer
+from gyre.engines.temperature import logprob_temperature
 from gyre.engines.tool_calls import ParsedOutput, parse_tool_calls
 from gyre.messages.model_calls import ModelCallCompleted
 
@@ -398,6 +399,7 @@ class ProxyService:
                 cell=result.cell,
                 started_s=started_s,
                 finished_s=finished_s,
+                sampling_temperature=logprob_temperature(float(call.backend_request.sampling_params["temperature"])),
             )
         )
         outcome = ChatOutcome(

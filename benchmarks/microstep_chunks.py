@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         for chunk in length_sorted_chunks(samples, chunk_tokens) if chunk_tokens else [list(samples)]:
             batch = pack_samples(chunk)
             trainer.forward_backward(batch.input_ids, batch.lengths,
-                                     lambda lp, batch=batch: loss_from_samples(lp, batch, num_executions=64))
+                                     lambda lp, batch=batch: loss_from_samples(lp, batch, num_executions=64),
+                                     batch.temperatures)
         return time.perf_counter() - started
 
     for grant in _grants(args.log, args.microsteps):

@@ -130,7 +130,8 @@ class GenerateOutput:
     output_ids: tuple[int, ...]
     """Generated tokens; a matched stop token is the last one."""
     output_logprobs: tuple[float, ...]
-    """log p(token) under the raw logits (temperature 1, no top-p/top-k); empty without return_logprob."""
+    """log p(token) under the logits divided by the request's temperature (1 when greedy; no top-p/top-k: see
+    engines/sampling.py); empty without return_logprob."""
     output_versions: tuple[int, ...]
     """Weight version that produced each output token."""
     finish_reason: str

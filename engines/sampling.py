@@ -10,10 +10,14 @@ without shipping its state along (the proxy's resubmission after a role switch r
 actors/proxy.py). The cost is that two requests with the same seed whose sequences share positions get the same
 noise at those positions; give different requests different seeds (the engine and the proxy do).
 
-Log-probs: `output_logprobs` are log-softmax of the raw logits (temperature 1, no top-p or top-k) at the chosen
-token. That is what the trainer computes for the same token under the same weights, so behaviour and trainer
-log-probs are directly comparable (importance ratios, staleness checks). At temperature 1 without top-p/top-k it
-is also the log-prob of the distribution actually sampled from; with other settings it is not, by design.
+Log-probs: `output_logprobs` are log-softmax of the logits divided by the request's temperature (no top-p or top-k)
+at the chosen token, and of the raw logits for a greedy request (temperature 0 counts as 1: `logprob_temperature`).
+That is SGLang's convention (its default log-probs are taken after temperature scaling) and the distribution the
+token was drawn from, so it is the policy that RL trains: the trainer divides its logits by the same temperature
+(TrainingSample.sampling_temperatures) and behaviour and trainer log-probs are directly comparable (importance
+ratios, staleness checks). Taken at temperature 1 instead, samples drawn at 0.7 would train the temperature-1
+policy on another policy's samples, and SGLang's behaviour log-probs would not match the trainer's at all. Top-p
+and top-k are not folded in (SGLang does not either): RL rollouts should leave them off.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from typing import Sequence
 import attrs
 import torch
 
+from gyre.engines.temperature import GREEDY_TEMPERATURE, logprob_temperature
+
 # Beyond this a stop string cannot be checked cheaply, and nobody needs it.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-GREEDY_TEMPERATURE = 1e-5
 
 
 def _check_stop(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
@@ -98,6 +103,11 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
         if type(self.ignore_eos) is not bool:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the output log-probs are taken at (see the module doc)."""
+        return logprob_temperature(self.temperature)
 
     @property
     def greedy(self) -> bool:
@@ -172,14 +182,14 @@ def _sample_filtered(row: torch.Tensor, params: SamplingParams, uniform: float) 
 def sample_next(
     logits: torch.Tensor, samplers: Sequence[RequestSampler], positions: Sequence[int]
 ) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits` [B, V]; returns the tokens and their raw log-probs (see module doc).
+    """Pick one token per row of `logits` [B, V]; returns the tokens and their log-probs at each row's
+    `logprob_temperature` (see the module doc).
 
     `positions[b]` is the absolute sequence position (prompt included) the token of row b will take: its noise is
     derived from it and the row's seed."""
     logits = logits.float()
     batch = logits.shape[0]
     assert batch == len(samplers) == len(positions)
-    raw_logprobs = torch.log_softmax(logits, -1)
     tokens = [0] * batch
     plain_rows: list[int] = []
     plain_uniforms: list[float] = []
@@ -204,7 +214,10 @@ def sample_next(
         for b, token in zip(plain_rows, picked):
             tokens[b] = token
     index = torch.tensor(tokens, dtype=torch.long)
-    logprobs = raw_logprobs.gather(-1, index.unsqueeze(-1)).squeeze(-1).tolist()
+    scales = [s.params.logprob_temperature for s in samplers]
+    if any(scale != 1.0 for scale in scales):
+        logits = logits / torch.tensor(scales, dtype=logits.dtype).unsqueeze(-1)
+    logprobs = torch.log_softmax(logits, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1).tolist()
     return tokens, logprobs
 
 

@@ -9,6 +9,10 @@ connection is `EngineUnreachable`, a deadline is `EngineTimeout`. The embedded s
 them: "capability_missing" (a server started without --kv-transfer) is `CapabilityMissing` too, and
 "transfer_failed" (Mooncake could not move the blocks) is `KVTransferFailed`. Bodies with `"success": false`
 (SGLang's way of refusing a weight update with status 200 on some versions) are also `RequestRejected`.
+
+Log-probs: both engines report a sampled token's log-prob at the request's temperature (SGLang's default; see
+engines/temperature.py), which the trainer reproduces. Do not start SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB: its
+log-probs would then be taken at temperature 1 and no longer match the trainer's at other temperatures.
 """
 
 from __future__ import annotations

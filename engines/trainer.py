@@ -233,11 +233,18 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
     return model.to(device)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[b, t] = log p(ids[b, t] | ids[b, :t]) for 1 <= t < lengths[b], 0 elsewhere, from logits [B, T, V]."""
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, temperatures: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[b, t] = log p(ids[b, t] | ids[b, :t]) for 1 <= t < lengths[b], 0 elsewhere, from logits [B, T, V].
+
+    With `temperatures` [B, T], p is the softmax of the logits divided by temperatures[b, t]: the distribution
+    token t was sampled from (engines/temperature.py)."""
     logits = logits.float()
     targets = input_ids[:, 1:].unsqueeze(-1)
     shifted = logits[:, :-1]
+    if temperatures is not None:
+        shifted = shifted / temperatures[:, 1:].unsqueeze(-1).to(shifted.dtype)
     picked = shifted.gather(-1, targets).squeeze(-1) - torch.logsumexp(shifted, dim=-1)
     out = F.pad(picked, (1, 0))
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -316,26 +323,45 @@ class MegatronTrainer:
             raise TrainerError(f"token ids must lie in [0, {self.spec.vocab_size})")
         return input_ids.to(self.device), lengths.to(self.device)
 
-    def _logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def _check_temperatures(self, temperatures: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+        if temperatures is None:
+            return None
+        if not isinstance(temperatures, torch.Tensor) or temperatures.shape != input_ids.shape:
+            raise TrainerError(f"temperatures must be a tensor shaped like input_ids {tuple(input_ids.shape)}")
+        if not bool(torch.isfinite(temperatures).all()) or float(temperatures.min()) <= 0:
+            raise TrainerError("temperatures must be finite and > 0")
+        return temperatures.to(self.device)
+
+    def _logprobs(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, temperatures: torch.Tensor | None
+    ) -> torch.Tensor:
         # Right padding needs no mask beyond causality: a real token never attends to a later (padding) one.
         # With attention_mask=None megatron builds the causal mask itself (the CPU shim makes it on the CPU).
         logits = self.model(input_ids, position_ids=None, attention_mask=None)
-        return token_logprobs(logits, input_ids, lengths)
+        return token_logprobs(logits, input_ids, lengths, temperatures)
 
-    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """[b, t] = log p(ids[b, t] | ids[b, :t]) for 1 <= t < lengths[b], 0 elsewhere; no gradients."""
+    def logprobs(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, temperatures: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[b, t] = log p(ids[b, t] | ids[b, :t]) for 1 <= t < lengths[b], 0 elsewhere; no gradients. `temperatures`
+        [B, T] (default: all 1) divides the logits that predict each token, as `token_logprobs` says."""
         source_device = input_ids.device if isinstance(input_ids, torch.Tensor) else None
         input_ids, lengths = self._check_batch(input_ids, lengths)
+        temperatures = self._check_temperatures(temperatures, input_ids)
         self.model.eval()
         with torch.no_grad():
-            return self._logprobs(input_ids, lengths).to(source_device)
+            return self._logprobs(input_ids, lengths, temperatures).to(source_device)
 
-    def forward_backward(self, input_ids: torch.Tensor, lengths: torch.Tensor, loss_fn: LossFn) -> dict:
-        """Compute log-probs, `loss, metrics = loss_fn(logprobs)`, and accumulate d loss / d params into the
-        gradients. Returns the metrics as floats plus `loss` and `num_tokens` (sum of lengths)."""
+    def forward_backward(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, loss_fn: LossFn, temperatures: torch.Tensor | None = None
+    ) -> dict:
+        """Compute log-probs (at `temperatures`, as in `logprobs`), `loss, metrics = loss_fn(logprobs)`, and
+        accumulate d loss / d params into the gradients. Returns the metrics as floats plus `loss` and `num_tokens`
+        (sum of lengths)."""
         input_ids, lengths = self._check_batch(input_ids, lengths)
+        temperatures = self._check_temperatures(temperatures, input_ids)
         self.model.train()
-        logprobs = self._logprobs(input_ids, lengths)
+        logprobs = self._logprobs(input_ids, lengths, temperatures)
         result = loss_fn(logprobs)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TrainerError("loss_fn must return (loss, metrics)")

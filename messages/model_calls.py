@@ -5,7 +5,7 @@ from __future__ import annotations
 from gyre.messages._define import message
 
 
-@message("gyre.model_calls.ModelCallCompleted")
+@message("gyre.model_calls.ModelCallCompleted", version=2)
 class ModelCallCompleted:
     """One finished model call of one execution, with the exact token ids and behaviour log-probs."""
 
@@ -24,7 +24,8 @@ class ModelCallCompleted:
     output_ids: tuple[int, ...]
     """Token ids the policy emitted, stop token included when it ended the turn."""
     output_logprobs: tuple[float, ...]
-    """Behaviour log-probability of each output token under the weights that produced it."""
+    """Behaviour log-probability of each output token under the weights that produced it, taken at
+    `sampling_temperature`."""
     output_versions: tuple[int, ...]
     """Weight version that produced each output token (a call can straddle a weight update)."""
     finish_reason: str
@@ -37,3 +38,6 @@ class ModelCallCompleted:
     """Runtime-clock time when the proxy received the call."""
     finished_s: float
     """Runtime-clock time when the proxy answered the call."""
+    sampling_temperature: float
+    """Temperature the output tokens were drawn at, and the one their log-probs are taken at: the trainer divides
+    its logits by it (1.0 for greedy decoding; engines/sampling.py `logprob_temperature`)."""

@@ -44,7 +44,7 @@ class ExecutionDropped:
     """True if the agent had also hit its time limit."""
 
 
-@message("gyre.samples.TrainingSample")
+@message("gyre.samples.TrainingSample", version=2)
 class TrainingSample:
     """One root-to-leaf trajectory of an execution's token tree, ready for forward-backward."""
 
@@ -63,7 +63,11 @@ class TrainingSample:
     loss_mask: tuple[bool, ...]
     """True where the token carries loss: emitted by the policy and not trained by another sample of the execution."""
     behaviour_logprobs: tuple[float, ...]
-    """Log-probability of each policy-emitted token under the weights that sampled it; 0.0 for other tokens."""
+    """Log-probability of each policy-emitted token under the weights that sampled it, taken at its sampling
+    temperature; 0.0 for other tokens."""
+    sampling_temperatures: tuple[float, ...]
+    """Temperature each loss token was sampled at (1.0 for greedy and for other tokens): the trainer divides the
+    logits that predict token t by entry t, so its log-probs are those of the distribution that drew the token."""
     advantages: tuple[float, ...]
     """Advantage of each token: the execution's group-normalised advantage, on every token."""
     weights: tuple[float, ...]

@@ -24,6 +24,7 @@ ignored. Metrics are plain floats.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import attrs
@@ -196,6 +197,9 @@ class PackedBatch:
     """Float64 [B, T]: per-token loss weights; each execution's weights sum to 1 over all of its samples."""
     execution_ids: tuple[str, ...]
     """Execution of each row."""
+    temperatures: torch.Tensor
+    """Float32 [B, T]: the sampling temperature of each token (1 for padding); the trainer divides by it the logits
+    that predict the token (MegatronTrainer.forward_backward)."""
 
 
 def pack_samples(samples: Sequence[TrainingSample], pad_to: int | None = None, pad_id: int = 0) -> PackedBatch:
@@ -212,18 +216,23 @@ def pack_samples(samples: Sequence[TrainingSample], pad_to: int | None = None, p
     old = torch.zeros((rows, width), dtype=torch.float64)
     adv = torch.zeros((rows, width), dtype=torch.float64)
     weights = torch.zeros((rows, width), dtype=torch.float64)
+    temperatures = torch.ones((rows, width), dtype=torch.float32)
     for b, s in enumerate(samples):
         n = len(s.token_ids)
-        fields = (s.loss_mask, s.behaviour_logprobs, s.advantages, s.weights)
+        fields = (s.loss_mask, s.behaviour_logprobs, s.advantages, s.weights, s.sampling_temperatures)
         if any(len(f) != n for f in fields):
             raise LossInputError(f"sample {b} of execution {s.execution_id}: per-token fields differ in length")
+        if not all(math.isfinite(t) and t > 0 for t in s.sampling_temperatures):
+            raise LossInputError(f"sample {b} of execution {s.execution_id}: sampling temperatures must be finite, > 0")
         input_ids[b, :n] = torch.tensor(s.token_ids, dtype=torch.long)
         loss_mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         old[b, :n] = torch.tensor(s.behaviour_logprobs, dtype=torch.float64)
         adv[b, :n] = torch.tensor(s.advantages, dtype=torch.float64)
         weights[b, :n] = torch.tensor(s.weights, dtype=torch.float64)
+        temperatures[b, :n] = torch.tensor(s.sampling_temperatures, dtype=torch.float32)
     lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.long)
-    return PackedBatch(input_ids, lengths, loss_mask, old, adv, weights, tuple(s.execution_id for s in samples))
+    return PackedBatch(input_ids, lengths, loss_mask, old, adv, weights, tuple(s.execution_id for s in samples),
+                       temperatures)
 
 
 def length_sorted_chunks(samples: Sequence[TrainingSample], max_padded_tokens: int) -> list[list[TrainingSample]]:

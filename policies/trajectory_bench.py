@@ -110,6 +110,7 @@ class _Simulator:
                 cell="sim",
                 started_s=float(index),
                 finished_s=float(index) + 0.5,
+                sampling_temperature=1.0,
             )
         )
         return output

@@ -171,6 +171,7 @@ def _sample(
         token_ids=path.token_ids[:stop],
         loss_mask=mask,
         behaviour_logprobs=tuple(lp if m else 0.0 for lp, m in zip(path.logprobs, mask)),
+        sampling_temperatures=tuple(t if m else 1.0 for t, m in zip(path.temperatures, mask)),
         advantages=(float(advantage),) * stop,
         weights=tuple(weight if m else 0.0 for m in mask),
         min_weight_version=min(versions),

@@ -136,6 +136,9 @@ class TreePath:
     """Behaviour log-prob of policy tokens; 0.0 elsewhere."""
     versions: tuple[int, ...]
     """Weight version of policy tokens; -1 elsewhere."""
+    temperatures: tuple[float, ...]
+    """Temperature each policy token was sampled (and its log-prob taken) at, that of the call that emitted it; 1.0
+    elsewhere."""
     segments: tuple[tuple[int, int, int], ...]
     """(node_id, start, length): path positions start..start+length-1 are that node's tokens 0..length-1. Two paths
     share a token exactly when they cover the same node offset, which is how the processor trains it once. Node ids
@@ -185,6 +188,7 @@ class _Call:
     total_len: int
     label: tuple[str, str] | None
     digest: int
+    temperature: float
 
 
 class TrajectoryTree:
@@ -207,7 +211,8 @@ class TrajectoryTree:
     def add_call(self, call: ModelCallCompleted) -> None:
         """Insert one call. Re-adding an identical call (a redelivered message) is a no-op."""
         label = self._validate(call)
-        digest = hash((call.prompt_ids, call.output_ids, call.output_logprobs, call.output_versions, label))
+        digest = hash((call.prompt_ids, call.output_ids, call.output_logprobs, call.output_versions, label,
+                       call.sampling_temperature))
         known = self._calls.get(call.call_index)
         if known is not None:
             if known.digest != digest:
@@ -226,7 +231,8 @@ class TrajectoryTree:
         while node.depth > prompt_last:
             node = node.parent
         node.prompt_ends.setdefault(prompt_last - node.depth, []).append(call.call_index)
-        self._calls[call.call_index] = _Call(call.call_index, len(call.prompt_ids), len(seq), label, digest)
+        self._calls[call.call_index] = _Call(call.call_index, len(call.prompt_ids), len(seq), label, digest,
+                                             call.sampling_temperature)
         self._call_tokens += len(seq)
         self._chains = None
 
@@ -249,6 +255,10 @@ class TrajectoryTree:
         if not all(math.isfinite(lp) for lp in call.output_logprobs):
             # A NaN or infinite behaviour log-prob (a broken engine) would turn the whole step's loss into NaN.
             raise TrajectoryError(f"{where}: non-finite behaviour log-prob")
+        temperature = call.sampling_temperature
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            # The trainer divides its logits by it.
+            raise TrajectoryError(f"{where}: sampling_temperature must be finite and > 0, got {temperature!r}")
         if not call.agent_id and not call.call_kind:
             return None
         kind = call.call_kind or "turn"
@@ -449,7 +459,8 @@ class TrajectoryTree:
         return tuple(result)
 
     def path(self, call_index: int) -> TreePath:
-        """The path of one call's prompt + output, with each token's policy flag, log-prob and version."""
+        """The path of one call's prompt + output, with each token's policy flag, log-prob, version and sampling
+        temperature."""
         if call_index not in self._calls:
             raise KeyError(f"execution {self.execution_id} has no call {call_index}")
         total = self._calls[call_index].total_len
@@ -471,8 +482,10 @@ class TrajectoryTree:
             logprobs.extend(node.logprobs[:length])
             versions.extend(node.versions[:length])
         assert len(tokens) == total, "a call's path must be as long as its prompt + output"
+        temperatures = tuple(self._calls[e].temperature if e >= 0 else 1.0 for e in emitter)
         return TreePath(
-            tuple(tokens), tuple(e >= 0 for e in emitter), tuple(logprobs), tuple(versions), tuple(segments)
+            tuple(tokens), tuple(e >= 0 for e in emitter), tuple(logprobs), tuple(versions), temperatures,
+            tuple(segments),
         )
 
 

@@ -66,6 +66,8 @@ CALL_TURN = "turn"
 CALL_SUMMARY = "summary"
 MAX_SUMMARY_CHARS = 600
 """A summary longer than this is cut: it must be smaller than the context it replaces."""
+LOG_CHARS = 120
+"""Head of a tool call's arguments and observation that the debug log shows (enough to see a copy error)."""
 
 
 @attrs.frozen
@@ -205,7 +207,8 @@ class Agent:
                 return self._result(True, reply.content.strip(), turn)
             for call in reply.tool_calls:
                 observation = self._run_tool(call)
-                self._log.debug("tool_called", tool=call.name, turn=turn, observation_chars=len(observation))
+                self._log.debug("tool_called", tool=call.name, turn=turn, arguments=call.arguments_json[:LOG_CHARS],
+                                observation=observation[:LOG_CHARS], observation_chars=len(observation))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": observation})
         self._log.warning("agent_out_of_turns", turns=self._max_turns)
         return self._result(False, "", self._max_turns)

@@ -3,7 +3,8 @@
 The model has random weights with a larger spread than init (and random norm weights), so that a wrong head
 order, RoPE layout or norm mapping moves log-probs by far more than the tolerance; the last test shows it does.
 The embedded engine is checked through every path that produces log-probs: prompt scoring, generation without and
-with prefix-cache hits, a batch of requests of mixed lengths, and after loading the trainer's updated weights.
+with prefix-cache hits, a batch of requests of mixed lengths, sampling at temperatures other than 1 (log-probs at
+the sampling temperature, which the trainer reproduces), and after loading the trainer's updated weights.
 """
 
 from __future__ import annotations
@@ -144,6 +145,30 @@ def test_embedded_batch_of_mixed_lengths(engine_module, model_dir, hf_model):
     assert most_running >= 2  # they really ran together
     for rid, prompt in prompts.items():
         assert_output_matches(hf_model, prompt, outputs[rid])
+
+
+def test_sampled_log_probs_match_the_trainer_at_the_sampling_temperature(engine_module, model_dir, trainer):
+    """Requests sampled at 0.7 and 1.3 in one batch report log-probs at their temperature, and the trainer given the
+    same per-token temperatures reproduces them: on-policy importance ratios are 1. At temperature 1 they would not
+    be (the negative control)."""
+    engine = new_engine(engine_module, model_dir)
+    prompts = {0.7: random_ids(400, 30), 1.3: random_ids(401, 45)}
+    for temperature, prompt in prompts.items():
+        engine.submit(f"t{temperature}", prompt, engine_module.SamplingParams(
+            max_new_tokens=10, temperature=temperature, seed=5, ignore_eos=True))
+    outputs, most_running = run_to_completion(engine)
+    assert most_running == 2
+    for temperature, prompt in prompts.items():
+        output = outputs[f"t{temperature}"]
+        ids = torch.tensor([prompt + list(output.output_ids)])
+        lengths = torch.tensor([ids.shape[1]])
+        temperatures = torch.ones(ids.shape)
+        temperatures[0, len(prompt):] = temperature
+        behaviour = torch.tensor(output.output_logprobs)
+        at_temperature = trainer.logprobs(ids, lengths, temperatures)[0, len(prompt):]
+        torch.testing.assert_close(at_temperature, behaviour, atol=ATOL, rtol=0)
+        plain = trainer.logprobs(ids, lengths)[0, len(prompt):]
+        assert (plain - behaviour).abs().max() > 100 * ATOL
 
 
 def test_trainer_update_reaches_the_engine(engine_module, model_dir, hf_model, tmp_path):

@@ -186,6 +186,17 @@ def test_real_engine_multi_turn_is_drift_free(real: Proxy) -> None:
     assert calls[-1].cached_tokens > 0
 
 
+def test_real_engine_calls_record_the_temperature_of_their_log_probs(real: Proxy) -> None:
+    # The trainer divides its logits by the recorded temperature (engines/temperature.py); greedy counts as 1.
+    client = real.client(real.key("real-temperature"))
+    messages = [{"role": "user", "content": "warm or cold?"}]
+    first = len(real.calls)
+    for temperature in (0.6, 1.3, 0.0):
+        client.chat.completions.create(model="gyre", messages=messages, max_tokens=4, seed=3, temperature=temperature)
+    client.chat.completions.create(model="gyre", messages=messages, max_tokens=4, seed=3)  # the API's default: 1
+    assert [c.sampling_temperature for c in real.calls[first:]] == [0.6, 1.3, 1.0, 1.0]
+
+
 def test_real_engine_streaming(real: Proxy) -> None:
     client = real.client(real.key("real-stream"))
     stream = client.chat.completions.create(

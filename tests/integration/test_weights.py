@@ -74,6 +74,7 @@ def make_group(name: str, seed: int, version: int) -> SamplesLanded:
             behaviour_logprobs=tuple(rng.uniform(-8.0, -6.0) if m else 0.0 for m in mask),
             advantages=(advantage,) * n, weights=tuple(1.0 / loss_tokens if m else 0.0 for m in mask),
             min_weight_version=version, max_weight_version=version, num_loss_tokens=loss_tokens,
+            sampling_temperatures=(1.0,) * n,
         ))
     ids = tuple(s.execution_id for s in samples)
     return SamplesLanded(

@@ -68,7 +68,7 @@ def sample(seed: int, n: int = 24, execution: str = "e", token: int | None = Non
         execution_id=execution, group_id="g", trajectory_rank=0, trajectory_kind="main", leaf_call_index=0,
         token_ids=ids, loss_mask=mask, behaviour_logprobs=tuple(-7.0 if m else 0.0 for m in mask),
         advantages=(1.0,) * n, weights=tuple(1.0 / k if m else 0.0 for m in mask), min_weight_version=0,
-        max_weight_version=0, num_loss_tokens=k,
+        max_weight_version=0, num_loss_tokens=k, sampling_temperatures=(1.0,) * n,
     )
 
 

@@ -229,7 +229,7 @@ def test_bad_loss_inputs_raise(make):
 # -- samples --------------------------------------------------------------------------------------------------------
 
 
-def sample(execution, tokens, mask, logprobs, advantage, weight):
+def sample(execution, tokens, mask, logprobs, advantage, weight, temperatures=None):
     n = len(tokens)
     return TrainingSample(
         execution_id=execution,
@@ -245,6 +245,7 @@ def sample(execution, tokens, mask, logprobs, advantage, weight):
         min_weight_version=0,
         max_weight_version=0,
         num_loss_tokens=sum(mask),
+        sampling_temperatures=(1.0,) * n if temperatures is None else tuple(temperatures),
     )
 
 
@@ -259,6 +260,7 @@ def test_pack_and_loss_from_samples_by_hand():
     assert batch.input_ids.tolist() == [[5, 6, 7, 0], [5, 6, 9, 4], [8, 3, 0, 0]]
     assert batch.lengths.tolist() == [3, 4, 2]
     assert batch.execution_ids == ("x", "x", "y")
+    assert batch.temperatures.tolist() == [[1.0] * 4] * 3
     deltas = torch.tensor([[0, 1e-4, 1e-4, 0], [0, 0, 0, 2e-4], [0, 0, 0, 0]], dtype=F64)
     lp = (batch.old_log_probs + deltas).requires_grad_(True)
     loss, _ = loss_from_samples(lp, batch)
@@ -286,6 +288,18 @@ def test_pack_samples_rejects_bad_input():
     assert pack_samples([good], pad_to=5).input_ids.shape == (1, 5)
     with pytest.raises(LossInputError):
         loss_from_samples(torch.zeros(1, 2), pack_samples([good]), num_executions=0)
+    for temperatures in ([1.0], [1.0, 0.0], [1.0, float("inf")], [1.0, -0.7]):
+        with pytest.raises(LossInputError):
+            pack_samples([sample("x", [1, 2], [0, 1], [0.0, -1.0], 1.0, 1.0, temperatures)])
+
+
+def test_pack_samples_carries_each_tokens_temperature_and_pads_with_one():
+    samples = [sample("x", [1, 2, 3], [0, 1, 1], [0.0, -1.0, -0.5], 1.0, 0.5, [1.0, 0.7, 0.7]),
+               sample("y", [4, 5], [0, 1], [0.0, -0.2], -1.0, 1.0, [1.0, 0.3])]
+    batch = pack_samples(samples, pad_to=4)
+    assert batch.temperatures.dtype == torch.float32
+    expected = torch.tensor([[1.0, 0.7, 0.7, 1.0], [1.0, 0.3, 1.0, 1.0]], dtype=torch.float32)
+    assert torch.equal(batch.temperatures, expected)
 
 
 def test_length_sorted_chunks_bound_the_padded_size_and_keep_every_sample():

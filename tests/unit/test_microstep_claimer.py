@@ -38,6 +38,7 @@ def sample(execution: str, rank: int, tokens: int, version: int = 0, group: str 
         token_ids=tuple(range(tokens)), loss_mask=mask, behaviour_logprobs=tuple(-0.5 if m else 0.0 for m in mask),
         advantages=(1.0,) * tokens, weights=tuple(1.0 / (tokens - 1) if m else 0.0 for m in mask),
         min_weight_version=version, max_weight_version=version, num_loss_tokens=tokens - 1,
+        sampling_temperatures=(1.0,) * tokens,
     )
 
 

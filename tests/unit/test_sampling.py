@@ -16,6 +16,7 @@ from gyre.engines.sampling import (
     position_uniform,
     sample_next,
 )
+from gyre.engines.temperature import logprob_temperature
 
 VOCAB = 50
 
@@ -64,11 +65,24 @@ def test_greedy_is_argmax_and_logprob_is_raw_log_softmax() -> None:
     assert torch.allclose(torch.tensor(logprobs), expected)
 
 
-def test_logprob_ignores_temperature_and_filters() -> None:
+def test_logprob_is_taken_at_the_temperature_and_ignores_filters() -> None:
     logits = logits_rows(1)
     sampler = RequestSampler(SamplingParams(temperature=0.3, top_k=3, top_p=0.9), seed=1)
     tokens, logprobs = sample_next(logits, [sampler], [7])
-    assert logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[tokens[0]].item())
+    assert logprobs[0] == pytest.approx(torch.log_softmax(logits[0] / 0.3, -1)[tokens[0]].item())
+
+
+def test_each_row_reports_log_probs_at_its_own_temperature() -> None:
+    # A batch mixes greedy (taken at 1), 0.7 and 1.0 rows: each log-prob is that of the distribution its token was
+    # drawn from, which the trainer reproduces by dividing its logits by the same temperature.
+    logits = logits_rows(3)
+    temperatures = [0.0, 0.7, 1.0]
+    samplers = [RequestSampler(SamplingParams(temperature=t), seed=i) for i, t in enumerate(temperatures)]
+    tokens, logprobs = sample_next(logits, samplers, [3, 4, 5])
+    for row, (token, logprob) in enumerate(zip(tokens, logprobs)):
+        scale = logprob_temperature(temperatures[row])
+        assert logprob == pytest.approx(torch.log_softmax(logits[row] / scale, -1)[token].item(), abs=1e-6)
+    assert logprob_temperature(0.0) == 1.0 and logprob_temperature(1e-6) == 1.0 and logprob_temperature(0.7) == 0.7
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=10),

@@ -427,6 +427,7 @@ def make_sample(execution: str, group: str, rank: int, tokens: int, version: int
         execution_id=execution, group_id=group, trajectory_rank=rank, trajectory_kind="main", leaf_call_index=rank,
         token_ids=tuple(range(tokens)), loss_mask=mask, behaviour_logprobs=(0.0,) * tokens, advantages=(0.0,) * tokens,
         weights=(0.0,) * tokens, min_weight_version=version, max_weight_version=version, num_loss_tokens=tokens - 1,
+        sampling_temperatures=(1.0,) * tokens,
     )
 
 

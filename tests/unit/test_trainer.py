@@ -62,6 +62,31 @@ def test_logprobs_shape_and_padding(fresh):
     torch.testing.assert_close(alone[0], lp[1, :5], atol=1e-5, rtol=0)
 
 
+def test_logprobs_at_per_token_temperatures(fresh):
+    # Token t's log-prob is taken from the logits that predict it divided by temperatures[b, t]: the distribution a
+    # rollout at that temperature drew it from. At temperature 1 everywhere it is the plain log-prob.
+    a, _ = fresh
+    ids, lengths = batch(11, [9, 6])
+    temperatures = torch.ones(ids.shape)
+    temperatures[0, 4:] = 0.7
+    temperatures[1, 1:3] = 1.3
+    plain = a.logprobs(ids, lengths)
+    torch.testing.assert_close(a.logprobs(ids, lengths, torch.ones(ids.shape)), plain, atol=0, rtol=0)
+    scaled = a.logprobs(ids, lengths, temperatures)
+    with torch.no_grad():
+        logits = a.model(ids, position_ids=None, attention_mask=None).float()
+    for row, n in enumerate(lengths.tolist()):
+        for t in range(1, n):
+            expected = torch.log_softmax(logits[row, t - 1] / temperatures[row, t], -1)[ids[row, t]]
+            assert scaled[row, t].item() == pytest.approx(expected.item(), abs=1e-5)
+    assert torch.equal(scaled[0, :4], plain[0, :4]) and torch.equal(scaled[1, 3:6], plain[1, 3:6])
+    assert not torch.allclose(scaled[0, 4:9], plain[0, 4:9])
+    # forward_backward takes the same temperatures: its loss is computed from the scaled log-probs.
+    metrics = a.forward_backward(ids, lengths, summed_nll, temperatures)
+    assert metrics["loss"] == pytest.approx(-scaled.sum().item(), rel=1e-5)
+    a.zero_grads()
+
+
 def test_loss_goes_down_on_a_tiny_batch(fresh):
     a, _ = fresh
     a_ids, a_len = batch(1, [24, 16, 20, 9])
@@ -190,6 +215,11 @@ def test_bad_input_raises_trainer_error(fresh):
         a.forward_backward(ids, lengths, lambda lp: (lp.sum(dim=1), {}))
     with pytest.raises(TrainerError):
         a.forward_backward(ids, lengths, lambda lp: lp.sum())
+    for bad in (torch.ones(2, 4), torch.zeros(ids.shape), torch.full(ids.shape, float("nan")), ids.tolist()):
+        with pytest.raises(TrainerError, match="temperatures"):
+            a.logprobs(ids, lengths, bad)
+    with pytest.raises(TrainerError, match="temperatures"):
+        a.forward_backward(ids, lengths, summed_nll, -torch.ones(ids.shape))
     with pytest.raises(TrainerError):
         a.add_flat_grads(torch.zeros(3))
     with pytest.raises(TrainerError):

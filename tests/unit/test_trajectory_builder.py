@@ -88,7 +88,7 @@ def calls(execution: str, group: str, seed: int, *, version: int = 0) -> tuple[M
     def call(index: int, prompt: tuple[int, ...], out: tuple[int, ...], kind: str) -> ModelCallCompleted:
         return ModelCallCompleted(
             execution, group, index, "main", kind, prompt, out, tuple(-0.1 * (i + 1) for i in range(len(out))),
-            (version,) * len(out), "stop", 0, "cell-0", float(index), float(index) + 0.5,
+            (version,) * len(out), "stop", 0, "cell-0", float(index), float(index) + 0.5, 1.0,
         )
 
     return (

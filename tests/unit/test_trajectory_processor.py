@@ -37,7 +37,8 @@ SMALL = WorkloadConfig(
 
 
 def call(index, prompt, output, agent="", kind=""):
-    """A call of execution "e" in group "g"; output j gets log-prob -0.01 * (index + 1) - 0.001 * j, version index."""
+    """A call of execution "e" in group "g"; output j gets log-prob -0.01 * (index + 1) - 0.001 * j, version index;
+    calls sample at temperatures 0.6, 0.8 and 1.0 in turn."""
     return ModelCallCompleted(
         execution_id="e",
         group_id="g",
@@ -53,6 +54,7 @@ def call(index, prompt, output, agent="", kind=""):
         cell="c0",
         started_s=0.0,
         finished_s=1.0,
+        sampling_temperature=(0.6, 0.8, 1.0)[index % 3],
     )
 
 
@@ -67,7 +69,7 @@ def check_contract(processor: TrajectoryProcessor, tree, advantage: float) -> tu
         path = tree.path(s.leaf_call_index)
         n = len(s.token_ids)
         assert path.token_ids[:n] == s.token_ids, "a sample is a prefix of a call path"
-        fields = (s.loss_mask, s.behaviour_logprobs, s.advantages, s.weights)
+        fields = (s.loss_mask, s.behaviour_logprobs, s.advantages, s.weights, s.sampling_temperatures)
         assert all(len(f) == n for f in fields), "per-token fields are aligned"
         assert not s.loss_mask[0], "token 0 has no log-prob"
         assert s.num_loss_tokens == sum(s.loss_mask) >= 1
@@ -75,9 +77,10 @@ def check_contract(processor: TrajectoryProcessor, tree, advantage: float) -> tu
             if s.loss_mask[t]:
                 assert path.policy_mask[t], "only policy-emitted tokens carry loss"
                 assert s.behaviour_logprobs[t] == path.logprobs[t]
+                assert s.sampling_temperatures[t] == path.temperatures[t], "trained at the temperature it was drawn at"
                 assert s.weights[t] > 0
             else:
-                assert s.weights[t] == 0.0
+                assert s.weights[t] == 0.0 and s.sampling_temperatures[t] == 1.0
         assert all(a == advantage for a in s.advantages)
         versions = [v for v, m in zip(path.versions, s.loss_mask) if m]
         assert (s.min_weight_version, s.max_weight_version) == (min(versions), max(versions))
@@ -184,6 +187,7 @@ def test_shared_policy_tokens_are_trained_once_by_the_higher_ranked_sample():
     assert samples[8].loss_mask == (False, False, True, True, False, True, True)
     assert samples[4].loss_mask == (False,) * 5 + (True,)
     assert samples[4].behaviour_logprobs == (0.0,) * 5 + (-0.05,)
+    assert samples[4].sampling_temperatures == (1.0,) * 5 + (0.8,)  # call 4's temperature on its one loss token
 
 
 def test_weights_make_the_execution_loss_a_mean_over_its_trained_tokens():

@@ -24,7 +24,8 @@ from gyre.policies.trajectory_tree import (
 )
 
 
-def call(index, prompt, output, agent="", kind="", logprobs=None, versions=None, execution="e", group="g"):
+def call(index, prompt, output, agent="", kind="", logprobs=None, versions=None, execution="e", group="g",
+         temperature=1.0):
     if logprobs is None:
         logprobs = [-0.01 * (index + 1) - 0.001 * j for j in range(len(output))]
     logprobs = tuple(logprobs)
@@ -44,6 +45,7 @@ def call(index, prompt, output, agent="", kind="", logprobs=None, versions=None,
         cell="c0",
         started_s=0.0,
         finished_s=1.0,
+        sampling_temperature=temperature,
     )
 
 
@@ -91,6 +93,23 @@ def test_lowest_call_index_supplies_logprob_whatever_the_arrival_order(order):
         tree.add_call(calls[i])
     assert tree.path(1).logprobs == (0.0, 0.0, -1.0, -8.0)
     assert tree.path(0).logprobs == (0.0, 0.0, -1.0, -2.0)
+
+
+def test_each_policy_token_carries_the_temperature_of_the_call_that_emitted_it():
+    # A main turn at 0.7 whose output reappears inside a summary call's prompt, and the summary drawn at 0.3: each
+    # emitted token keeps its own call's temperature (the trainer divides its logits by it); prompt tokens get 1.
+    turn = call(0, [1, 2], [3, 4], agent="main", kind="turn", temperature=0.7)
+    summary = call(1, [1, 2, 3, 4, 9], [5, 6], agent="main", kind="summary", temperature=0.3)
+    tree = build_tree([summary, turn])
+    assert tree.path(0).temperatures == (1.0, 1.0, 0.7, 0.7)
+    assert tree.path(1).temperatures == (1.0, 1.0, 0.7, 0.7, 1.0, 0.3, 0.3)
+
+
+def test_a_redelivered_call_at_another_temperature_is_a_conflict():
+    tree = TrajectoryTree("e", "g")
+    tree.add_call(call(0, [1], [2], temperature=0.7))
+    with pytest.raises(TrajectoryError, match="already added"):
+        tree.add_call(call(0, [1], [2], temperature=1.0))
 
 
 def test_a_late_arriving_earlier_call_marks_its_tokens_inside_a_later_prompt():
@@ -228,6 +247,10 @@ def test_summary_that_the_main_chain_outgrows_ranks_as_a_summary():
         call(0, [1], [2], versions=[1, 2]),
         call(0, [1], [2], agent="main", kind="chat"),
         call(-1, [1], [2]),
+        call(0, [1], [2], temperature=0.0),
+        call(0, [1], [2], temperature=-0.5),
+        call(0, [1], [2], temperature=float("inf")),
+        call(0, [1], [2], temperature=float("nan")),
     ],
 )
 def test_bad_calls_are_rejected_with_a_typed_error(bad):
@@ -355,6 +378,6 @@ def test_a_call_with_a_non_finite_log_prob_is_refused():
 
     tree = TrajectoryTree("e", "g")
     call = ModelCallCompleted("e", "g", 0, "main", "turn", (1, 2), (3, 4), (-0.5, float("nan")), (0, 0), "stop", 0,
-                              "c", 0.0, 1.0)
+                              "c", 0.0, 1.0, 1.0)
     with pytest.raises(TrajectoryError, match="non-finite"):
         tree.add_call(call)

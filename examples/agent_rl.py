@@ -332,7 +332,12 @@ def finish(argv: list[str], run_result) -> int:
     # The model the report scores: the weights' moving average when the core kept one, else the last weights.
     final_model = report / ("final_model_average" if args.weight_average_decay > 0 else "final_model")
     after = NOT_SCORED
-    if not args.skip_eval and (final_model / "model.safetensors").is_file():
+    if run_result.interrupted and not args.skip_eval:
+        # Scoring takes minutes; whoever pressed Ctrl-C wants the run to end, not to wait (score it later).
+        print(f"agent_rl: interrupted; the report leaves out the held-out score of {final_model} (score it with "
+              f"python3 examples/toolbox/evaluate.py {final_model} --tasks {args.heldout_tasks} "
+              f"--seed {args.seed + 1})", file=sys.stderr)
+    elif not args.skip_eval and (final_model / "model.safetensors").is_file():
         from evaluate import evaluate
 
         tasks, _, _ = _toolbox()

@@ -59,6 +59,12 @@ class RunResult:
     exit_code: int
     reason: str
 
+    @property
+    def interrupted(self) -> bool:
+        """Stopped by Ctrl-C or SIGTERM (the launchers exit with 128 + the signal's number): a `finish` step should
+        save what the run made and skip long work the user did not wait for."""
+        return self.exit_code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
 
 class Launcher(Protocol):
     def run(self, topology: Topology, options: RunOptions) -> RunResult: ...

@@ -56,3 +56,36 @@ def test_held_out_score_splits_success_by_kind(agent_rl) -> None:
     score = agent_rl.held_out_score(result)
     assert score == {"success_rate": 0.5, "mean_reward": 0.6,
                      "success_by_kind": {"sum": 0.5, "write": 0.0, "calc": 1.0}}
+
+
+def test_an_interrupted_run_writes_its_report_without_the_held_out_scoring(agent_rl, tmp_path, capsys) -> None:
+    # Ctrl-C ends the run with 128 + SIGINT: finish writes the report of what ran but does not start minutes of
+    # held-out scoring (a final model is there; loading this fake one would fail if it tried).
+    import json
+    import signal
+
+    from gyre.runtime.launch import RunResult
+
+    report = tmp_path / "report"
+    (report / "final_model").mkdir(parents=True)
+    (report / "final_model" / "model.safetensors").write_bytes(b"not a model")
+    before = {"success_rate": 0.25, "mean_reward": 0.4, "success_by_kind": {"sum": 0.25}}
+    (report / "prepare.json").write_text(json.dumps({"before": before, "started_at": 0.0, "model_dir": "warm"}))
+    run = {"cells": ["core"], "core_cell": "core", "elapsed_s": 5.0, "switch_requests": 0,
+           "steps": [{"t_s": 2.0, "step": 0, "version": 1, "loss": 0.1, "grad_norm": 0.3, "tokens": 50, "samples": 2,
+                      "stale_dropped": 0, "skipped": False}],
+           "groups": [{"t_s": 1.0, "group_id": "g0", "landed": True, "mean_reward": 0.5, "success_rate": 0.5,
+                       "scored": 16, "dropped": 0}],
+           "role_changes": [{"t_s": 0.1, "cell": "core", "role": "train", "previous": "", "switch_s": 0.0,
+                             "sessions_migrated": 0}]}
+    (report / "run.json").write_text(json.dumps(run))
+    interrupted = RunResult(128 + signal.SIGINT, "signal SIGINT")
+    assert interrupted.interrupted and not RunResult(0, "trained 18 steps").interrupted
+    assert RunResult(128 + signal.SIGTERM, "signal SIGTERM").interrupted and not RunResult(1, "crashed").interrupted
+
+    assert agent_rl.finish(["--report", str(report)], interrupted) == 128 + signal.SIGINT
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["success_rate_before"] == 0.25 and summary["success_rate_after"] != summary["success_rate_after"]
+    assert summary["exit_reason"] == "signal SIGINT" and summary["steps"] == 1
+    assert (report / "reward_curve.png").is_file()
+    assert "interrupted; the report leaves out the held-out score" in capsys.readouterr().err

@@ -81,10 +81,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="ramp the learning rate up linearly over the first N steps (0: none)")
     parser.add_argument("--clip-low", type=float, default=3e-4, help="GSPO lower clip range of the sequence ratio")
     parser.add_argument("--clip-high", type=float, default=4e-4, help="GSPO upper clip range of the sequence ratio")
-    parser.add_argument("--rollout-temperature", type=float, default=0.7,
-                        help="the agents' sampling temperature in training (held-out evaluation is greedy). From "
-                        "session 10's warm start 1.0 gained +2.2 to +3.6 points in three runs and 0.7 -1.8 and +0.0 "
-                        "(BENCHMARKS.md, session 10)")
+    parser.add_argument("--rollout-temperature", type=float, default=1.0,
+                        help="the agents' sampling temperature in training; behaviour and trainer log-probs are taken "
+                        "at it (held-out evaluation is greedy). From session 10's warm start six 18-step runs at 1.0 "
+                        "gained +2.2 to +4.5 points and four at 0.7 -3.1 to +0.4, losing 'calc' (BENCHMARKS.md, "
+                        "sessions 10 and 11)")
     parser.add_argument("--min-reward-spread", type=float, default=0.25,
                         help="drop groups whose rewards span no more than this (DAPO dynamic sampling; 0: keep all). "
                         "0.25 also drops groups that differ only by the 0.2 written-file reward, so the task sampling "

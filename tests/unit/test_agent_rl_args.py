@@ -25,6 +25,7 @@ def test_defaults(agent_rl) -> None:
     assert (args.sft_epochs, args.lr) == (1, 3e-4)  # the warm start RL has room above (BENCHMARKS.md, session 7)
     assert args.min_reward_spread == 0.25  # drop groups that differ only by the written-file reward (session 8)
     assert args.heldout_tasks == 224  # runs gaining +6.7 on 224 read +3.6 to +10.7 on 56 (session 8)
+    assert args.rollout_temperature == 1.0  # 0.7 lost "calc" from session 10's warm start (sessions 10 and 11)
 
 
 @pytest.mark.parametrize("argv", [

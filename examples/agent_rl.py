@@ -83,7 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--clip-high", type=float, default=4e-4, help="GSPO upper clip range of the sequence ratio")
     parser.add_argument("--rollout-temperature", type=float, default=1.0,
                         help="the agents' sampling temperature in training; behaviour and trainer log-probs are taken "
-                        "at it (held-out evaluation is greedy). From session 10's warm start six 18-step runs at 1.0 "
+                        "at it (held-out evaluation is greedy). From session 10's warm start seven 18-step runs at 1.0 "
                         "gained +2.2 to +4.5 points and four at 0.7 -3.1 to +0.4, losing 'calc' (BENCHMARKS.md, "
                         "sessions 10 and 11)")
     parser.add_argument("--min-reward-spread", type=float, default=0.25,

@@ -40,4 +40,4 @@ class ModelCallCompleted:
     """Runtime-clock time when the proxy answered the call."""
     sampling_temperature: float
     """Temperature the output tokens were drawn at, and the one their log-probs are taken at: the trainer divides
-    its logits by it (1.0 for greedy decoding; engines/sampling.py `logprob_temperature`)."""
+    its logits by it (1.0 for greedy decoding: engines/temperature.py)."""

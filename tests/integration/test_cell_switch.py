@@ -154,8 +154,13 @@ def switched(tiny_model_dir):
                            "training": training, "back": back, "served": served, "replies": replies})
         last = rounds[-1]["source"]
         other = "cell-a" if last == "cell-b" else "cell-b"
-        await h.wait_until(lambda: recorder.loads[last].role == ROLLOUT and recorder.loads[other].live_sessions,
-                           timeout_s=30, what="load reports after the last switch")
+        # A report from while the test's own 2-token request ran on `last` would count that request as live: wait
+        # for reports of idle engines, whose live_sessions are the sessions each cell holds.
+        def idle(cell: str) -> bool:
+            return recorder.loads[cell].running_requests == recorder.loads[cell].waiting_requests == 0
+
+        await h.wait_until(lambda: recorder.loads[last].role == ROLLOUT and recorder.loads[other].live_sessions
+                           and idle(last) and idle(other), timeout_s=30, what="load reports after the last switch")
         live = {cell: recorder.loads[cell].live_sessions for cell in (last, other)}
         # The agents are done: once the executor says so, no cell counts their sessions as live (the TTL is long).
         for index in range(AGENTS):

@@ -47,7 +47,6 @@ CORE_ATTENTION = ("sdpa", "local")
 LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, Mapping[str, Any]]"]
 
 
-
 class TrainerError(ValueError):
     """Bad input to the trainer: wrong shapes or ids, a loss that is not a differentiable scalar, a flat tensor of
     the wrong size, or a process set up with model parallelism this trainer does not use."""

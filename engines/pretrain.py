@@ -50,6 +50,8 @@ __all__ = ["CopyPretrainConfig", "CopyPretrainResult", "copy_examples", "copy_pr
 KINDS = ("span", "join", "look", "quote")
 DEFAULT_KINDS = ("span", "join", "look")
 """The kinds a config trains unless told otherwise (the first three; caches made before "quote" keep their key)."""
+DECAY_FLOOR = 0.05
+"""Share of the peak learning rate that the decay ends at."""
 QUOTE_LEAD_INS = ("the words", "write", "say", "text:", "copy")
 """Phrases that open a quote example's source line; the items follow them."""
 
@@ -66,6 +68,10 @@ class CopyPretrainConfig:
     """Peak AdamW learning rate (linear warm-up, then constant)."""
     warmup_steps: int = 50
     """Steps of linear warm-up."""
+    decay_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Final steps over which the learning rate falls linearly to `DECAY_FLOOR` of its peak (0: constant to the
+    end). At a constant rate the copy skill of the last step is a draw from a noisy walk: with it the model settles
+    (BENCHMARKS.md, session 12)."""
     max_items: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     """Longest span of items to copy."""
     words: tuple[str, ...] = attrs.field(default=("alpha", "beta", "gamma", "delta"), converter=tuple)
@@ -95,6 +101,16 @@ class CopyPretrainConfig:
             raise ValueError(f"expression_share must be in [0, 1], got {self.expression_share}")
         if not self.kinds or set(self.kinds) - set(KINDS):
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds!r}")
+        if self.decay_steps > self.steps:
+            raise ValueError(f"decay_steps must be at most steps ({self.steps}), got {self.decay_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of 1-based `step`: linear warm-up, constant, then the linear decay of the last steps."""
+        warmup = min(1.0, step / max(1, self.warmup_steps))
+        decay_from = self.steps - self.decay_steps
+        if step <= decay_from:
+            return self.lr * warmup
+        return self.lr * warmup * max(DECAY_FLOOR, 1.0 - (step - decay_from) / self.decay_steps)
 
 
 @attrs.frozen
@@ -158,6 +174,8 @@ def copy_pretrain_digest(base_dir: str | Path, config: CopyPretrainConfig) -> st
         del fields["kinds"]
     if fields["expression_share"] == 0.0:
         del fields["expression_share"]
+    if fields["decay_steps"] == 0:
+        del fields["decay_steps"]
     digest.update(json.dumps(fields, sort_keys=True).encode())
     return digest.hexdigest()[:16]
 
@@ -186,7 +204,7 @@ def run_copy_pretrain(
             return -(logprobs * mask).sum() / targets, {"accuracy": accuracy}
 
         metrics = trainer.forward_backward(ids, lengths, loss_fn)
-        trainer.optimizer_step(lr=config.lr * min(1.0, (step + 1) / max(1, config.warmup_steps)))
+        trainer.optimizer_step(lr=config.lr_at(step + 1))
         trainer.zero_grads()
         last_loss, last_accuracy = float(metrics["loss"]), float(metrics["accuracy"])
         first_loss = last_loss if step == 0 else first_loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -11,6 +12,7 @@ import pytest
 
 from gyre.engines.chat_template import ChatTemplate
 from gyre.engines.pretrain import (
+    DECAY_FLOOR,
     DEFAULT_KINDS,
     KINDS,
     QUOTE_LEAD_INS,
@@ -144,3 +146,46 @@ def test_a_short_run_lowers_the_loss_and_saves_a_model_the_engine_loads(tiny_mod
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys() and any(not before[k].equal(after[k]) for k in before)
     EmbeddedEngine(str(tmp_path / "out"), EngineConfig(num_threads=1))  # raises if the directory is not a model
+
+
+def test_the_learning_rate_warms_up_holds_then_decays_to_its_floor_over_the_last_steps():
+    config = CopyPretrainConfig(steps=100, lr=1e-3, warmup_steps=10, decay_steps=40)
+    assert config.lr_at(5) == pytest.approx(5e-4)  # half way up the warm-up
+    assert config.lr_at(10) == config.lr_at(60) == pytest.approx(1e-3)  # the peak, held until the decay starts
+    assert config.lr_at(80) == pytest.approx(5e-4)  # half way down
+    assert config.lr_at(100) == pytest.approx(1e-3 * DECAY_FLOOR)  # the last step: the floor, not zero
+    rates = [config.lr_at(step) for step in range(60, 101)]
+    assert rates == sorted(rates, reverse=True)
+    constant = CopyPretrainConfig(steps=100, lr=1e-3, warmup_steps=10)
+    assert constant.lr_at(100) == constant.lr_at(11) == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="decay_steps"):
+        CopyPretrainConfig(steps=10, decay_steps=11)
+    with pytest.raises(ValueError):
+        CopyPretrainConfig(decay_steps=-1)
+
+
+def test_a_decay_changes_the_cache_key_and_no_decay_keeps_the_key_of_caches_made_before_it(tiny_model_dir):
+    plain = CopyPretrainConfig(words=WORDS)
+    decayed = attrs.evolve(plain, decay_steps=100)
+    assert copy_pretrain_digest(tiny_model_dir, decayed) != copy_pretrain_digest(tiny_model_dir, plain)
+    # The key as it was computed before the field existed: the model's bytes, then the fields that differ from
+    # the defaults of the fields added later.
+    fields = attrs.asdict(plain)
+    for later in ("max_gap_items", "kinds", "expression_share", "decay_steps"):
+        del fields[later]
+    before = hashlib.sha256((tiny_model_dir / "model.safetensors").read_bytes())
+    before.update(json.dumps(fields, sort_keys=True).encode())
+    assert copy_pretrain_digest(tiny_model_dir, plain) == before.hexdigest()[:16]
+
+
+def test_a_run_with_a_decay_steps_at_the_rates_its_config_gives(tiny_model_dir, tmp_path, monkeypatch):
+    from gyre.engines.trainer import MegatronTrainer
+
+    rates = []
+    original = MegatronTrainer.optimizer_step
+    monkeypatch.setattr(MegatronTrainer, "optimizer_step",
+                        lambda self, lr=None: rates.append(lr) or original(self, lr=lr))
+    config = CopyPretrainConfig(steps=6, batch_size=2, lr=2e-3, warmup_steps=2, decay_steps=3, max_items=2,
+                                words=WORDS, num_threads=1)
+    run_copy_pretrain(tiny_model_dir, tmp_path / "out", config)
+    assert rates == pytest.approx([1e-3, 2e-3, 2e-3, 2e-3 * 2 / 3, 2e-3 / 3, 2e-3 * DECAY_FLOOR])

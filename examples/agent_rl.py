@@ -101,16 +101,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="held-out tasks scored greedy before and after RL (32 of each kind). Three RL runs that all "
                         "gain +6.7 points on 224 read +3.6, +8.9 and +10.7 on the first 56 (BENCHMARKS.md, session 8)")
     parser.add_argument("--sft-tasks", type=int, default=900,
-                        help="expert demonstrations for the warm start (one epoch). After the copy pretraining 900 give a "
-                        "model that solves ~0.1 of the held-out tasks and calls tools in the wrong order, which RL "
+                        help="expert demonstrations for the warm start (one epoch). After the copy pretraining 900 "
+                        "give a model that solves ~0.1 of the held-out tasks and skips the calculator, which RL "
                         "fixes; 1,200 give ~0.46, whose failures RL barely moves (BENCHMARKS.md, session 12)")
     parser.add_argument("--sft-epochs", type=int, default=1,
                         help="SFT epochs of the warm start: more give a stronger model whose failures are copy errors "
                         "that 18 RL steps do not move (BENCHMARKS.md, session 7)")
     parser.add_argument("--copy-steps", type=int, default=3000,
-                        help="synthetic copy-pretraining steps (0: none). 600 at a constant rate left a model that copied "
-                        "a task's words into a quoted argument in 0.36 of held-out examples; 3,000 ending in a decay, "
-                        "0.98 (BENCHMARKS.md, session 12)")
+                        help="synthetic copy-pretraining steps (0: none). 600 at a constant rate (and 400 past a "
+                        "gap) left a model that copied a task's words into a quoted argument in 0.36 of held-out "
+                        "examples; 3,000 ending in a decay (and 1,200), 0.98 (BENCHMARKS.md, session 12)")
     parser.add_argument("--copy-decay-steps", type=int, default=600,
                         help="the last N copy steps decay the learning rate linearly to 5%% (0: constant)")
     parser.add_argument("--copy-gap-steps", type=int, default=1200,

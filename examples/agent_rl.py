@@ -100,6 +100,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--heldout-tasks", type=int, default=224,
                         help="held-out tasks scored greedy before and after RL (32 of each kind). Three RL runs that all "
                         "gain +6.7 points on 224 read +3.6, +8.9 and +10.7 on the first 56 (BENCHMARKS.md, session 8)")
+    parser.add_argument("--sampled-eval-samples", type=int, default=2,
+                        help="also score the held-out tasks this many times each, sampled at the rollout temperature: "
+                        "the policy RL trains, which greedy decoding can miss (a run gained +1.3 points greedy and "
+                        "+14.0 sampled: BENCHMARKS.md, session 12; 0: greedy only)")
     parser.add_argument("--sft-tasks", type=int, default=900,
                         help="expert demonstrations for the warm start (one epoch). After the copy pretraining 900 "
                         "give a model that solves ~0.1 of the held-out tasks and skips the calculator, which RL "
@@ -143,6 +147,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.copy_decay_steps < 0 or args.copy_gap_decay_steps < 0:
         parser.error("--copy-decay-steps and --copy-gap-decay-steps must be >= 0 (0: a constant rate; more than the "
                      "stage's steps: the whole stage decays)")
+    if args.sampled_eval_samples < 0:
+        parser.error(f"--sampled-eval-samples must be >= 0 (0: greedy only), got {args.sampled_eval_samples}")
     if args.lr_warmup_steps < 0:
         parser.error(f"--lr-warmup-steps must be >= 0 (0: none), got {args.lr_warmup_steps}")
     if args.checkpoint_every < 0:
@@ -169,6 +175,23 @@ def held_out_score(result) -> dict:
     return {
         "success_rate": result.success_rate, "mean_reward": result.mean_reward,
         "success_by_kind": result.success_by_kind(),
+    }
+
+
+def sampled_score(model_dir: Path, held_out, temperature: float, samples: int, evaluate=None) -> dict:
+    """Mean success of `samples` sampled attempts at each held-out task (and per kind): the policy that RL trains,
+    sampled as in training, where a greedy decode can take a path no sample takes."""
+    if evaluate is None:
+        from evaluate import evaluate
+    wins: dict[str, list[bool]] = {}
+    for _ in range(samples):
+        for outcome in evaluate(model_dir, held_out, temperature=temperature).outcomes:
+            wins.setdefault(outcome.kind, []).append(outcome.success)
+    attempts = [win for kind_wins in wins.values() for win in kind_wins]
+    return {
+        "temperature": temperature, "samples": samples,
+        "success_rate": sum(attempts) / max(1, len(attempts)),
+        "success_by_kind": {kind: sum(kind_wins) / len(kind_wins) for kind, kind_wins in wins.items()},
     }
 
 
@@ -235,8 +258,21 @@ def prepare(argv: list[str]) -> None:
             before = held_out_score(evaluate(sft_dir, held_out))
             cached.write_text(json.dumps(before))
         print(f"agent_rl: held-out success before RL: {before['success_rate']:.2f}", file=sys.stderr)
+    sampled_before = None
+    if not args.skip_eval and args.sampled_eval_samples > 0:
+        cached = sft_dir / (f"eval-sampled-{args.heldout_tasks}-{args.seed}-t{args.rollout_temperature}"
+                            f"-k{args.sampled_eval_samples}.json")
+        if cached.is_file():
+            sampled_before = json.loads(cached.read_text())
+        else:
+            held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
+            sampled_before = sampled_score(sft_dir, held_out, args.rollout_temperature, args.sampled_eval_samples)
+            cached.write_text(json.dumps(sampled_before))
+        print(f"agent_rl: held-out success before RL, sampled at {args.rollout_temperature}: "
+              f"{sampled_before['success_rate']:.2f}", file=sys.stderr)
     (report / "prepare.json").write_text(json.dumps({
-        "model_dir": str(sft_dir), "before": before, "prepare_s": time.perf_counter() - started,
+        "model_dir": str(sft_dir), "before": before, "sampled_before": sampled_before,
+        "prepare_s": time.perf_counter() - started,
         "started_at": time.time(),
     }, indent=1))
 
@@ -345,7 +381,7 @@ def finish(argv: list[str], run_result) -> int:
     prepared = json.loads((report / "prepare.json").read_text())
     # The model the report scores: the weights' moving average when the core kept one, else the last weights.
     final_model = report / ("final_model_average" if args.weight_average_decay > 0 else "final_model")
-    after = NOT_SCORED
+    after, sampled_after = NOT_SCORED, None
     if run_result.interrupted and not args.skip_eval:
         # Scoring takes minutes; whoever pressed Ctrl-C wants the run to end, not to wait (score it later).
         print(f"agent_rl: interrupted; the report leaves out the held-out score of {final_model} (score it with "
@@ -357,13 +393,24 @@ def finish(argv: list[str], run_result) -> int:
         tasks, _, _ = _toolbox()
         held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
         after = held_out_score(evaluate(final_model, held_out))
+        if prepared.get("sampled_before") is not None:
+            sampled_after = sampled_score(final_model, held_out, args.rollout_temperature, args.sampled_eval_samples)
+    sampled = {}
+    if prepared.get("sampled_before") is not None:  # the policy as RL samples it, before and after (None: not scored)
+        sampled = {
+            "sampled_temperature": args.rollout_temperature, "sampled_per_task": args.sampled_eval_samples,
+            "sampled_success_rate_before": prepared["sampled_before"]["success_rate"],
+            "sampled_success_rate_after": sampled_after["success_rate"] if sampled_after else None,
+            "sampled_success_by_kind_before": prepared["sampled_before"]["success_by_kind"],
+            "sampled_success_by_kind_after": sampled_after["success_by_kind"] if sampled_after else None,
+        }
     summary = write_report(report, prepared["before"], after, {
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
         "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
         "sft_epochs": args.sft_epochs,
         "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,
-        "warm_start": prepared["model_dir"], "exit_reason": run_result.reason,
+        "warm_start": prepared["model_dir"], "exit_reason": run_result.reason, **sampled,
     })
     print(json.dumps(summary, indent=1))
     return run_result.exit_code

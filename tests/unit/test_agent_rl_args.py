@@ -77,7 +77,9 @@ def test_an_interrupted_run_writes_its_report_without_the_held_out_scoring(agent
     (report / "final_model").mkdir(parents=True)
     (report / "final_model" / "model.safetensors").write_bytes(b"not a model")
     before = {"success_rate": 0.25, "mean_reward": 0.4, "success_by_kind": {"sum": 0.25}}
-    (report / "prepare.json").write_text(json.dumps({"before": before, "started_at": 0.0, "model_dir": "warm"}))
+    sampled_before = {"temperature": 0.7, "samples": 2, "success_rate": 0.125, "success_by_kind": {"sum": 0.125}}
+    (report / "prepare.json").write_text(json.dumps({"before": before, "sampled_before": sampled_before,
+                                                     "started_at": 0.0, "model_dir": "warm"}))
     run = {"cells": ["core"], "core_cell": "core", "elapsed_s": 5.0, "switch_requests": 0,
            "steps": [{"t_s": 2.0, "step": 0, "version": 1, "loss": 0.1, "grad_norm": 0.3, "tokens": 50, "samples": 2,
                       "stale_dropped": 0, "skipped": False}],
@@ -94,5 +96,30 @@ def test_an_interrupted_run_writes_its_report_without_the_held_out_scoring(agent
     summary = json.loads((report / "summary.json").read_text())
     assert summary["success_rate_before"] == 0.25 and summary["success_rate_after"] != summary["success_rate_after"]
     assert summary["exit_reason"] == "signal SIGINT" and summary["steps"] == 1
+    assert summary["sampled_success_rate_before"] == 0.125 and summary["sampled_success_rate_after"] is None
+    assert summary["sampled_temperature"] == 0.7 and summary["sampled_success_by_kind_after"] is None
     assert (report / "reward_curve.png").is_file()
     assert "interrupted; the report leaves out the held-out score" in capsys.readouterr().err
+
+
+def test_the_sampled_score_averages_every_attempt_of_every_task_at_the_rollout_temperature(agent_rl) -> None:
+    import evaluate  # examples/toolbox, on the path once agent_rl is loaded
+
+    calls = []
+    draws = iter([(True, False, False), (True, True, False)])  # two sampled passes over three tasks
+
+    def fake_evaluate(model_dir, tasks, temperature):
+        calls.append((model_dir, tuple(tasks), temperature))
+        wins = next(draws)
+        return evaluate.EvalResult(success_rate=0.0, mean_reward=0.0, seconds=0.0, outcomes=tuple(
+            evaluate.TaskOutcome(task_id=f"{kind}-{i}", kind=kind, reward=1.0, success=win, agent_exit_code=0,
+                                 seconds=1.0)
+            for i, (kind, win) in enumerate(zip(("calc", "calc", "write"), wins))))
+
+    score = agent_rl.sampled_score("model", ["t0", "t1", "t2"], 0.7, 2, evaluate=fake_evaluate)
+    assert calls == [("model", ("t0", "t1", "t2"), 0.7)] * 2  # each pass samples (never greedy) at 0.7
+    assert score == {"temperature": 0.7, "samples": 2, "success_rate": 0.5,
+                     "success_by_kind": {"calc": 0.75, "write": 0.0}}
+    assert agent_rl.parse_args([]).sampled_eval_samples == 2
+    with pytest.raises(SystemExit):
+        agent_rl.parse_args(["--sampled-eval-samples", "-1"])

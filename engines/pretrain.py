@@ -65,7 +65,7 @@ class CopyPretrainConfig:
     batch_size: int = attrs.field(default=24, validator=attrs.validators.ge(1))
     """Examples per step."""
     lr: float = 1e-3
-    """Peak AdamW learning rate (linear warm-up, then constant)."""
+    """Peak AdamW learning rate (linear warm-up, constant, then the decay of `decay_steps`)."""
     warmup_steps: int = 50
     """Steps of linear warm-up."""
     decay_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))

@@ -14,7 +14,7 @@ What happens:
    succeeds and whose failures RL can still fix; see --sft-tasks); each stage is cached under ~/.cache/gyre, keyed by
    its inputs (the base model's bytes among them: copy pretraining is not bit-reproducible across CPUs, so each
    machine builds its own warm start, and the RL gain depends on it: BENCHMARKS.md, session 10). The
-   warm-started model is scored on held-out tasks (greedy).
+   warm-started model is scored on held-out tasks, greedy and sampled at the rollout temperature.
 2. the topology: one core cell and two satellites (each its own process; the core holds weights and optimizer),
    the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
    executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
@@ -83,9 +83,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--clip-high", type=float, default=4e-4, help="GSPO upper clip range of the sequence ratio")
     parser.add_argument("--rollout-temperature", type=float, default=0.7,
                         help="the agents' sampling temperature in training; behaviour and trainer log-probs are taken "
-                        "at it (held-out evaluation is greedy). From session 12's warm start, at 1.0 the samples of "
-                        "kinds the greedy model solves a third of rarely succeed, and RL unlearns them (BENCHMARKS.md, "
-                        "session 12)")
+                        "at it (held-out evaluation: greedy, and sampled at it). From session 12's warm start, at "
+                        "1.0 the samples of kinds the greedy model solves a third of rarely succeed, and RL unlearns "
+                        "them (BENCHMARKS.md, session 12)")
     parser.add_argument("--min-reward-spread", type=float, default=0.25,
                         help="drop groups whose rewards span no more than this (DAPO dynamic sampling; 0: keep all). "
                         "0.25 also drops groups that differ only by the 0.2 written-file reward, so the task sampling "

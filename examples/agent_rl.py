@@ -181,18 +181,17 @@ def held_out_score(result) -> dict:
 def sampled_score(model_dir: Path, held_out, temperature: float, samples: int, evaluate=None) -> dict:
     """Mean success of `samples` sampled attempts at each held-out task (and per kind): the policy that RL trains,
     sampled as in training, where a greedy decode can take a path no sample takes."""
+    from evaluate import EvalResult
+
     if evaluate is None:
         from evaluate import evaluate
-    wins: dict[str, list[bool]] = {}
-    for _ in range(samples):
-        for outcome in evaluate(model_dir, held_out, temperature=temperature).outcomes:
-            wins.setdefault(outcome.kind, []).append(outcome.success)
-    attempts = [win for kind_wins in wins.values() for win in kind_wins]
-    return {
-        "temperature": temperature, "samples": samples,
-        "success_rate": sum(attempts) / max(1, len(attempts)),
-        "success_by_kind": {kind: sum(kind_wins) / len(kind_wins) for kind, kind_wins in wins.items()},
-    }
+    passes = [evaluate(model_dir, held_out, temperature=temperature) for _ in range(samples)]
+    attempts = tuple(outcome for one_pass in passes for outcome in one_pass.outcomes)
+    pooled = EvalResult(success_rate=sum(o.success for o in attempts) / max(1, len(attempts)),
+                        mean_reward=sum(o.reward for o in attempts) / max(1, len(attempts)),
+                        outcomes=attempts, seconds=sum(one_pass.seconds for one_pass in passes))
+    return {"temperature": temperature, "samples": samples, "success_rate": pooled.success_rate,
+            "success_by_kind": pooled.success_by_kind()}
 
 
 def _copy_pretrain_stage(base: Path, cache: Path, what: str, config) -> Path:
@@ -247,6 +246,7 @@ def prepare(argv: list[str]) -> None:
                 progress=lambda step, total, loss: print(f"  sft step {step}/{total} loss {loss:.3f}", file=sys.stderr)
                 if step % 10 == 0 or step == total else None)
     before = NOT_SCORED
+    held_out = () if args.skip_eval else tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
     if not args.skip_eval:
         cached = sft_dir / f"eval-{args.heldout_tasks}-{args.seed}.json"
         if cached.is_file():
@@ -254,7 +254,6 @@ def prepare(argv: list[str]) -> None:
         if "success_by_kind" not in before:  # not scored yet, or scored before the per-kind split was recorded
             from evaluate import evaluate
 
-            held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
             before = held_out_score(evaluate(sft_dir, held_out))
             cached.write_text(json.dumps(before))
         print(f"agent_rl: held-out success before RL: {before['success_rate']:.2f}", file=sys.stderr)
@@ -265,7 +264,6 @@ def prepare(argv: list[str]) -> None:
         if cached.is_file():
             sampled_before = json.loads(cached.read_text())
         else:
-            held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
             sampled_before = sampled_score(sft_dir, held_out, args.rollout_temperature, args.sampled_eval_samples)
             cached.write_text(json.dumps(sampled_before))
         print(f"agent_rl: held-out success before RL, sampled at {args.rollout_temperature}: "

@@ -39,6 +39,7 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     assert summary["samples_trained"] > 0 and summary["tokens_trained"] > 0
     # Without held-out evaluation there is no per-kind split to report, and the keys say so rather than vanish.
     assert summary["success_by_kind_before"] == {} and summary["success_by_kind_after"] == {}
+    assert summary["success_measure"] == "not scored"
     timeline = json.loads((report / "run.json").read_text())
     assert [step["version"] for step in timeline["steps"]] == [1, 2]
     assert any(group["landed"] for group in timeline["groups"])

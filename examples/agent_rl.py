@@ -74,9 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=18, help="optimizer steps to train")
     parser.add_argument("--group-size", type=int, default=16, help="executions per GSPO group")
     parser.add_argument("--groups-per-step", type=int, default=8,
-                        help="GSPO groups a step trains on. From session 12's warm start, 8 (600-650 s of RL) gained "
-                        "+11.4 to +14.0 held-out points sampled in five runs; 4 (about half the time) +5.6 to +9.6 "
-                        "in four, losing more of the write task (BENCHMARKS.md, sessions 12 and 13)")
+                        help="GSPO groups a step trains on. From session 12's warm start, 8 (573-676 s of RL) gained "
+                        "+11.4 to +14.0 held-out points sampled in six runs (greedy median +11.6); 4 (about half the "
+                        "time) +5.6 to +9.6 in four, losing more of the write task (BENCHMARKS.md, sessions 12, 13)")
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=3e-4,
                         help="RL learning rate (3e-4: from the sessions 7-9 warm start ten runs scored on 224 "
@@ -207,8 +207,8 @@ def headline_scores(greedy_before: dict, greedy_after: dict, sampled_before: dic
     The headline is the sampled score when the run measured one: the mean success of the policy RL trains, sampled
     as in training, over several attempts a task (pass@1 estimated from k samples, as DeepSeek-R1 reports it:
     arXiv:2501.12948 v1, section 3, "Evaluation Setup", where greedy decoding varied too much across checkpoints).
-    Here a greedy decode is one brittle path per task: runs with 8 groups a step gained +1.3 to +12.5 points
-    greedy and +11.4 to +14.0 sampled, the greedy "write" score alone ranging 6 to 17 of 32 (BENCHMARKS.md,
+    Here a greedy decode is one brittle path per task: six runs with 8 groups a step gained +1.3 to +15.6 points
+    greedy and +11.4 to +14.0 sampled, the greedy "write" score alone ranging 6 to 18 of 32 (BENCHMARKS.md,
     sessions 12 and 13). The greedy score stays in the summary as `greedy_*`; without a sampled score
     (--sampled-eval-samples 0) the headline is the greedy one. Returns {"before", "after", "extra"}: the headline's
     two scores and the summary's other keys.

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -220,9 +221,8 @@ def headline_scores(greedy_before: dict, greedy_after: dict, sampled_before: dic
         "greedy_success_by_kind_after": greedy_after.get("success_by_kind", {}),
     }
     if sampled_before is None:
-        scored = greedy_before["success_rate"] == greedy_before["success_rate"]  # NaN: --skip-eval scored nothing
-        return {"before": greedy_before, "after": greedy_after,
-                "extra": {"success_measure": "greedy" if scored else "not scored", **extra}}
+        measure = "not scored" if math.isnan(greedy_before["success_rate"]) else "greedy"  # NaN: --skip-eval
+        return {"before": greedy_before, "after": greedy_after, "extra": {"success_measure": measure, **extra}}
     measure = (f"sampled at temperature {sampled_before['temperature']}, mean of {sampled_before['samples']} "
                f"attempts a task")
     return {"before": sampled_before, "after": sampled_after or NOT_SCORED, "extra": {

@@ -28,7 +28,7 @@ def test_defaults(agent_rl) -> None:
     # From session 12's warm start (900 demonstrations after the decayed copy pretraining) RL at 0.7 gained +11.6
     # and +9.8 points, at 1.0 +6.7 (samples of the kinds the greedy model half solves rarely succeed at 1.0).
     assert (args.rollout_temperature, args.sft_tasks) == (0.7, 900)
-    # 8 groups a step: +11.4 to +14.0 sampled in five runs, against +5.6 to +9.6 with 4 (sessions 12 and 13).
+    # 8 groups a step: +11.4 to +14.0 sampled in six runs, against +5.6 to +9.6 with 4 (sessions 12 and 13).
     assert (args.groups_per_step, args.sampled_eval_samples) == (8, 2)
     assert (args.copy_steps, args.copy_decay_steps, args.copy_gap_steps, args.copy_gap_decay_steps) == (
         3000, 600, 1200, 400)  # a copier that settles: quotes a task's words in 0.98 of held-out examples (0.39)

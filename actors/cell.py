@@ -13,7 +13,9 @@ the trainer (they never step, so they never hold optimizer state).
 A switch runs as a background task (the mailbox stays free: a satellite must still receive GradientsTaken while it
 winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role and announces it.
 
-rollout -> train: refused (logged, the cell stays) when no other rollout cell is known to take the sessions.
+rollout -> train: refused (logged, the cell stays) when no other rollout cell is known to take the sessions, unless
+the switch says `migrate_sessions=False` (the colocate baseline: every cell leaves rollout at once; the sessions
+stay unplaced, their generations are aborted, and the proxy holds their calls until a cell rolls out again).
 Otherwise: CellDraining (the proxy stops routing here) -> pause generation in place -> ask the KV migrator to move
 every live session to the other rollout cells (it asks the proxy which sessions live here; the cell names the
 sequences paused in place so that their partial output moves too) -> abort what is still in flight (the proxy
@@ -176,7 +178,7 @@ class Cell(Actor):
         self.core_ready = asyncio.Event()
         self.latest_version = 0
         """Newest weight version this cell has heard of (WeightsPublished, StepReady)."""
-        self.pending_role: str | None = None
+        self.pending_switch: SwitchRole | None = None
         self.switches = 0
         self.switches_refused = 0
         self.puller = WeightPuller(self, config.broker, config.broker_timeout_s, config.pull_attempts,
@@ -300,12 +302,12 @@ class Cell(Actor):
             self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
         self.tell(self.name, SwitchFinished(role, "", url, version, self.clock.now() - started, 0))
 
-    def _begin_switch(self, role: str, reason: str) -> None:
-        if role == TRAIN:
-            targets = self.peers.rollout_targets()
-            if not targets:
+    def _begin_switch(self, msg: SwitchRole) -> None:
+        if msg.role == TRAIN:
+            targets = self.peers.rollout_targets() if msg.migrate_sessions else {}
+            if msg.migrate_sessions and not targets:
                 self.switches_refused += 1
-                self.log.warning("switch_refused", role=role, reason=reason,
+                self.log.warning("switch_refused", role=msg.role, reason=msg.reason,
                                  why="no other rollout cell is known to take this cell's sessions")
                 return
             self.role = SWITCHING
@@ -313,9 +315,10 @@ class Cell(Actor):
         else:
             self.role = SWITCHING
             self.spawn(self.guarded(self._train_to_rollout()), name=f"{self.name}.to_rollout")
-        self.log.info("switch_started", role=role, reason=reason)
+        self.log.info("switch_started", role=msg.role, reason=msg.reason, migrate_sessions=msg.migrate_sessions)
 
     async def _rollout_to_train(self, targets: dict[str, str]) -> None:
+        """`targets` empty: the sessions stay where they are (nowhere, once the engine stops); see SwitchRole."""
         config = self.config
         started = self.clock.now()
         assert self.rollout is not None
@@ -329,7 +332,7 @@ class Cell(Actor):
             await self.engine_weights.settle()
             paused = await self._timed(phases, "paused_s", self.rollout.pause_in_place())
             in_flight = await self.rollout.live_sequences()
-            migrated = await self._timed(phases, "migrated_s", self._migrate(targets, in_flight))
+            migrated = (await self._timed(phases, "migrated_s", self._migrate(targets, in_flight))) if targets else 0
             aborted = await self._timed(phases, "engine_released_s", self.rollout.shutdown())
             self.rollout.drop_pull_buffer()
         finally:
@@ -434,13 +437,13 @@ class Cell(Actor):
             self.log.error("switch_to_unknown_role", role=msg.role)
             return
         if self.role == SWITCHING:
-            self.pending_role = msg.role  # the newest wish wins; applied when the current switch ends
+            self.pending_switch = msg  # the newest wish wins; applied when the current switch ends
             self.log.info("switch_deferred", role=msg.role, reason=msg.reason)
             return
         if msg.role == self.role:
             self.log.debug("switch_noop", role=msg.role)
             return
-        self._begin_switch(msg.role, msg.reason)
+        self._begin_switch(msg)
 
     @handler(SwitchFinished)
     async def on_switch_finished(self, msg: SwitchFinished) -> None:
@@ -457,9 +460,9 @@ class Cell(Actor):
         else:
             self.engine_weights.follow()
         await self._publish_load()
-        pending, self.pending_role = self.pending_role, None
-        if pending is not None and pending != self.role:
-            self._begin_switch(pending, "deferred while switching")
+        pending, self.pending_switch = self.pending_switch, None
+        if pending is not None and pending.role != self.role:
+            self._begin_switch(attrs.evolve(pending, reason=f"deferred while switching: {pending.reason}"))
 
     @handler(ReportTick)
     async def on_report_tick(self, msg: ReportTick) -> None:

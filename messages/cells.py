@@ -37,7 +37,7 @@ class LoadReport:
     """Runtime-clock time of the report."""
 
 
-@message("gyre.cells.SwitchRole")
+@message("gyre.cells.SwitchRole", version=2)
 class SwitchRole:
     """Scheduler -> cell: move to `role`."""
 
@@ -47,6 +47,11 @@ class SwitchRole:
     """"rollout" or "train"."""
     reason: str
     """Why the scheduler decided it (for logs and reports)."""
+    migrate_sessions: bool = True
+    """Into training: move the cell's live sessions to the other rollout cells, and refuse the switch when there are
+    none. False: leave them, even when no rollout cell remains; their generations are aborted and the proxy holds
+    their calls until a cell rolls out again. The colocate baseline asks this: every cell leaves rollout at once, so
+    there is nowhere to move the sessions to (and in its GPU form the KV cache is freed for training anyway)."""
 
 
 @message("gyre.cells.RoleChanged")

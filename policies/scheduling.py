@@ -14,7 +14,8 @@ config, and can be swapped (or re-run on a recorded view) without touching any a
   optimizer state, so coming back costs a session migration, not a weight transfer).
 - `AsyncPolicy`: a fixed split chosen by the user (the baseline that isolates what switching adds to streaming).
 - `ColocatePolicy`: every cell rolls out until a step's samples are fixed, then every cell trains until the core has
-  applied it, then every cell rolls out again.
+  applied it, then every cell rolls out again. Its switches into training do not migrate sessions (there is no
+  rollout cell left to take them): the agents' calls wait at the proxy while the step trains.
 
 Capacity and demand are counted in sessions: a cell's capacity is the concurrent generations it reports
 (`capacity_requests`) and demand is the live sessions on rollout cells (each live session may issue a call at any
@@ -133,8 +134,8 @@ def _rollout_supply(view: SchedulerView) -> tuple[int, int]:
     return demand, capacity
 
 
-def _switch(cell: CellView, role: str, reason: str) -> SwitchRole:
-    return SwitchRole(cell=cell.name, role=role, reason=reason)
+def _switch(cell: CellView, role: str, reason: str, migrate_sessions: bool = True) -> SwitchRole:
+    return SwitchRole(cell=cell.name, role=role, reason=reason, migrate_sessions=migrate_sessions)
 
 
 @attrs.frozen
@@ -244,7 +245,12 @@ class AsyncPolicy:
 
 @attrs.frozen
 class ColocatePolicy:
-    """All cells roll out; when a step's samples are fixed all train; when it is applied all roll out again."""
+    """All cells roll out; when a step's samples are fixed all train; when it is applied all roll out again.
+
+    All means all: the last rollout cell leaves too, without migrating its sessions (`migrate_sessions=False`), so
+    live generations are aborted and the agents' calls wait at the proxy until the cells roll out again, where the
+    calls resume from their partial output (re-prefilled). That is the cost a colocated system pays; a switch that
+    kept one cell rolling out would be a fixed split in disguise."""
 
     def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
         backlog = view.backlog
@@ -252,7 +258,7 @@ class ColocatePolicy:
         decisions = []
         for cell in view.cells:
             if training_phase and cell.role == ROLLOUT:
-                decisions.append(_switch(cell, TRAIN, f"step {backlog.step_id} is ready"))
+                decisions.append(_switch(cell, TRAIN, f"step {backlog.step_id} is ready", migrate_sessions=False))
             elif not training_phase and cell.role == TRAIN and cell.claims == 0:
                 decisions.append(_switch(cell, ROLLOUT, f"step {backlog.step_id} is filling"))
         return tuple(decisions)

@@ -11,6 +11,9 @@ switched to training and back. Checked:
   then RoleChanged(rollout) with a working server;
 - the switched cell holds no engine memory while it trains and no trainer once it is back.
 The switch latencies each way are printed (run with -s) and their medians checked to be finite and positive.
+
+And the colocate baseline's switch, with no other rollout cell: the only rollout cell trains without migrating, the
+agents' calls wait at the proxy, and they complete (with an unswitched run's tokens) once the cell rolls out again.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class Recorder(Actor):
                 and all(getattr(m, k) == v for k, v in fields.items())]
 
 
-def topology(model_dir: str) -> Topology:
+def topology(model_dir: str, rollout_cells: tuple[str, ...] = ("cell-a", "cell-b")) -> Topology:
     engine = EngineConfig(num_blocks=256, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
     cells = dict(model_dir=model_dir, engine=engine, trainer=TrainerConfig(num_threads=1), report_interval_s=0.25)
     result = Topology("switch", seed=0)
@@ -83,8 +86,10 @@ def topology(model_dir: str) -> Topology:
     result.add("weight_broker", WeightBroker)
     result.add("core", Cell, CellConfig(is_core=True, initial_role=TRAIN, **cells))
     # cell-a prepares its training runtime in the background as it starts; its switches must work all the same.
-    result.add("cell-a", Cell, CellConfig(initial_role=ROLLOUT, prepare_trainer_at_start=True, **cells))
-    result.add("cell-b", Cell, CellConfig(initial_role=ROLLOUT, **cells))
+    if "cell-a" in rollout_cells:
+        result.add("cell-a", Cell, CellConfig(initial_role=ROLLOUT, prepare_trainer_at_start=True, **cells))
+    if "cell-b" in rollout_cells:
+        result.add("cell-b", Cell, CellConfig(initial_role=ROLLOUT, **cells))
     return result
 
 
@@ -247,3 +252,62 @@ def test_switch_latencies(switched):
     print(f"\nrollout->train s: {[round(s, 3) for s in to_train]} median {statistics.median(to_train):.3f}")
     print(f"train->rollout s: {[round(s, 3) for s in to_rollout]} median {statistics.median(to_rollout):.3f}")
     assert 0 < statistics.median(to_train) < 60 and 0 < statistics.median(to_rollout) < 60
+
+
+def test_a_colocated_switch_holds_the_calls_until_a_cell_rolls_out_again(tiny_model_dir):
+    torch.set_num_threads(1)
+    rng = random.Random(5)
+    stop_ids = ChatTemplate.from_model_dir(tiny_model_dir).stop_token_ids
+
+    async def driver(h):
+        recorder = h.actor("recorder")
+        await h.wait_until(lambda: len(recorder.of(RoleChanged)) >= 2, timeout_s=180, what="cells up")
+        url = recorder.of(RoleChanged, cell="cell-a")[-1].engine_url
+        clients, prompts = [], []
+        for i in range(2):
+            key = await h.ask("proxy", IssueKey(f"exec-{i}", "group-0"))
+            clients.append(openai.AsyncOpenAI(base_url=key.openai_base_url, api_key=key.api_key, max_retries=0,
+                                              timeout=300))
+            prompts.append([{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(40))}])
+        generated_before = (await engine_load(url))[1]
+        calls = [asyncio.ensure_future(client.chat.completions.create(
+            model="gyre", messages=messages, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=seed))
+            for client, messages, seed in zip(clients, prompts, SEEDS)]
+        for _ in range(2000):
+            running, generated = await engine_load(url)
+            if running and generated - generated_before >= 20 * running:
+                break
+            await asyncio.sleep(0.01)
+        h.tell("cell-a", SwitchRole("cell-a", TRAIN, "test: colocate", migrate_sessions=False))
+        await h.wait_until(lambda: recorder.of(RoleChanged, cell="cell-a")[-1].role == TRAIN, timeout_s=120,
+                           what="switch to train")
+        await asyncio.sleep(0.5)
+        pending_while_training = sum(not call.done() for call in calls)
+        h.tell("cell-a", SwitchRole("cell-a", ROLLOUT, "test: the step is applied"))
+        replies = await asyncio.gather(*calls)
+        changed = [m for m in recorder.of(RoleChanged, cell="cell-a") if m.previous_role]
+        done = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
+        proxy_status = await h.ask("proxy", ProxyStatusAsked())
+        back_url = changed[-1].engine_url
+        references = {}
+        async with SGLangClient(back_url) as client:
+            for call in done:
+                out = await client.generate(call.prompt_ids, {
+                    "max_new_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
+                    "sampling_seed": SEEDS[int(call.execution_id.removeprefix("exec-"))],
+                    "stop_token_ids": list(stop_ids)})
+                references[call.prompt_ids] = tuple(out["output_ids"])
+        return pending_while_training, replies, changed, done, proxy_status, references
+
+    run = run_actors(topology(str(tiny_model_dir), rollout_cells=("cell-a",)), driver, transport="zmq",
+                     timeout_s=400)
+    assert run.stop_reason is None, run.stop_reason
+    pending_while_training, replies, changed, done, proxy_status, references = run.value
+    assert [r.choices[0].finish_reason for r in replies] == ["length", "length"]  # long enough to be cut
+    assert pending_while_training == 2  # nothing served them while no cell rolled out
+    assert [(m.role, m.sessions_migrated) for m in changed] == [(TRAIN, 0), (ROLLOUT, 0)]
+    assert all(reply.choices[0].finish_reason in ("stop", "length") for reply in replies)
+    assert proxy_status.calls_failed == 0 and proxy_status.resumed_generations >= 1
+    assert len(done) == 2
+    for call in done:
+        assert call.output_ids == references[call.prompt_ids]

@@ -466,11 +466,17 @@ def test_cell_hands_back_what_it_cannot_train_and_refuses_switches_it_cannot_mak
         await h.wait_until(lambda: cell.switches_refused == 1, what="deferred switch refused")
         h.tell("sat", SwitchRole("sat", TRAIN, "test: no other rollout cell"))
         await h.wait_until(lambda: cell.switches_refused == 2, what="switch refused")
-        return await h.ask("sat", CellStatusQuery(with_digest=False)), list(claimer.released)
+        refused = await h.ask("sat", CellStatusQuery(with_digest=False))
+        # The colocate baseline's switch leaves the sessions where they are: no rollout cell is needed to take them.
+        h.tell("sat", SwitchRole("sat", TRAIN, "test: colocate", migrate_sessions=False))
+        await h.wait_until(lambda: cell.role == TRAIN, timeout_s=60, what="stranding switch into training")
+        return refused, await h.ask("sat", CellStatusQuery(with_digest=False)), list(claimer.released)
 
     run = run_actors(topology, driver, timeout_s=240)
-    status, released = run.value
+    status, stranded, released = run.value
     assert [(r.cell, r.step_id, r.microstep_index) for r in released] == [("sat", 0, 0), ("sat", 0, 1)]
     assert status.role == ROLLOUT and status.switches == 1 and status.switches_refused == 2
     assert status.microsteps_computed == 0 and status.microsteps_released == 2
     assert not status.has_trainer and status.has_engine_memory and status.engine_url
+    assert stranded.role == TRAIN and stranded.switches == 2 and stranded.switches_refused == 2
+    assert stranded.has_trainer and not stranded.engine_url

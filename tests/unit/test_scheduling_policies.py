@@ -149,11 +149,22 @@ def test_colocate_trains_everyone_when_a_step_is_fixed_and_rolls_out_everyone_af
     policy = ColocatePolicy()
     filling = (cell("core", core=True, sessions=3), cell("s1", sessions=3))
     assert policy.decide(view(*filling, step_fixed=False)) == ()
-    assert moves(policy.decide(view(*filling, step_fixed=True))) == [("core", "train"), ("s1", "train")]
+    into_training = policy.decide(view(*filling, step_fixed=True))
+    assert moves(into_training) == [("core", "train"), ("s1", "train")]
+    # Every cell leaves rollout, so none can take the others' sessions: the switches strand them (the calls wait at
+    # the proxy) instead of being refused for want of a rollout cell.
+    assert [d.migrate_sessions for d in into_training] == [False, False]
     training = (cell("core", "train", core=True, claims=1), cell("s1", "train"))
     assert policy.decide(view(*training, step_fixed=True, claimed_microsteps=1)) == ()
     assert moves(policy.decide(view(cell("core", "train", core=True), cell("s1", "train"), step_id=1))) == [
         ("core", "rollout"), ("s1", "rollout")]
+
+
+def test_elastic_and_async_switches_always_migrate_sessions():
+    sessions = (cell("core", core=True, sessions=1), cell("s1", sessions=1), cell("s2", sessions=1))
+    decisions = AsyncPolicy(train_cells=("core", "s1")).decide(view(*sessions))
+    decisions += ElasticPolicy(min_dwell_s=0).decide(view(*sessions, claimable_microsteps=4, step_fixed=True))
+    assert decisions and all(d.migrate_sessions for d in decisions)
 
 
 def test_colocate_does_not_pull_a_cell_out_while_it_holds_a_claim():

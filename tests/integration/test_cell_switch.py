@@ -159,13 +159,18 @@ def switched(tiny_model_dir):
                            "training": training, "back": back, "served": served, "replies": replies})
         last = rounds[-1]["source"]
         other = "cell-a" if last == "cell-b" else "cell-b"
-        # A report from while the test's own 2-token request ran on `last` would count that request as live: wait
-        # for reports of idle engines, whose live_sessions are the sessions each cell holds.
-        def idle(cell: str) -> bool:
-            return recorder.loads[cell].running_requests == recorder.loads[cell].waiting_requests == 0
+        # Reports come every 0.25 s and a round can take less: one from before the last switch back (or from while
+        # the migrator was still placing sessions) would count the wrong cells. And a report from while the test's
+        # own 2-token request ran on `last` would count that request as live. So wait for reports made after the
+        # switch back, of idle engines: their live_sessions are the sessions each cell holds.
+        back_at = max(t for t, m in recorder.events if isinstance(m, RoleChanged) and m.cell == last)
 
-        await h.wait_until(lambda: recorder.loads[last].role == ROLLOUT and recorder.loads[other].live_sessions
-                           and idle(last) and idle(other), timeout_s=30, what="load reports after the last switch")
+        def settled(cell: str) -> bool:
+            load = recorder.loads[cell]
+            return load.time_s > back_at and load.running_requests == load.waiting_requests == 0
+
+        await h.wait_until(lambda: recorder.loads[last].role == ROLLOUT and settled(last) and settled(other),
+                           timeout_s=30, what="load reports after the last switch")
         live = {cell: recorder.loads[cell].live_sessions for cell in (last, other)}
         # The agents are done: once the executor says so, no cell counts their sessions as live (the TTL is long).
         for index in range(AGENTS):
@@ -286,7 +291,14 @@ def test_a_colocated_switch_holds_the_calls_until_a_cell_rolls_out_again(tiny_mo
         h.tell("cell-a", SwitchRole("cell-a", ROLLOUT, "test: the step is applied"))
         replies = await asyncio.gather(*calls)
         changed = [m for m in recorder.of(RoleChanged, cell="cell-a") if m.previous_role]
-        done = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
+
+        def completed() -> list[ModelCallCompleted]:
+            return [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
+
+        # The proxy answers a call before its ModelCallCompleted (published through its own inbox) reaches the
+        # recorder: wait for the announcements rather than read them the moment the replies are in.
+        await h.wait_until(lambda: len(completed()) >= len(calls), timeout_s=30, what="ModelCallCompleted of both")
+        done = completed()
         proxy_status = await h.ask("proxy", ProxyStatusAsked())
         back_url = changed[-1].engine_url
         references = {}

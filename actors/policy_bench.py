@@ -15,12 +15,18 @@ wall time per optimizer step, (time of the last step - time of the first) / (ste
 loads) is the same for all policies and would otherwise drown the difference in a short run. The time to the first
 step, which does depend on the policy (colocate's first barrier, for one), is reported beside it.
 
+`--repeats N` runs N rounds, each of every configuration in the same order. A shared machine has slow spells of
+minutes; within a round they fall on neighbouring configurations, across rounds on all of them. So each
+configuration's figure is its median over the rounds, and elastic's speed-ups are the median of each round's own
+ratio (elastic against the round's best async split and its colocate), with every round's ratio reported.
+
 On one CPU machine all cells share the cores, so a cell that idles gives its CPU to the others and the policies
 look alike. The main job's `--cell-cpu-cores C` (after `--`) caps each cell process at C cores with a cgroup quota,
 which gives each cell a device of its own as on a cluster (runtime/cpu_limits.py; BENCHMARKS.md, session 5).
 
     gyre bench policies --steps 4 --json
     gyre bench policies --steps 8 --json -- --min-reward-spread 0 --cell-cpu-cores 0.4
+    gyre bench policies --steps 6 --repeats 3 --json -- --min-reward-spread 0 --cell-cpu-cores 0.4
     gyre bench policies --topology examples/agent_rl.py --out /tmp/policies -- --group-size 8
 """
 
@@ -78,6 +84,9 @@ class PolicyBenchConfig:
     """A run taking longer than this is killed and reported as failed."""
     run_options: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     """Options of `gyre run` itself (e.g. `--virtual` to run a stand-in topology in virtual time)."""
+    repeats: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    """Rounds: each runs every configuration once, in the same order, so that a slow spell of a shared machine
+    falls on every configuration of a round alike. The headline figures are medians over the rounds."""
 
     def __attrs_post_init__(self) -> None:
         unknown = set(self.policies) - {"elastic", "async", "colocate"}
@@ -164,24 +173,59 @@ def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
     )
 
 
-def summarize(runs: Sequence[PolicyRun]) -> dict[str, Any]:
-    """The bench's result: per-policy seconds per step (async: its best split) and elastic's speed-ups."""
-    by_policy: dict[str, list[PolicyRun]] = {}
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _round_summary(runs: Sequence[PolicyRun]) -> dict[str, Any]:
+    """One round's figures: each policy's seconds per step (async at the round's best split) and the speed-ups."""
+    best: dict[str, PolicyRun] = {}
     for run in runs:
-        by_policy.setdefault(run.policy, []).append(run)
-    result: dict[str, Any] = {}
-    for policy, group in by_policy.items():
-        best = min(group, key=lambda run: run.steady_s_per_step)
-        result[f"{policy}_s_per_step"] = best.steady_s_per_step
-        result[f"{policy}_first_step_s"] = best.first_step_s
-    if "async" in by_policy:
-        best = min(by_policy["async"], key=lambda run: run.steady_s_per_step)
-        result["async_best_split"] = list(best.train_cells)
-        result["async_splits_s_per_step"] = {run.name: run.steady_s_per_step for run in by_policy["async"]}
+        if run.policy not in best or run.steady_s_per_step < best[run.policy].steady_s_per_step:
+            best[run.policy] = run
+    result: dict[str, Any] = {f"{policy}_s_per_step": run.steady_s_per_step for policy, run in best.items()}
+    if "async" in best:
+        result["async_best_split"] = list(best["async"].train_cells)
     elastic = result.get("elastic_s_per_step")
     for other in ("async", "colocate"):
         if elastic and f"{other}_s_per_step" in result:
             result[f"elastic_speedup_vs_{other}"] = result[f"{other}_s_per_step"] / elastic
+    return result
+
+
+def summarize(runs: Sequence[PolicyRun], rounds: Sequence[Sequence[PolicyRun]] = ()) -> dict[str, Any]:
+    """The bench's result: per configuration its median seconds per step over the rounds; per policy the best
+    configuration's median (async: its best split); elastic's speed-ups as the median of each round's own ratio.
+
+    `rounds` groups `runs` by round (each round runs every configuration once); empty means one round of `runs`.
+    """
+    rounds = [list(r) for r in rounds] if rounds else [list(runs)]
+    by_name: dict[str, list[PolicyRun]] = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    median_by_name = {name: _median([r.steady_s_per_step for r in group]) for name, group in by_name.items()}
+    result: dict[str, Any] = {"rounds": len(rounds)}
+    by_policy: dict[str, list[str]] = {}
+    for name, group in by_name.items():
+        by_policy.setdefault(group[0].policy, []).append(name)
+    for policy, names in by_policy.items():
+        best = min(names, key=lambda name: median_by_name[name])
+        result[f"{policy}_s_per_step"] = median_by_name[best]
+        result[f"{policy}_first_step_s"] = _median([r.first_step_s for r in by_name[best]])
+    if "async" in by_policy:
+        best = min(by_policy["async"], key=lambda name: median_by_name[name])
+        result["async_best_split"] = list(by_name[best][0].train_cells)
+        result["async_splits_s_per_step"] = {name: median_by_name[name] for name in by_policy["async"]}
+    per_round = [_round_summary(r) for r in rounds]
+    for other in ("async", "colocate"):
+        key = f"elastic_speedup_vs_{other}"
+        ratios = [r[key] for r in per_round if key in r]
+        if ratios:
+            result[key] = _median(ratios)
+            result[f"{key}_by_round"] = ratios
+    result["s_per_step_by_round"] = {name: [r.steady_s_per_step for r in group] for name, group in by_name.items()}
     result["runs"] = [attrs.asdict(run) for run in runs]
     return result
 
@@ -213,27 +257,34 @@ def run_policy_bench(
     cwd: Path | None = None,
     run_one: Callable[[PolicyBenchConfig, RunSpec, Path, Path], PolicyRun] = _run_one,
 ) -> dict[str, Any]:
-    """Run every configuration in turn (elastic first: its run.json names the cells for the async splits)."""
+    """Run every configuration in turn, `config.repeats` rounds of them (elastic first: its run.json names the cells
+    for the async splits). With more than one round, round r's reports go under `out/round{r}/`."""
     cwd = cwd if cwd is not None else Path.cwd()
     with tempfile.TemporaryDirectory(prefix="gyre-policies-") as scratch:
         out = Path(config.out_dir) if config.out_dir else Path(scratch)
-        runs: list[PolicyRun] = []
+        rounds: list[list[PolicyRun]] = []
         cells: tuple[str, ...] = ()
         core = ""
         ordered = sorted(config.policies, key=("elastic", "colocate", "async").index)
-        for policy in ordered:
-            if policy != "async":
-                specs = [RunSpec(policy)]
-            else:
-                if not cells:  # async alone: a colocate-free, elastic-free bench still needs the cell names
-                    probe = run_one(config, RunSpec("colocate"), out / "probe", cwd)
-                    cells, core = probe.cells, probe.core_cell
-                specs = [RunSpec("async", split) for split in async_splits(cells, core)]
-            for spec in specs:
-                run = run_one(config, spec, out / spec.name.replace("[", "-").replace("]", ""), cwd)
-                runs.append(run)
-                cells, core = cells or run.cells, core or run.core_cell
-        return summarize(runs)
+        for round_index in range(config.repeats):
+            folder = out / f"round{round_index}" if config.repeats > 1 else out
+            runs: list[PolicyRun] = []
+            for policy in ordered:
+                if policy != "async":
+                    specs = [RunSpec(policy)]
+                else:
+                    if not cells:  # async alone: a colocate-free, elastic-free bench still needs the cell names
+                        probe = run_one(config, RunSpec("colocate"), folder / "probe", cwd)
+                        cells, core = probe.cells, probe.core_cell
+                    specs = [RunSpec("async", split) for split in async_splits(cells, core)]
+                for spec in specs:
+                    run = run_one(config, spec, folder / spec.name.replace("[", "-").replace("]", ""), cwd)
+                    runs.append(run)
+                    cells, core = cells or run.cells, core or run.core_cell
+            rounds.append(runs)
+            log.info("policy_round_done", round=round_index, **{
+                k: round(v, 3) for k, v in _round_summary(runs).items() if isinstance(v, float)})
+        return summarize([run for r in rounds for run in r], rounds)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -245,6 +296,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per run")
     parser.add_argument("--policies", default="elastic,async,colocate", help="comma-separated subset")
     parser.add_argument("--out", default="", help="keep each run's report folder here")
+    parser.add_argument("--repeats", type=int, default=defaults.repeats,
+                        help="rounds of every configuration (medians over them; the machine's slow spells fall on "
+                        "every configuration of a round alike)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=_command, accepts_extra_args=True)
 
@@ -257,6 +311,7 @@ def _command(args: argparse.Namespace) -> int:
         config = PolicyBenchConfig(
             topology=args.topology, steps=args.steps, out_dir=args.out,
             policies=tuple(p for p in args.policies.split(",") if p), topology_args=tuple(args.passthrough),
+            repeats=args.repeats,
         )
     except ValueError as error:
         print(f"gyre bench policies: {error}", file=sys.stderr)
@@ -279,5 +334,7 @@ def _command(args: argparse.Namespace) -> int:
     for other in ("async", "colocate"):
         key = f"elastic_speedup_vs_{other}"
         if key in result:
-            print(f"elastic vs {other}{' (best split)' if other == 'async' else ''}: {result[key]:.2f}x")
+            rounds = ", ".join(f"{ratio:.2f}x" for ratio in result[f"{key}_by_round"])
+            print(f"elastic vs {other}{' (best split)' if other == 'async' else ''}: {result[key]:.2f}x"
+                  + (f" (median of the rounds: {rounds})" if result["rounds"] > 1 else ""))
     return 0

@@ -22,7 +22,8 @@ position) (engines/sampling.py), and every call is submitted with an explicit se
 from the call's rid when it gave none), so the resumed request draws the noise the cut one would have drawn.
 
 While no cell accepts a session's calls, they wait (up to `no_cell_wait_s`) for one to appear, then get 503 (the
-SDKs retry). When the proxy stops (the end of a run stops the engines too), calls that wait for a cell or would
+SDKs retry). How many wait so is published as CallsWaitingForCell whenever it changes: demand that no cell sees,
+which a scheduler needs once every cell has left rollout. When the proxy stops (the end of a run stops the engines too), calls that wait for a cell or would
 resume get 503 "the proxy is stopping" at once, and generations under way get `shutdown_timeout_s` to finish.
 """
 
@@ -62,7 +63,13 @@ from gyre.engines.sglang_client import (
 from gyre.messages.cells import ROLLOUT, CellDraining, LoadReport, RoleChanged, SessionPlaced
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.proxy import ProxyStatus, ProxyStatusAsked, SessionPrefixes, SessionsOnCell
+from gyre.messages.proxy import (
+    CallsWaitingForCell,
+    ProxyStatus,
+    ProxyStatusAsked,
+    SessionPrefixes,
+    SessionsOnCell,
+)
 from gyre.policies.routing import CellView, RoutingPolicy, StickyLeastLoaded, checked_choice
 from gyre.runtime import Actor, handler
 
@@ -156,9 +163,13 @@ class RoutedBackend:
     `session_placed`, `forget_execution`); everything runs on one event loop, so no locks.
     """
 
-    def __init__(self, config: RoutingConfig, make_client: Callable[[str], Any]) -> None:
+    def __init__(self, config: RoutingConfig, make_client: Callable[[str], Any],
+                 on_waiting_for_cell: Callable[[int], None] | None = None) -> None:
         self.config = config
         self._make_client = make_client
+        self._on_waiting_for_cell = on_waiting_for_cell
+        """Told the number of calls waiting for a rollout cell each time it changes."""
+        self._waiting_for_cell = 0
         self._cells: dict[str, _Cell] = {}
         self._routes: OrderedDict[str, _Route] = OrderedDict()
         self._by_execution: dict[str, set[str]] = {}
@@ -337,7 +348,7 @@ class RoutedBackend:
         """The cell for the route's next generation, waiting (bounded) while none may take it."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        waited = False
+        waited = waiting_for_cell = False
         try:
             while True:
                 if self._stopping:
@@ -362,6 +373,9 @@ class RoutedBackend:
                     if loop.time() - started >= self.config.no_cell_wait_s:
                         raise BackendUnavailable(f"no rollout cell accepted calls for {self.config.no_cell_wait_s} s")
                     waited = True
+                    if not waiting_for_cell:
+                        waiting_for_cell = True
+                        self._count_waiting_for_cell(+1)
                     await self._wait_change(started + self.config.no_cell_wait_s)
                     continue
                 cell = self._cells[choice]
@@ -371,6 +385,18 @@ class RoutedBackend:
         finally:
             if waited:
                 self._waits += 1
+            if waiting_for_cell:
+                self._count_waiting_for_cell(-1)
+
+    def _count_waiting_for_cell(self, change: int) -> None:
+        self._waiting_for_cell += change
+        if self._on_waiting_for_cell is not None:
+            self._on_waiting_for_cell(self._waiting_for_cell)
+
+    @property
+    def calls_waiting_for_cell(self) -> int:
+        """Calls waiting now because no rollout cell accepts them (not those waiting for a migration)."""
+        return self._waiting_for_cell
 
     async def _after_abort(self, route: _Route, cell: _Cell) -> None:
         """Give the view a moment to explain an abort (the cell drains; the migrator places the session)."""
@@ -566,7 +592,8 @@ class Proxy(Actor):
             connector=aiohttp.TCPConnector(limit=config.max_engine_connections)
         )
         self.backend = RoutedBackend(
-            config.routing, lambda url: SGLangClient(url, session=self.http_client, config=config.routing.client)
+            config.routing, lambda url: SGLangClient(url, session=self.http_client, config=config.routing.client),
+            on_waiting_for_cell=self._waiting_for_cell_changed,
         )
         app = build_proxy_app(config.http, self.sessions, self.backend, self._call_completed, clock=self.clock.now)
         self.service = app[PROXY_SERVICE]
@@ -589,6 +616,14 @@ class Proxy(Actor):
 
     @handler(ModelCallCompleted)
     def on_call_completed(self, msg: ModelCallCompleted) -> None:
+        self.publish(msg)
+
+    def _waiting_for_cell_changed(self, calls: int) -> None:
+        # Through the inbox, like ModelCallCompleted: the publication is caused by a recorded message.
+        self.tell(self.name, CallsWaitingForCell(calls=calls, time_s=self.clock.now()))
+
+    @handler(CallsWaitingForCell)
+    def on_calls_waiting_for_cell(self, msg: CallsWaitingForCell) -> None:
         self.publish(msg)
 
     @handler(IssueKey)

@@ -1,8 +1,8 @@
 """The scheduler: hosts a scheduling policy, keeps the view it decides on, and sends SwitchRole to cells.
 
 It owns nothing but its view of the load. Cells announce themselves with RoleChanged (at start and after every
-switch) and keep it current with LoadReport; the micro-step claimer's TrainingBacklog, StepReady and StepApplied
-describe the training work. After every such event, and on a timer (dwell times and grace periods expire without
+switch) and keep it current with LoadReport; the proxy's CallsWaitingForCell counts the calls no rollout cell takes;
+the micro-step claimer's TrainingBacklog, StepReady and StepApplied describe the training work. After every such event, and on a timer (dwell times and grace periods expire without
 events), it builds an immutable SchedulerView and asks the policy. Every decision is checked against the policy
 contract before it is sent: a policy bug fails the scheduler loudly rather than sending a cell a nonsense switch.
 
@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, LoadReport, RoleChanged, SwitchRole
+from gyre.messages.proxy import CallsWaitingForCell
 from gyre.messages.scheduling import (
     SchedulerStatistics,
     SchedulerStatisticsAsked,
@@ -89,11 +90,12 @@ class Scheduler(Actor):
     """Hosts `config.policy`; see the module docstring."""
 
     config_cls = SchedulerConfig
-    subscriptions = (LoadReport, RoleChanged, TrainingBacklog, StepReady, StepApplied)
+    subscriptions = (LoadReport, RoleChanged, CallsWaitingForCell, TrainingBacklog, StepReady, StepApplied)
 
     async def on_start(self) -> None:
         self.cells: dict[str, _CellState] = {}
         self.backlog = BacklogView()
+        self.calls_waiting_for_cell = 0
         self.claims_by_cell: dict[str, int] = {}
         self.counts = {"evaluations": 0, "switches_sent": 0, "to_train": 0, "to_rollout": 0, "switch_timeouts": 0}
         if self.config.tick_s is not None:
@@ -128,6 +130,11 @@ class Scheduler(Actor):
         cell.load = msg
         if not cell.switching_to and not cell.announced:
             cell.role = msg.role  # a cell we have not heard RoleChanged from: its report is all we know
+        self._evaluate()
+
+    @handler(CallsWaitingForCell)
+    def on_calls_waiting(self, msg: CallsWaitingForCell) -> None:
+        self.calls_waiting_for_cell = msg.calls
         self._evaluate()
 
     @handler(TrainingBacklog)
@@ -192,7 +199,8 @@ class Scheduler(Actor):
                 switching_to=state.switching_to,
                 claims=self.claims_by_cell.get(name, 0),
             ))
-        return SchedulerView(time_s=now, cells=tuple(cells), backlog=self.backlog)
+        return SchedulerView(time_s=now, cells=tuple(cells), backlog=self.backlog,
+                             calls_waiting_for_cell=self.calls_waiting_for_cell)
 
     # ---- deciding -------------------------------------------------------------------------------------------------
     def _evaluate(self) -> None:

@@ -72,6 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", default="report", help="report folder")
     parser.add_argument("--policy", choices=("elastic", "async", "colocate"), default="elastic")
     parser.add_argument("--async-train-cells", default="core", help="comma-separated train cells for --policy async")
+    parser.add_argument("--elastic-keep-a-rollout-cell", action="store_true",
+                        help="elastic: keep one cell rolling out even while the rollout has nothing to do (a whole "
+                        "step waiting behind the one in training); by default that cell trains too")
     parser.add_argument("--steps", type=int, default=18, help="optimizer steps to train")
     parser.add_argument("--group-size", type=int, default=16, help="executions per GSPO group")
     parser.add_argument("--groups-per-step", type=int, default=8,
@@ -350,7 +353,7 @@ def _policy(args: argparse.Namespace):
         return AsyncPolicy(train_cells=tuple(c for c in args.async_train_cells.split(",") if c))
     if args.policy == "colocate":
         return ColocatePolicy()
-    return ElasticPolicy(min_dwell_s=5.0, dry_grace_s=3.0)
+    return ElasticPolicy(min_dwell_s=5.0, dry_grace_s=3.0, idle_rollout_trains=not args.elastic_keep_a_rollout_cell)
 
 
 def topology(argv: list[str]) -> Topology:

@@ -54,3 +54,18 @@ class ProxyStatus:
     """Sessions the proxy routes (and remembers the prefix of)."""
     sessions_by_cell: dict[str, int]
     """Cell name -> sessions placed on it."""
+
+
+@message("gyre.proxy.CallsWaitingForCell")
+class CallsWaitingForCell:
+    """Proxy -> everyone, whenever the number changes: agent calls waiting because no rollout cell accepts them.
+
+    A cell reports the sessions and generations it holds; a call that no cell can take is demand only the proxy
+    sees. It happens when every cell has left rollout (colocate's training phase; elastic, while the rollout had
+    nothing to do), and tells a scheduler that rollout work is back.
+    """
+
+    calls: int
+    """Calls waiting for a rollout cell now."""
+    time_s: float
+    """Proxy's runtime-clock time of the change."""

@@ -11,7 +11,9 @@ config, and can be swapped (or re-run on a recorded view) without touching any a
   grace period or rollout demand exceeds rollout capacity. The band between "covers with headroom" (to leave) and
   "exceeds" (to come back), plus a minimum dwell time in a role, keeps cells from flapping. The core trains whenever
   there is training work and, by default, lends itself to rollout while there is none (it keeps its weights and
-  optimizer state, so coming back costs a session migration, not a weight transfer).
+  optimizer state, so coming back costs a session migration, not a weight transfer). And while the rollout side has
+  nothing to do (no live session, and a whole step already waits behind the one in training: the staleness bound
+  holds rollout back), even the last rollout cell trains, and one comes back as soon as rollout work returns.
 - `AsyncPolicy`: a fixed split chosen by the user (the baseline that isolates what switching adds to streaming).
 - `ColocatePolicy`: every cell rolls out until a step's samples are fixed, then every cell trains until the core has
   applied it, then every cell rolls out again. Its switches into training do not migrate sessions (there is no
@@ -100,6 +102,8 @@ class SchedulerView:
     """Every known cell, sorted by name."""
     backlog: BacklogView
     """Training work."""
+    calls_waiting_for_cell: int = 0
+    """Agent calls the proxy holds because no rollout cell accepts them: rollout demand no cell reports."""
 
     def cell(self, name: str) -> CellView:
         for cell in self.cells:
@@ -157,6 +161,13 @@ class ElasticPolicy:
     core_rolls_out_when_dry: bool = True
     """While no training work exists (nothing claimable or claimed, no step fixed) for `dry_grace_s`, the core rolls
     out too; it returns to training as soon as a micro-step is claimable. False pins the core to training."""
+    idle_rollout_trains: bool = True
+    """While the rollout side has nothing to do (no live session on it, no call waiting at the proxy, and a whole
+    step's executions already waiting behind the step in training: rollout is as far ahead as the staleness bound
+    lets it go), its last cells may train too, below `min_rollout_cells`: they would idle until that step is applied.
+    The last one leaves without migrating (there are no sessions to move, and nowhere to move them). As soon as no
+    cell rolls out and rollout work is back (nothing waits behind the training step any more, or a call waits at
+    the proxy), a satellite returns to rollout, dwell time or not."""
 
     def __attrs_post_init__(self) -> None:
         if self.min_dwell_s < 0 or self.dry_grace_s < 0:
@@ -181,7 +192,16 @@ class ElasticPolicy:
             ):
                 decisions.append(_switch(cell, ROLLOUT, "no training work: the core lends itself to rollout"))
         demand, capacity = _rollout_supply(view)
+        rolling_out = [c for c in view.cells if c.role == ROLLOUT or (c.role == SWITCHING and c.switching_to == ROLLOUT)]
         satellites_training = [c for c in view.cells if not c.is_core and c.role == TRAIN]
+        rollout_work_back = view.calls_waiting_for_cell > 0 or backlog.steps_waiting == 0
+        if not rolling_out and rollout_work_back and satellites_training and not any(
+                d.role == ROLLOUT for d in decisions):
+            cell = min(satellites_training, key=lambda c: (c.claims, c.name))
+            why = (f"{view.calls_waiting_for_cell} calls wait for a rollout cell" if view.calls_waiting_for_cell
+                   else "no cell rolls out and the next step's rollouts can start")
+            decisions.append(_switch(cell, ROLLOUT, why))
+            return tuple(decisions[: self.max_switches_per_decision])
         movable_back = sorted(
             (c for c in satellites_training if _settled(c, view, self.min_dwell_s)), key=lambda c: (c.claims, c.name)
         )
@@ -205,17 +225,25 @@ class ElasticPolicy:
         waiting = backlog.claimable_microsteps - takers
         if waiting >= self.grow_min_waiting:
             rollout_cells = [c for c in view.cells if c.role == ROLLOUT and not c.is_core]
+            rollout_idle = (
+                self.idle_rollout_trains and demand == 0 and view.calls_waiting_for_cell == 0
+                and backlog.steps_waiting >= 1
+                and all(c.running_requests == 0 and c.waiting_requests == 0 for c in rolling_out)
+            )
             settled = (c for c in rollout_cells if _settled(c, view, self.min_dwell_s))
             candidates = sorted(settled, key=lambda c: (c.live_sessions, c.name))
-            staying = sum(1 for c in view.cells if c.role == ROLLOUT and not c.is_core)
+            staying = len(rollout_cells)
             for cell in candidates:
-                if staying - 1 < self.min_rollout_cells:
+                if staying - 1 < self.min_rollout_cells and not rollout_idle:
                     break
                 if demand <= self.capacity_headroom * (capacity - cell.capacity_requests):
-                    decisions.append(_switch(
-                        cell, TRAIN,
-                        f"{waiting} micro-steps waiting; {demand} sessions fit in {capacity - cell.capacity_requests}",
-                    ))
+                    others = any(c.name != cell.name for c in rolling_out)
+                    reason = (f"{waiting} micro-steps waiting; {demand} sessions fit in "
+                              f"{capacity - cell.capacity_requests}")
+                    if not others:
+                        reason = (f"{waiting} micro-steps waiting; the rollout is idle: a whole step waits behind "
+                                  "the one in training")
+                    decisions.append(_switch(cell, TRAIN, reason, migrate_sessions=others))
                     break
         return tuple(decisions[: self.max_switches_per_decision])
 

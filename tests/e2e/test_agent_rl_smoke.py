@@ -55,5 +55,15 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
 
     applied = [r.decode(Codec()) for r in read_log(report / "events.glog") if r.type_name.endswith(".StepApplied")]
     assert sorted({(m.step_id, m.version) for m in applied}) == [(0, 1), (1, 2)]
+    # Where each cell's time went, read off the same log: every cell's roles cover the steady window, and the core,
+    # which trains every step, held a micro-step for part of its train time.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cell_utilization import utilization
+
+    cells = utilization(report / "events.glog")["cells"]
+    assert sorted(cells) == ["core", "sat1", "sat2"]
+    for row in cells.values():
+        assert row["rollout_share"] + row["train_share"] + row["switching_share"] == pytest.approx(1.0, abs=0.02)
+    assert 0.0 < cells["core"]["train_busy_share"] <= 1.0
     executor = [line for line in run.stderr.splitlines() if '"executor_started"' in line]
     assert executor and '"warm": true' in executor[0]  # agents were forked from the warm launcher

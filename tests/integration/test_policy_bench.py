@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from gyre.actors.policy_bench import (
@@ -69,6 +70,48 @@ def test_summary_takes_async_at_its_best_split_and_divides_by_elastic():
     assert result["elastic_speedup_vs_async"] == pytest.approx(1.5)
     assert result["elastic_speedup_vs_colocate"] == pytest.approx(2.5)
     assert result["async_splits_s_per_step"] == {"async[core]": 4.0, "async[core+sat1]": 3.0}
+
+
+def test_rounds_give_medians_per_configuration_and_the_median_of_each_rounds_own_ratio():
+    rounds = [
+        # round 0: a slow spell hit elastic and async[core+sat1] alike
+        [_run("elastic", "elastic", 4.0), _run("async[core]", "async", 9.0, ["core"]),
+         _run("async[core+sat1]", "async", 5.0, ["core", "sat1"]), _run("colocate", "colocate", 6.0)],
+        [_run("elastic", "elastic", 2.0), _run("async[core]", "async", 4.0, ["core"]),
+         _run("async[core+sat1]", "async", 3.0, ["core", "sat1"]), _run("colocate", "colocate", 2.5)],
+        [_run("elastic", "elastic", 2.5), _run("async[core]", "async", 2.0, ["core"]),
+         _run("async[core+sat1]", "async", 3.5, ["core", "sat1"]), _run("colocate", "colocate", 3.0)],
+    ]
+    result = summarize([run for r in rounds for run in r], rounds)
+    assert result["rounds"] == 3
+    assert result["s_per_step_by_round"]["elastic"] == [4.0, 2.0, 2.5]
+    assert result["elastic_s_per_step"] == 2.5 and result["colocate_s_per_step"] == 3.0
+    # async's figure is its best split by median (core+sat1: 3.5, core: 4.0) ...
+    assert result["async_best_split"] == ["core", "sat1"] and result["async_s_per_step"] == 3.5
+    assert result["async_splits_s_per_step"] == {"async[core]": 4.0, "async[core+sat1]": 3.5}
+    # ... while each round's ratio takes that round's best split: 5/4, 3/2, 2/2.5.
+    assert result["elastic_speedup_vs_async_by_round"] == pytest.approx([1.25, 1.5, 0.8])
+    assert result["elastic_speedup_vs_async"] == pytest.approx(1.25)
+    assert result["elastic_speedup_vs_colocate_by_round"] == pytest.approx([1.5, 1.25, 1.2])
+    assert result["elastic_speedup_vs_colocate"] == pytest.approx(1.25)
+
+
+def test_repeats_run_every_configuration_each_round_into_its_own_folder(tmp_path):
+    calls = []
+
+    def run_one(config, spec, folder, cwd):
+        calls.append((spec.name, folder.relative_to(tmp_path).as_posix()))
+        run = _run(spec.name, spec.policy, 1.0 + len(calls), spec.train_cells)
+        return attrs.evolve(run, cells=("core", "sat1", "sat2"))
+
+    config = PolicyBenchConfig(steps=2, out_dir=str(tmp_path), repeats=2)
+    result = run_policy_bench(config, cwd=tmp_path, run_one=run_one)
+    order = ["elastic", "colocate", "async[core]", "async[core+sat1]"]
+    folders = ["elastic", "colocate", "async-core", "async-core+sat1"]
+    assert calls == [(n, f"round{r}/{f}") for r in range(2) for n, f in zip(order, folders)]
+    assert result["rounds"] == 2 and len(result["runs"]) == 8
+    with pytest.raises(ValueError):
+        PolicyBenchConfig(repeats=0)
 
 
 def test_config_refuses_unknown_policies_and_single_step_runs():

@@ -28,7 +28,7 @@ from gyre.engines.sglang_client import SGLangClient
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleChanged, SessionPlaced
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.proxy import ProxyStatus, ProxyStatusAsked, SessionPrefixes, SessionsOnCell
+from gyre.messages.proxy import CallsWaitingForCell, ProxyStatus, ProxyStatusAsked, SessionPrefixes, SessionsOnCell
 from gyre.policies.routing import StickyLeastLoaded
 from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, handler, read_log
 from gyre.runtime.config_codec import decode_config
@@ -98,10 +98,11 @@ class Driver(Actor):
     """Plays the cells' announcements and the executor's key requests, and runs the agent (the openai SDK)."""
 
     config_cls = DriverConfig
-    subscriptions = (ModelCallCompleted,)
+    subscriptions = (ModelCallCompleted, CallsWaitingForCell)
 
     async def on_start(self) -> None:
         self.calls: list[ModelCallCompleted] = []
+        self.waiting_for_cell: list[int] = []
         self.arrived = asyncio.Event()
         self.spawn(self._run())
 
@@ -114,6 +115,10 @@ class Driver(Actor):
             self.stop_topology(f"{name} failed", 1)
             return
         self.stop_topology(f"{name} done")
+
+    @handler(CallsWaitingForCell)
+    def on_waiting(self, msg: CallsWaitingForCell) -> None:
+        self.waiting_for_cell.append(msg.calls)
 
     @handler(ModelCallCompleted)
     def on_call(self, msg: ModelCallCompleted) -> None:
@@ -294,10 +299,14 @@ async def calls_wait_for_a_rollout_cell(driver: Driver) -> dict[str, Any]:
     driver.announce("cell-b", TRAIN)  # a cell in another role does not help
     await asyncio.sleep(0.05)
     waiting = (await driver.status()).in_flight
+    announced_while_waiting = list(driver.waiting_for_cell)
     driver.announce("cell-b")
     reply = await pending
     [call] = await driver.wait_calls(1)
-    return {"waiting": waiting, "reply": reply, "call": call, "status": await driver.status()}
+    while len(driver.waiting_for_cell) < 2:
+        await asyncio.sleep(0.01)
+    return {"waiting": waiting, "reply": reply, "call": call, "status": await driver.status(),
+            "announced_while_waiting": announced_while_waiting, "announced": list(driver.waiting_for_cell)}
 
 
 def test_calls_wait_for_a_rollout_cell_instead_of_failing(engines, tiny_model_dir) -> None:
@@ -305,6 +314,8 @@ def test_calls_wait_for_a_rollout_cell_instead_of_failing(engines, tiny_model_di
     assert out["waiting"] == 1
     assert out["call"].cell == "cell-b"
     assert out["status"].waits_for_cell == 1 and out["status"].calls_failed == 0
+    # The proxy told everyone a call waited for a cell (demand no cell could report), and that it stopped waiting.
+    assert out["announced_while_waiting"] == [1] and out["announced"] == [1, 0]
 
 
 @scenario
@@ -315,13 +326,16 @@ async def no_cell_in_time_is_a_503(driver: Driver) -> dict[str, Any]:
         outcome = "answered"
     except openai.APIStatusError as error:
         outcome = error.status_code
-    return {"outcome": outcome, "status": await driver.status()}
+    while len(driver.waiting_for_cell) < 2:
+        await asyncio.sleep(0.01)
+    return {"outcome": outcome, "status": await driver.status(), "announced": list(driver.waiting_for_cell)}
 
 
 def test_no_cell_within_the_bound_answers_503(engines, tiny_model_dir) -> None:
     out = run("no_cell_in_time_is_a_503", engines, tiny_model_dir, no_cell_wait_s=0.2)
     assert out["outcome"] == 503
     assert out["status"].calls_failed == 1
+    assert out["announced"] == [1, 0]  # a call that gave up waiting no longer counts
 
 
 @scenario

@@ -112,6 +112,45 @@ def test_elastic_keeps_the_minimum_of_rollout_cells():
     assert moves(none_needed.decide(v)) == [("s1", "train")]
 
 
+def test_elastic_trains_on_the_last_rollout_cell_while_the_rollout_has_nothing_to_do():
+    # A whole step waits behind the one in training (staleness holds rollout back) and no session is live.
+    idle = dict(claimable_microsteps=3, step_fixed=True, pending_executions=8, executions_per_step=8)
+    trainers = (cell("core", "train", core=True, claims=2), cell("s1", "train", claims=2))
+    decisions = ELASTIC.decide(view(*trainers, cell("s2"), **idle))
+    assert moves(decisions) == [("s2", "train")]
+    assert decisions[0].migrate_sessions is False  # the last one: nowhere to migrate to, nothing to migrate
+    assert "the rollout is idle" in decisions[0].reason
+    # Not while a session is live there, a call waits at the proxy, the step behind is not whole, the cell has not
+    # dwelt long enough, or the policy is told not to.
+    assert ELASTIC.decide(view(*trainers, cell("s2", sessions=1), **idle)) == ()
+    waiting_call = SchedulerView(time_s=100.0, cells=(*trainers, cell("s2")), backlog=BacklogView(**idle),
+                                 calls_waiting_for_cell=1)
+    assert ELASTIC.decide(waiting_call) == ()
+    assert ELASTIC.decide(view(*trainers, cell("s2"), **dict(idle, pending_executions=7))) == ()
+    assert ELASTIC.decide(view(*trainers, cell("s2", since=80.0), **idle)) == ()
+    assert attrs.evolve(ELASTIC, idle_rollout_trains=False).decide(view(*trainers, cell("s2"), **idle)) == ()
+
+
+def test_elastic_brings_a_satellite_back_at_once_when_no_cell_rolls_out_and_rollout_work_returns():
+    trainers = (cell("core", "train", core=True, claims=1), cell("s1", "train", claims=1, since=99.0),
+                cell("s2", "train", since=99.0))
+    # The step behind is still whole: nothing to roll out yet.
+    assert ELASTIC.decide(view(*trainers, claimable_microsteps=2, pending_executions=8, executions_per_step=8)) == ()
+    # The step was applied and the next one's rollouts can start: the satellite without a claim returns, although
+    # it entered training a second ago.
+    decisions = ELASTIC.decide(view(*trainers, claimable_microsteps=2, executions_per_step=8))
+    assert moves(decisions) == [("s2", "rollout")]
+    assert "no cell rolls out" in decisions[0].reason
+    # A call waiting at the proxy is rollout work too.
+    calls = SchedulerView(time_s=100.0, cells=trainers, calls_waiting_for_cell=3,
+                          backlog=BacklogView(claimable_microsteps=2, pending_executions=8, executions_per_step=8))
+    decisions = ELASTIC.decide(calls)
+    assert moves(decisions) == [("s2", "rollout")] and "3 calls wait" in decisions[0].reason
+    # A cell already on its way back is enough.
+    on_the_way = (*trainers[:2], cell("s2", "switching", to="rollout"))
+    assert ELASTIC.decide(view(*on_the_way, claimable_microsteps=2, executions_per_step=8)) == ()
+
+
 @pytest.mark.parametrize("field, value", [
     ("capacity_headroom", 0.0), ("capacity_headroom", 1.5), ("min_dwell_s", -1.0), ("grow_min_waiting", 0),
     ("max_switches_per_decision", 0),

@@ -603,6 +603,8 @@ class Proxy(Actor):
         port = self.runner.addresses[0][1]
         self.base_url = f"http://{config.host}:{port}"
         self.log.info("proxy serving", base_url=self.base_url)
+        # A restarted proxy holds no call: say so, in case its predecessor's last count said otherwise.
+        self.publish(CallsWaitingForCell(calls=0, time_s=self.clock.now()))
 
     async def on_stop(self) -> None:
         self.backend.stop_accepting()

@@ -435,7 +435,8 @@ def finish(argv: list[str], run_result) -> int:
             sampled_after = sampled_score(final_model, held_out, args.rollout_temperature, args.sampled_eval_samples)
     scores = headline_scores(prepared["before"], after, prepared.get("sampled_before"), sampled_after)
     summary = write_report(report, scores["before"], scores["after"], {
-        "wall_s": time.time() - prepared["started_at"], "policy": args.policy, "group_size": args.group_size,
+        "wall_s": time.time() - prepared["started_at"], "policy": args.policy,
+        "elastic_keeps_a_rollout_cell": args.elastic_keep_a_rollout_cell, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
         "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
         "sft_epochs": args.sft_epochs,

@@ -34,6 +34,17 @@ def test_defaults(agent_rl) -> None:
         3000, 600, 1200, 400)  # a copier that settles: quotes a task's words in 0.98 of held-out examples (0.39)
 
 
+def test_the_policy_flags_choose_the_scheduling_policy(agent_rl) -> None:
+    from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy
+
+    elastic = agent_rl._policy(agent_rl.parse_args([]))
+    assert isinstance(elastic, ElasticPolicy) and elastic.idle_rollout_trains
+    assert not agent_rl._policy(agent_rl.parse_args(["--elastic-keep-a-rollout-cell"])).idle_rollout_trains
+    split = agent_rl._policy(agent_rl.parse_args(["--policy", "async", "--async-train-cells", "core,sat1"]))
+    assert split == AsyncPolicy(train_cells=("core", "sat1"))
+    assert isinstance(agent_rl._policy(agent_rl.parse_args(["--policy", "colocate"])), ColocatePolicy)
+
+
 @pytest.mark.parametrize("argv", [
     ["--cell-cpu-cores", "-1"],
     ["--clip-low", "-0.1"],

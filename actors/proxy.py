@@ -21,10 +21,11 @@ The continued tokens equal an unswitched run's: the engine derives each token's 
 position) (engines/sampling.py), and every call is submitted with an explicit seed (the agent's, or one derived
 from the call's rid when it gave none), so the resumed request draws the noise the cut one would have drawn.
 
-While no cell accepts a session's calls, they wait (up to `no_cell_wait_s`) for one to appear, then get 503 (the
-SDKs retry). How many wait so is published as CallsWaitingForCell whenever it changes: demand that no cell sees,
-which a scheduler needs once every cell has left rollout. When the proxy stops (the end of a run stops the engines too), calls that wait for a cell or would
-resume get 503 "the proxy is stopping" at once, and generations under way get `shutdown_timeout_s` to finish.
+While no cell accepts a session's calls, they wait (up to `no_cell_wait_s`) for one to appear, then get 503 (the SDKs
+retry). How many wait so is published as CallsWaitingForCell whenever it changes: demand that no cell sees, which a
+scheduler needs once every cell has left rollout. When the proxy stops (the end of a run stops the engines too),
+calls that wait for a cell or would resume get 503 "the proxy is stopping" at once, and generations under way get
+`shutdown_timeout_s` to finish.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 It owns nothing but its view of the load. Cells announce themselves with RoleChanged (at start and after every
 switch) and keep it current with LoadReport; the proxy's CallsWaitingForCell counts the calls no rollout cell takes;
-the micro-step claimer's TrainingBacklog, StepReady and StepApplied describe the training work. After every such event, and on a timer (dwell times and grace periods expire without
-events), it builds an immutable SchedulerView and asks the policy. Every decision is checked against the policy
-contract before it is sent: a policy bug fails the scheduler loudly rather than sending a cell a nonsense switch.
+the micro-step claimer's TrainingBacklog, StepReady and StepApplied describe the training work. After every such
+event, and on a timer (dwell times and grace periods expire without events), it builds an immutable SchedulerView and
+asks the policy. Every decision is checked against the policy contract before it is sent: a policy bug fails the
+scheduler loudly rather than sending a cell a nonsense switch.
 
 A switch is pending from the SwitchRole until the cell's RoleChanged; meanwhile the cell shows as "switching" to the
 policy, which may not decide about it. A switch that no RoleChanged confirms within `switch_timeout_s` is given up

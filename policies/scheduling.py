@@ -192,7 +192,8 @@ class ElasticPolicy:
             ):
                 decisions.append(_switch(cell, ROLLOUT, "no training work: the core lends itself to rollout"))
         demand, capacity = _rollout_supply(view)
-        rolling_out = [c for c in view.cells if c.role == ROLLOUT or (c.role == SWITCHING and c.switching_to == ROLLOUT)]
+        rolling_out = [c for c in view.cells
+                       if c.role == ROLLOUT or (c.role == SWITCHING and c.switching_to == ROLLOUT)]
         satellites_training = [c for c in view.cells if not c.is_core and c.role == TRAIN]
         rollout_work_back = view.calls_waiting_for_cell > 0 or backlog.steps_waiting == 0
         if not rolling_out and rollout_work_back and satellites_training and not any(

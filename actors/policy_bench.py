@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,12 +174,6 @@ def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
     )
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def _round_summary(runs: Sequence[PolicyRun]) -> dict[str, Any]:
     """One round's figures: each policy's seconds per step (async at the round's best split) and the speed-ups."""
     best: dict[str, PolicyRun] = {}
@@ -205,25 +200,24 @@ def summarize(runs: Sequence[PolicyRun], rounds: Sequence[Sequence[PolicyRun]] =
     by_name: dict[str, list[PolicyRun]] = {}
     for run in runs:
         by_name.setdefault(run.name, []).append(run)
-    median_by_name = {name: _median([r.steady_s_per_step for r in group]) for name, group in by_name.items()}
+    median_by_name = {name: statistics.median([r.steady_s_per_step for r in group]) for name, group in by_name.items()}
     result: dict[str, Any] = {"rounds": len(rounds)}
     by_policy: dict[str, list[str]] = {}
     for name, group in by_name.items():
         by_policy.setdefault(group[0].policy, []).append(name)
-    for policy, names in by_policy.items():
-        best = min(names, key=lambda name: median_by_name[name])
+    best_by_policy = {policy: min(names, key=median_by_name.__getitem__) for policy, names in by_policy.items()}
+    for policy, best in best_by_policy.items():
         result[f"{policy}_s_per_step"] = median_by_name[best]
-        result[f"{policy}_first_step_s"] = _median([r.first_step_s for r in by_name[best]])
+        result[f"{policy}_first_step_s"] = statistics.median([r.first_step_s for r in by_name[best]])
     if "async" in by_policy:
-        best = min(by_policy["async"], key=lambda name: median_by_name[name])
-        result["async_best_split"] = list(by_name[best][0].train_cells)
+        result["async_best_split"] = list(by_name[best_by_policy["async"]][0].train_cells)
         result["async_splits_s_per_step"] = {name: median_by_name[name] for name in by_policy["async"]}
     per_round = [_round_summary(r) for r in rounds]
     for other in ("async", "colocate"):
         key = f"elastic_speedup_vs_{other}"
         ratios = [r[key] for r in per_round if key in r]
         if ratios:
-            result[key] = _median(ratios)
+            result[key] = statistics.median(ratios)
             result[f"{key}_by_round"] = ratios
     result["s_per_step_by_round"] = {name: [r.steady_s_per_step for r in group] for name, group in by_name.items()}
     result["runs"] = [attrs.asdict(run) for run in runs]

@@ -239,12 +239,10 @@ class ElasticPolicy:
                     break
                 if demand <= self.capacity_headroom * (capacity - cell.capacity_requests):
                     others = any(c.name != cell.name for c in rolling_out)
-                    reason = (f"{waiting} micro-steps waiting; {demand} sessions fit in "
-                              f"{capacity - cell.capacity_requests}")
-                    if not others:
-                        reason = (f"{waiting} micro-steps waiting; the rollout is idle: a whole step waits behind "
-                                  "the one in training")
-                    decisions.append(_switch(cell, TRAIN, reason, migrate_sessions=others))
+                    why = (f"{demand} sessions fit in {capacity - cell.capacity_requests}" if others
+                           else "the rollout is idle: a whole step waits behind the one in training")
+                    decisions.append(_switch(cell, TRAIN, f"{waiting} micro-steps waiting; {why}",
+                                             migrate_sessions=others))
                     break
         return tuple(decisions[: self.max_switches_per_decision])
 

@@ -844,8 +844,13 @@ def test_one_seed_gives_one_byte_identical_event_log(tmp_path):
 def steps_per_virtual_second(policy, max_steps: int, workload_seed: int, n_satellites: int = 5,
                              core_role: str = TRAIN) -> float:
     """Steps applied per virtual second until the last of `max_steps` (control plane only: see the module doc)."""
-    topo = topology(policy, long_tail_cells(n_satellites, max_steps, core_role),
-                    attrs.evolve(LONG_TAIL, workload_seed=workload_seed), long_tail_claimer(), tick_s=10.0)
+    cells = long_tail_cells(n_satellites, max_steps, core_role)
+    source = attrs.evolve(LONG_TAIL, workload_seed=workload_seed)
+    return _steps_per_virtual_second(topology(policy, cells, source, long_tail_claimer(), tick_s=10.0), max_steps)
+
+
+def _steps_per_virtual_second(topo: Topology, max_steps: int) -> float:
+    """Run `topo` until its core has applied `max_steps` steps; steps per virtual second until the last of them."""
     result = VirtualLauncher().run(topo, RunOptions(until_s=1e6))
     assert result.reason.startswith(f"steps={max_steps} "), result.reason
     return max_steps / float(result.reason.split("last_step_s=")[1])
@@ -884,9 +889,7 @@ def training_bound_rate(policy, max_steps: int = 12, core_role: str = TRAIN) -> 
     cells = long_tail_cells(2, max_steps, core_role)
     cells = {name: attrs.evolve(config, train_s_per_token=0.006, capacity=16) for name, config in cells.items()}
     topo = topology(policy, cells, TRAINING_BOUND, long_tail_claimer(), tick_s=10.0)
-    result = VirtualLauncher().run(topo, RunOptions(until_s=1e6))
-    assert result.reason.startswith(f"steps={max_steps} "), result.reason
-    return max_steps / float(result.reason.split("last_step_s=")[1])
+    return _steps_per_virtual_second(topo, max_steps)
 
 
 def test_elastic_trains_on_its_last_rollout_cell_while_the_rollout_waits_for_a_step():
@@ -896,7 +899,8 @@ def test_elastic_trains_on_its_last_rollout_cell_while_the_rollout_waits_for_a_s
     cell idle then, elastic trains on it and brings a satellite back when the step is applied."""
     rates = {
         "elastic": training_bound_rate(ELASTIC_LONG_TAIL),
-        "elastic keeping a rollout cell": training_bound_rate(attrs.evolve(ELASTIC_LONG_TAIL, idle_rollout_trains=False)),
+        "elastic keeping a rollout cell": training_bound_rate(
+            attrs.evolve(ELASTIC_LONG_TAIL, idle_rollout_trains=False)),
         "async train=1": training_bound_rate(AsyncPolicy(train_cells=("core",))),
         "async train=2": training_bound_rate(AsyncPolicy(train_cells=("core", "s1"))),
         "colocate": training_bound_rate(ColocatePolicy(), core_role=ROLLOUT),

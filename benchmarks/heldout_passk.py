@@ -3,7 +3,7 @@
     python benchmarks/heldout_passk.py MODEL_DIR --samples 4 --temperature 1.0
 
 Runs the main job's 224 held-out tasks (seed 1, as examples/agent_rl.py scores them) `--samples` times at
-`--temperature` through examples/toolbox/evaluate.py, and prints per kind how many tasks were solved at least once
+`--temperature` through examples/toolbox/evaluate.py (all passes pooled on one engine), and prints per kind how many tasks were solved at least once
 (pass@k) and the mean success, then the totals. Compare with the greedy score in the warm start's eval-224-0.json.
 """
 
@@ -27,13 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(TOOLBOX))
     from agent import load_sibling
-    from evaluate import evaluate
+    from evaluate import evaluate_passes
 
     tasks = load_sibling("tasks").generate_tasks(1, "heldout", args.tasks)
     kind_of = {task.task_id: task.kind for task in tasks}
     wins: collections.Counter = collections.Counter()
-    for _ in range(args.samples):
-        for outcome in evaluate(args.model_dir, tasks, temperature=args.temperature).outcomes:
+    for one_pass in evaluate_passes(args.model_dir, tasks, (args.temperature,) * args.samples):
+        for outcome in one_pass.outcomes:
             wins[outcome.task_id] += int(outcome.success)
     kinds: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
     for task_id, kind in kind_of.items():

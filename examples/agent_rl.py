@@ -81,6 +81,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="GSPO groups a step trains on. From session 12's warm start, 8 (573-676 s of RL) gained "
                         "+11.4 to +14.0 held-out points sampled in six runs (greedy median +11.6); 4 (about half the "
                         "time) +5.6 to +9.6 in four, losing more of the write task (BENCHMARKS.md, sessions 12, 13)")
+    parser.add_argument("--agents-at-once", type=int, default=0,
+                        help="executions running at once (0: two groups, 2 x --group-size). Each cell decodes up to "
+                        "1.5 times as many, so one cell can take every live session while the others train. 64 "
+                        "instead of 32 made no clear difference: 64.7 and 62.4 s a step against 71.2 and 61.6 "
+                        "(BENCHMARKS.md, session 15)")
     parser.add_argument("--staleness", type=int, default=1, help="max weight-version lag of a trained sample")
     parser.add_argument("--lr", type=float, default=3e-4,
                         help="RL learning rate (3e-4: from the sessions 7-9 warm start ten runs scored on 224 "
@@ -159,6 +164,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "stage's steps: the whole stage decays)")
     if args.sampled_eval_samples < 0:
         parser.error(f"--sampled-eval-samples must be >= 0 (0: greedy only), got {args.sampled_eval_samples}")
+    if args.agents_at_once < 0:
+        parser.error(f"--agents-at-once must be >= 0 (0: two groups), got {args.agents_at_once}")
+    if args.agents_at_once == 0:
+        args.agents_at_once = 2 * args.group_size
     if args.lr_warmup_steps < 0:
         parser.error(f"--lr-warmup-steps must be >= 0 (0: none), got {args.lr_warmup_steps}")
     if args.checkpoint_every < 0:
@@ -188,20 +197,31 @@ def held_out_score(result) -> dict:
     }
 
 
-def sampled_score(model_dir: Path, held_out, temperature: float, samples: int, evaluate=None) -> dict:
-    """Mean success of `samples` sampled attempts at each held-out task (and per kind): the policy that RL trains,
-    sampled as in training, where a greedy decode can take a path no sample takes."""
+def held_out_scores(model_dir: Path, held_out, *, greedy: bool, temperature: float, samples: int,
+                    evaluate_passes=None) -> tuple[dict | None, dict | None]:
+    """The greedy score (when `greedy`) and the sampled one (when `samples` > 0), from one pooled evaluation.
+
+    The sampled score is the mean success of `samples` attempts at each held-out task (and per kind) at
+    `temperature`: the policy that RL trains, sampled as in training, where a greedy decode can take a path no sample
+    takes. Every pass runs on one engine at once (evaluate.evaluate_passes): after RL a greedy pass and two sampled
+    ones took 261 s together against 345 s one after another (BENCHMARKS.md, session 15)."""
     from evaluate import EvalResult
 
-    if evaluate is None:
-        from evaluate import evaluate
-    passes = [evaluate(model_dir, held_out, temperature=temperature) for _ in range(samples)]
+    if evaluate_passes is None:
+        from evaluate import evaluate_passes
+    temperatures = ((0.0,) if greedy else ()) + (temperature,) * samples
+    if not temperatures:
+        return None, None
+    passes = list(evaluate_passes(model_dir, held_out, temperatures))
+    greedy_score = held_out_score(passes.pop(0)) if greedy else None
+    if not samples:
+        return greedy_score, None
     attempts = tuple(outcome for one_pass in passes for outcome in one_pass.outcomes)
     pooled = EvalResult(success_rate=sum(o.success for o in attempts) / max(1, len(attempts)),
                         mean_reward=sum(o.reward for o in attempts) / max(1, len(attempts)),
-                        outcomes=attempts, seconds=sum(one_pass.seconds for one_pass in passes))
-    return {"temperature": temperature, "samples": samples, "success_rate": pooled.success_rate,
-            "mean_reward": pooled.mean_reward, "success_by_kind": pooled.success_by_kind()}
+                        outcomes=attempts, seconds=passes[0].seconds)
+    return greedy_score, {"temperature": temperature, "samples": samples, "success_rate": pooled.success_rate,
+                          "mean_reward": pooled.mean_reward, "success_by_kind": pooled.success_by_kind()}
 
 
 def headline_scores(greedy_before: dict, greedy_after: dict, sampled_before: dict | None,
@@ -284,30 +304,33 @@ def prepare(argv: list[str]) -> None:
         run_sft(base, pairs, sft_dir, config,
                 progress=lambda step, total, loss: print(f"  sft step {step}/{total} loss {loss:.3f}", file=sys.stderr)
                 if step % 10 == 0 or step == total else None)
-    before = NOT_SCORED
+    before, sampled_before = NOT_SCORED, None
     held_out = () if args.skip_eval else tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
     if not args.skip_eval:
-        cached = sft_dir / f"eval-{args.heldout_tasks}-{args.seed}.json"
-        if cached.is_file():
-            before = json.loads(cached.read_text())
-        if "success_by_kind" not in before:  # not scored yet, or scored before the per-kind split was recorded
-            from evaluate import evaluate
-
-            before = held_out_score(evaluate(sft_dir, held_out))
-            cached.write_text(json.dumps(before))
+        greedy_cache = sft_dir / f"eval-{args.heldout_tasks}-{args.seed}.json"
+        # "pooled": the sampled passes drew from one engine's seed stream, as the score after RL does (scores taken
+        # one pass an engine, before session 15, are not reused).
+        sampled_cache = sft_dir / (f"eval-sampled-pooled-{args.heldout_tasks}-{args.seed}-t{args.rollout_temperature}"
+                                   f"-k{args.sampled_eval_samples}.json")
+        if greedy_cache.is_file():
+            before = json.loads(greedy_cache.read_text())
+        if args.sampled_eval_samples > 0 and sampled_cache.is_file():
+            sampled_before = json.loads(sampled_cache.read_text())
+        score_greedy = "success_by_kind" not in before  # not scored yet, or scored before the per-kind split was kept
+        sample = args.sampled_eval_samples if sampled_before is None else 0
+        greedy_score, sampled = held_out_scores(sft_dir, held_out, greedy=score_greedy,
+                                                temperature=args.rollout_temperature, samples=sample)
+        if greedy_score is not None:
+            before = greedy_score
+            greedy_cache.write_text(json.dumps(before))
+        if sampled is not None:
+            sampled_before = sampled
+            sampled_cache.write_text(json.dumps(sampled_before))
         print(f"agent_rl: held-out success before RL, greedy: {before['success_rate']:.2f}", file=sys.stderr)
-    sampled_before = None
-    if not args.skip_eval and args.sampled_eval_samples > 0:
-        cached = sft_dir / (f"eval-sampled-{args.heldout_tasks}-{args.seed}-t{args.rollout_temperature}"
-                            f"-k{args.sampled_eval_samples}.json")
-        if cached.is_file():
-            sampled_before = json.loads(cached.read_text())
-        if sampled_before is None or "mean_reward" not in sampled_before:  # not scored yet, or before it was kept
-            sampled_before = sampled_score(sft_dir, held_out, args.rollout_temperature, args.sampled_eval_samples)
-            cached.write_text(json.dumps(sampled_before))
-        print(f"agent_rl: held-out success before RL, sampled at {args.rollout_temperature} "
-              f"({args.sampled_eval_samples} attempts a task; the report's headline): "
-              f"{sampled_before['success_rate']:.2f}", file=sys.stderr)
+        if sampled_before is not None:
+            print(f"agent_rl: held-out success before RL, sampled at {args.rollout_temperature} "
+                  f"({args.sampled_eval_samples} attempts a task; the report's headline): "
+                  f"{sampled_before['success_rate']:.2f}", file=sys.stderr)
     (report / "prepare.json").write_text(json.dumps({
         "model_dir": str(sft_dir), "before": before, "sampled_before": sampled_before,
         "prepare_s": time.perf_counter() - started,
@@ -356,6 +379,14 @@ def _policy(args: argparse.Namespace):
     return ElasticPolicy(min_dwell_s=5.0, dry_grace_s=3.0, idle_rollout_trains=not args.elastic_keep_a_rollout_cell)
 
 
+def cell_engine(args: argparse.Namespace) -> EngineConfig:
+    """Each cell's engine: 1.5 concurrent generations for each agent the executor runs (48 for 32), because the
+    elastic policy lets a satellite train only while the cells that stay can take every live session with 10% to
+    spare (0.9 * 48 >= 32); and 32 KV blocks (512 tokens) an agent, 1,024 at least."""
+    return EngineConfig(num_blocks=max(1024, 32 * args.agents_at_once), max_context_tokens=4096,
+                        max_running_requests=math.ceil(1.5 * args.agents_at_once), num_threads=1)
+
+
 def topology(argv: list[str]) -> Topology:
     args = parse_args(argv)
     prepared = Path(args.report) / "prepare.json"
@@ -364,9 +395,7 @@ def topology(argv: list[str]) -> Topology:
     model_dir = json.loads(prepared.read_text())["model_dir"]
     # The event log goes into the report: `gyre replay` / `gyre log` debug the very run the report describes.
     result = Topology("agent_rl", seed=args.seed, log_path=str(Path(args.report) / "events.glog"))
-    # 48 concurrent generations a cell, above the 32 agents the executor runs: the elastic policy lets a satellite
-    # train only while the cells that stay can take every live session with 10% to spare (0.9 * 48 >= 32).
-    engine = EngineConfig(num_blocks=1024, max_context_tokens=4096, max_running_requests=48, num_threads=1)
+    engine = cell_engine(args)
     trainer = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, num_threads=1, seed=args.seed)
     report = Path(args.report)
     for name in CELLS:
@@ -392,7 +421,7 @@ def topology(argv: list[str]) -> Topology:
         staleness=MaxVersionLag(args.staleness)), process="control")
     result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=CELLS), process="control")
     result.add("executor", Executor, ExecutorConfig(
-        workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.group_size * 2,
+        workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.agents_at_once,
         # The agent imports openai (~2 CPU-s a process): forked from a server that imported it once, it starts in
         # ~0.1 s, which on 2 cores is about half of a step's CPU. The warm-up also pays, once, the ~0.13 CPU-s of
         # imports that a client's first request triggers (an agent's model calls cost ~0.05 CPU-s after it).
@@ -426,18 +455,17 @@ def finish(argv: list[str], run_result) -> int:
               f"python3 examples/toolbox/evaluate.py {final_model} --tasks {args.heldout_tasks} "
               f"--seed {args.seed + 1})", file=sys.stderr)
     elif not args.skip_eval and (final_model / "model.safetensors").is_file():
-        from evaluate import evaluate
-
         tasks, _, _ = _toolbox()
         held_out = tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
-        after = held_out_score(evaluate(final_model, held_out))
-        if prepared.get("sampled_before") is not None:
-            sampled_after = sampled_score(final_model, held_out, args.rollout_temperature, args.sampled_eval_samples)
+        samples = args.sampled_eval_samples if prepared.get("sampled_before") is not None else 0
+        after, sampled_after = held_out_scores(final_model, held_out, greedy=True,
+                                               temperature=args.rollout_temperature, samples=samples)
     scores = headline_scores(prepared["before"], after, prepared.get("sampled_before"), sampled_after)
     summary = write_report(report, scores["before"], scores["after"], {
         "wall_s": time.time() - prepared["started_at"], "policy": args.policy,
         "elastic_keeps_a_rollout_cell": args.elastic_keep_a_rollout_cell, "group_size": args.group_size,
-        "groups_per_step": args.groups_per_step, "staleness": args.staleness, "cell_cpu_cores": args.cell_cpu_cores,
+        "groups_per_step": args.groups_per_step, "agents_at_once": args.agents_at_once, "staleness": args.staleness,
+        "cell_cpu_cores": args.cell_cpu_cores,
         "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
         "sft_epochs": args.sft_epochs,
         "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,

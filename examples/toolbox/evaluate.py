@@ -61,7 +61,8 @@ class EvalResult:
         return {kind: sum(kind_wins) / len(kind_wins) for kind, kind_wins in wins.items()}
 
 
-def _make_app_factory(model_dir: str, keys: dict[str, str], max_context_tokens: int):
+def _make_app_factory(model_dir: str, keys: dict[str, str], max_context_tokens: int, kv_blocks: int,
+                      max_running_requests: int):
     async def make_app():
         from gyre.actors.engine_backend import EmbeddedBackend
         from gyre.actors.proxy_http import ProxyHttpConfig, build_proxy_app
@@ -71,7 +72,8 @@ def _make_app_factory(model_dir: str, keys: dict[str, str], max_context_tokens: 
         from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
 
         template = ChatTemplate.from_model_dir(model_dir)
-        engine = AsyncEngine(EmbeddedEngine(model_dir, EngineConfig(max_context_tokens=max_context_tokens)))
+        engine = AsyncEngine(EmbeddedEngine(model_dir, EngineConfig(
+            max_context_tokens=max_context_tokens, num_blocks=kv_blocks, max_running_requests=max_running_requests)))
         sessions = ProxySessions(template, ProxySessionsConfig(max_executions=max(1, len(keys))))
         for execution_id, key in keys.items():
             sessions.issue_key(execution_id, "held-out", api_key=key)
@@ -93,11 +95,12 @@ def _agent_env(base_url: str, key: str) -> dict[str, str]:
 
 async def _run_one(task: Any, key: str, base_url: str, temperature: float, timeout_s: float, root: Path,
                    launcher: Any) -> TaskOutcome:
+    """One attempt at `task`; `root` is this attempt's own folder."""
     from gyre.actors.executor import signal_process_group, stop_process_group
 
     started = time.perf_counter()
-    workspace = tasks_module.write_workspace(task, root / task.task_id / "workspace")
-    logs = root / task.task_id / "logs"  # beside the workspace: the scorer judges only what the agent wrote
+    workspace = tasks_module.write_workspace(task, root / "workspace")
+    logs = root / "logs"  # beside the workspace: the scorer judges only what the agent wrote
     logs.mkdir()
     env = _agent_env(base_url, key)
     argv = [*agent_argv(task.prompt), "--temperature", str(temperature)]
@@ -127,9 +130,19 @@ async def _run_one(task: Any, key: str, base_url: str, temperature: float, timeo
                        exit_code, time.perf_counter() - started)
 
 
-async def _run_all(tasks: Sequence[Any], keys: list[str], base_url: str, temperature: float, timeout_s: float,
-                   root: Path, concurrency: int) -> tuple[TaskOutcome, ...]:
-    """Every task, at most `concurrency` at once. Agents are forked from a warm launcher that imported openai once
+@attrs.frozen
+class _Attempt:
+    """One run of the agent at one task: which pass it belongs to, and that pass's sampling temperature."""
+
+    task: Any
+    pass_index: int
+    temperature: float
+    key: str
+
+
+async def _run_all(attempts: Sequence[_Attempt], base_url: str, timeout_s: float, root: Path,
+                   concurrency: int) -> tuple[TaskOutcome, ...]:
+    """Every attempt, at most `concurrency` at once. Agents are forked from a warm launcher that imported openai once
     (gyre.actors.warm_launcher): the import costs ~2 CPU-s per fresh process, more than a short task's model calls."""
     from gyre.actors.warm_launcher import WarmLauncher
 
@@ -137,45 +150,72 @@ async def _run_all(tasks: Sequence[Any], keys: list[str], base_url: str, tempera
     await launcher.start(AGENT_PRELOAD)
     slots = asyncio.Semaphore(concurrency)
 
-    async def one(task: Any, key: str) -> TaskOutcome:
+    async def one(attempt: _Attempt) -> TaskOutcome:
         async with slots:
-            return await _run_one(task, key, base_url, temperature, timeout_s, root, launcher)
+            folder = root / f"pass-{attempt.pass_index}" / attempt.task.task_id
+            return await _run_one(attempt.task, attempt.key, base_url, attempt.temperature, timeout_s, folder,
+                                  launcher)
 
     try:
-        return tuple(await asyncio.gather(*(one(task, key) for task, key in zip(tasks, keys))))
+        return tuple(await asyncio.gather(*(one(attempt) for attempt in attempts)))
     finally:
         await launcher.close()
+
+
+def _result(outcomes: Sequence[TaskOutcome], seconds: float) -> EvalResult:
+    count = max(1, len(outcomes))
+    return EvalResult(success_rate=sum(o.success for o in outcomes) / count,
+                      mean_reward=sum(o.reward for o in outcomes) / count, outcomes=tuple(outcomes), seconds=seconds)
+
+
+def evaluate_passes(
+    model_dir: str | Path,
+    tasks: Sequence[Any],
+    temperatures: Sequence[float],
+    *,
+    concurrency: int = 64,
+    timeout_s: float = 120.0,
+    max_context_tokens: int = 4096,
+    kv_blocks: int = 0,
+) -> tuple[EvalResult, ...]:
+    """One pass over every task for each of `temperatures` (0: greedy), all passes pooled on one engine.
+
+    Pooled rather than one pass after another: on 2 cores an engine step of 64 requests of the tiny model costs
+    little more than one of 16, so the throughput rises with the agents at once. A greedy pass over 96 held-out
+    tasks took 97 s at 16 agents, 70 s at 32 and 53 s at 64, every task's outcome the same (BENCHMARKS.md,
+    session 15). The engine gets room for them: a decode batch of `concurrency` (64 at least) and `kv_blocks`
+    (0: 128 blocks, 2,048 tokens, an agent, 2,048 at least). Over 224 tasks at 64 agents, 2,048 blocks took
+    157 s and 8,192 took 116 s. Pooling also keeps the tail of one pass from running alone. Sampled passes draw
+    their seeds from one engine's seed stream, so two passes at a temperature are two independent draws (fresh
+    engines, one a pass, would hand both the same stream). Each result's `seconds` is the pooled wall time."""
+    from gyre.actors.proxy_http import ServedApp
+
+    started = time.perf_counter()
+    attempts = [_Attempt(task, index, temperature, secrets.token_hex(16))
+                for index, temperature in enumerate(temperatures) for task in tasks]
+    keys = {f"eval-{i}": attempt.key for i, attempt in enumerate(attempts)}
+    kv_blocks = kv_blocks or max(2048, 128 * concurrency)
+    factory = _make_app_factory(str(model_dir), keys, max_context_tokens, kv_blocks, max(64, concurrency))
+    with ServedApp(factory) as served, tempfile.TemporaryDirectory(prefix="gyre-eval-") as root:
+        outcomes = asyncio.run(_run_all(attempts, served.base_url, timeout_s, Path(root), concurrency))
+    seconds = time.perf_counter() - started
+    per_pass = len(tasks)
+    return tuple(_result(outcomes[i * per_pass:(i + 1) * per_pass], seconds) for i in range(len(temperatures)))
 
 
 def evaluate(
     model_dir: str | Path,
     tasks: Sequence[Any],
     *,
-    concurrency: int = 16,
+    concurrency: int = 64,
     temperature: float = 0.0,
     timeout_s: float = 120.0,
     max_context_tokens: int = 4096,
+    kv_blocks: int = 0,
 ) -> EvalResult:
-    """Run every task once against `model_dir`; greedy unless `temperature` > 0.
-
-    `concurrency` agents at once share the engine's batches. 16 rather than 4: a greedy pass over the 224 held-out
-    tasks of a model after RL took 208 s against 277-344 s, with every task's outcome the same (BENCHMARKS.md,
-    session 14); each call's sampling seed comes from its request id, not from what it is batched with."""
-    from gyre.actors.proxy_http import ServedApp
-
-    started = time.perf_counter()
-    keys = {f"eval-{i}": secrets.token_hex(16) for i in range(len(tasks))}
-    factory = _make_app_factory(str(model_dir), keys, max_context_tokens)
-    with ServedApp(factory) as served, tempfile.TemporaryDirectory(prefix="gyre-eval-") as root:
-        outcomes = asyncio.run(_run_all(tasks, list(keys.values()), served.base_url, temperature, timeout_s,
-                                        Path(root), concurrency))
-    count = max(1, len(outcomes))
-    return EvalResult(
-        success_rate=sum(o.success for o in outcomes) / count,
-        mean_reward=sum(o.reward for o in outcomes) / count,
-        outcomes=outcomes,
-        seconds=time.perf_counter() - started,
-    )
+    """Run every task once against `model_dir`; greedy unless `temperature` > 0 (see evaluate_passes)."""
+    return evaluate_passes(model_dir, tasks, (temperature,), concurrency=concurrency, timeout_s=timeout_s,
+                           max_context_tokens=max_context_tokens, kv_blocks=kv_blocks)[0]
 
 
 if __name__ == "__main__":

@@ -34,3 +34,14 @@ def test_every_task_gets_an_outcome_and_a_hung_agent_is_scored_on_its_workspace(
         assert outcome.reward in (0.0, 0.2, 0.5, 1.0) and outcome.success == (outcome.reward == 1.0)
     assert result.success_rate == sum(o.success for o in result.outcomes) / 3
     assert result.mean_reward == sum(o.reward for o in result.outcomes) / 3
+
+
+def test_pooled_passes_each_score_every_task_in_their_own_workspaces(tiny_model_dir: Path) -> None:
+    tasks, evaluate = load("tasks"), load("evaluate")
+    chosen = tasks.generate_tasks(1, "heldout", 2, kinds=("write", "calc"))
+    greedy, sampled = evaluate.evaluate_passes(tiny_model_dir, chosen, (0.0, 0.7), concurrency=4, timeout_s=4.0)
+    for one_pass in (greedy, sampled):
+        # The same task twice at once: had the passes shared a folder, the second attempt could not make its logs.
+        assert [o.task_id for o in one_pass.outcomes] == [t.task_id for t in chosen]
+        assert all(o.agent_exit_code in (0, 3, -9) for o in one_pass.outcomes)
+    assert greedy.seconds == sampled.seconds  # one pooled wall time

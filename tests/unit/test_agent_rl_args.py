@@ -34,6 +34,16 @@ def test_defaults(agent_rl) -> None:
         3000, 600, 1200, 400)  # a copier that settles: quotes a task's words in 0.98 of held-out examples (0.39)
 
 
+def test_the_cells_engines_take_every_agent_the_executor_runs_with_room_to_spare(agent_rl) -> None:
+    args = agent_rl.parse_args([])
+    assert args.agents_at_once == 32  # two groups of 16
+    engine = agent_rl.cell_engine(args)
+    assert (engine.max_running_requests, engine.num_blocks) == (48, 1024)  # 0.9 * 48 >= 32: one cell takes all
+    wide = agent_rl.cell_engine(agent_rl.parse_args(["--agents-at-once", "64"]))
+    assert (wide.max_running_requests, wide.num_blocks) == (96, 2048)
+    assert agent_rl.parse_args(["--group-size", "8"]).agents_at_once == 16
+
+
 def test_the_policy_flags_choose_the_scheduling_policy(agent_rl) -> None:
     from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy
 
@@ -58,6 +68,7 @@ def test_the_policy_flags_choose_the_scheduling_policy(agent_rl) -> None:
     ["--lr-warmup-steps", "-2"],
     ["--copy-decay-steps", "-1"],
     ["--copy-gap-decay-steps", "-5"],
+    ["--agents-at-once", "-1"],
 ])
 def test_bad_values_are_refused_with_a_message(agent_rl, argv, capsys) -> None:
     with pytest.raises(SystemExit) as exited:
@@ -120,24 +131,34 @@ def test_an_interrupted_run_writes_its_report_without_the_held_out_scoring(agent
     assert "interrupted; the report leaves out the held-out score" in capsys.readouterr().err
 
 
-def test_the_sampled_score_averages_every_attempt_of_every_task_at_the_rollout_temperature(agent_rl) -> None:
+def test_the_held_out_scores_pool_a_greedy_pass_and_every_sampled_attempt_in_one_evaluation(agent_rl) -> None:
     import evaluate  # examples/toolbox, on the path once agent_rl is loaded
 
     calls = []
-    draws = iter([(True, False, False), (True, True, False)])  # two sampled passes over three tasks
+    draws = {0.0: [(False, False, True)], 0.7: [(True, False, False), (True, True, False)]}
 
-    def fake_evaluate(model_dir, tasks, temperature):
-        calls.append((model_dir, tuple(tasks), temperature))
-        wins = next(draws)
-        return evaluate.EvalResult(success_rate=0.0, mean_reward=0.0, seconds=0.0, outcomes=tuple(
+    def fake_evaluate_passes(model_dir, tasks, temperatures):
+        calls.append((model_dir, tuple(tasks), tuple(temperatures)))
+        return tuple(evaluate.EvalResult(success_rate=sum(wins) / 3, mean_reward=0.5, seconds=9.0, outcomes=tuple(
             evaluate.TaskOutcome(task_id=f"{kind}-{i}", kind=kind, reward=1.0, success=win, agent_exit_code=0,
                                  seconds=1.0)
             for i, (kind, win) in enumerate(zip(("calc", "calc", "write"), wins))))
+            for wins in (draws[t].pop(0) for t in temperatures))
 
-    score = agent_rl.sampled_score("model", ["t0", "t1", "t2"], 0.7, 2, evaluate=fake_evaluate)
-    assert calls == [("model", ("t0", "t1", "t2"), 0.7)] * 2  # each pass samples (never greedy) at 0.7
-    assert score == {"temperature": 0.7, "samples": 2, "success_rate": 0.5, "mean_reward": 1.0,
-                     "success_by_kind": {"calc": 0.75, "write": 0.0}}
+    greedy, sampled = agent_rl.held_out_scores("model", ["t0", "t1", "t2"], greedy=True, temperature=0.7, samples=2,
+                                               evaluate_passes=fake_evaluate_passes)
+    assert calls == [("model", ("t0", "t1", "t2"), (0.0, 0.7, 0.7))]  # one evaluation: greedy, then two sampled
+    assert greedy == {"success_rate": 1 / 3, "mean_reward": 0.5, "success_by_kind": {"calc": 0.0, "write": 1.0}}
+    assert sampled == {"temperature": 0.7, "samples": 2, "success_rate": 0.5, "mean_reward": 1.0,
+                       "success_by_kind": {"calc": 0.75, "write": 0.0}}
+    # What a cache already holds is not scored again; with nothing left to score, no evaluation starts.
+    draws[0.7] = [(True, True, True)]
+    greedy, sampled = agent_rl.held_out_scores("model", ["t0", "t1", "t2"], greedy=False, temperature=0.7, samples=1,
+                                               evaluate_passes=fake_evaluate_passes)
+    assert greedy is None and sampled["success_rate"] == 1.0 and calls[-1][2] == (0.7,)
+    assert agent_rl.held_out_scores("model", ["t0"], greedy=False, temperature=0.7, samples=0,
+                                    evaluate_passes=None) == (None, None)
+    assert len(calls) == 2
     assert agent_rl.parse_args([]).sampled_eval_samples == 2
     with pytest.raises(SystemExit):
         agent_rl.parse_args(["--sampled-eval-samples", "-1"])

@@ -216,10 +216,7 @@ def held_out_scores(model_dir: Path, held_out, *, greedy: bool, temperature: flo
     greedy_score = held_out_score(passes.pop(0)) if greedy else None
     if not samples:
         return greedy_score, None
-    attempts = tuple(outcome for one_pass in passes for outcome in one_pass.outcomes)
-    pooled = EvalResult(success_rate=sum(o.success for o in attempts) / max(1, len(attempts)),
-                        mean_reward=sum(o.reward for o in attempts) / max(1, len(attempts)),
-                        outcomes=attempts, seconds=passes[0].seconds)
+    pooled = EvalResult.of([outcome for one_pass in passes for outcome in one_pass.outcomes], passes[0].seconds)
     return greedy_score, {"temperature": temperature, "samples": samples, "success_rate": pooled.success_rate,
                           "mean_reward": pooled.mean_reward, "success_by_kind": pooled.success_by_kind()}
 

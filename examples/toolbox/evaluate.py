@@ -50,6 +50,13 @@ class EvalResult:
     outcomes: tuple[TaskOutcome, ...]
     seconds: float
 
+    @classmethod
+    def of(cls, outcomes: Sequence[TaskOutcome], seconds: float) -> "EvalResult":
+        """The success rate and mean reward over `outcomes` (0 for none)."""
+        count = max(1, len(outcomes))
+        return cls(success_rate=sum(o.success for o in outcomes) / count,
+                   mean_reward=sum(o.reward for o in outcomes) / count, outcomes=tuple(outcomes), seconds=seconds)
+
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
@@ -162,12 +169,6 @@ async def _run_all(attempts: Sequence[_Attempt], base_url: str, timeout_s: float
         await launcher.close()
 
 
-def _result(outcomes: Sequence[TaskOutcome], seconds: float) -> EvalResult:
-    count = max(1, len(outcomes))
-    return EvalResult(success_rate=sum(o.success for o in outcomes) / count,
-                      mean_reward=sum(o.reward for o in outcomes) / count, outcomes=tuple(outcomes), seconds=seconds)
-
-
 def evaluate_passes(
     model_dir: str | Path,
     tasks: Sequence[Any],
@@ -200,7 +201,7 @@ def evaluate_passes(
         outcomes = asyncio.run(_run_all(attempts, served.base_url, timeout_s, Path(root), concurrency))
     seconds = time.perf_counter() - started
     per_pass = len(tasks)
-    return tuple(_result(outcomes[i * per_pass:(i + 1) * per_pass], seconds) for i in range(len(temperatures)))
+    return tuple(EvalResult.of(outcomes[i * per_pass:(i + 1) * per_pass], seconds) for i in range(len(temperatures)))
 
 
 def evaluate(

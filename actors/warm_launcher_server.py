@@ -11,7 +11,8 @@ Protocol (newline-delimited JSON; the client is gyre.actors.warm_launcher.WarmLa
 - first line out: {"ready": <server pid>} once the preload is done, or {"error": "..."} and exit 2;
 - in: {"id", "argv": [python, script, args...], "cwd", "env": {str: str}, "stdout_path", "stderr_path"};
 - out: {"id", "pid"} when the child is forked, or {"id", "error", "errno"} when it could not be (bad cwd, log
-  file not writable, fork failed; the server goes on);
+  file not writable, fork failed; the server goes on). The child runs no line of the script before its pid reply is
+  written, so even a script that kills the server at once is a child the client knows of (and kills);
 - out: {"exited": pid, "returncode": rc} when a child ends (rc as asyncio reports it: the exit code, or -signum).
 On stdin EOF every live child's process group is SIGKILLed and reaped, and the server exits 0.
 
@@ -226,14 +227,27 @@ class Server:
             self.send({"id": request_id, "error": f"bad request: {error!r}", "errno": errno.EINVAL})
             return
         try:
-            pid = self.fork_child(argv, cwd, env, stdout_path, stderr_path)
+            pid, go_w = self.fork_child(argv, cwd, env, stdout_path, stderr_path)
         except OSError as error:  # bad cwd, unwritable log file, fork failure: this request fails, not the server
             self.send({"id": request_id, "error": f"{type(error).__name__}: {error}", "errno": error.errno or 0})
             return
         self.children.add(pid)
-        self.send({"id": request_id, "pid": pid})
+        try:
+            self.send({"id": request_id, "pid": pid})
+            try:
+                os.write(go_w, b"g")  # the reply is in the client's pipe: the script may run now
+            except BrokenPipeError:  # the child was killed before it could start: its exit is reaped as any other
+                pass
+        finally:
+            os.close(go_w)
 
-    def fork_child(self, argv: list[str], cwd: str, env: dict[str, str], stdout_path: str, stderr_path: str) -> int:
+    def fork_child(self, argv: list[str], cwd: str, env: dict[str, str], stdout_path: str,
+                   stderr_path: str) -> tuple[int, int]:
+        """Fork a child for one run; its pid, and the fd to write one byte to once the client has been told that pid.
+
+        The child runs nothing of the script before that byte: a script that kills this server at once must not
+        leave a child the client never heard of (it would run on, unkillable by the client). Should the server die
+        first, the child reads EOF and exits without running the script."""
         # Opened here, not in the child, so that a bad path is an error reply (as create_subprocess_exec raises).
         opened: list[int] = []
         try:
@@ -246,26 +260,35 @@ class Server:
             # after start_new_session took effect): a group signal sent right after the reply must reach it.
             in_group_r, in_group_w = os.pipe()
             opened += [in_group_r, in_group_w]
+            go_r, go_w = os.pipe2(os.O_CLOEXEC)
+            opened += [go_r, go_w]
             pid = os.fork()
             if pid == 0:
                 self._become_child(argv, env, *opened)  # never returns
             os.close(in_group_w)
             opened.remove(in_group_w)
             os.read(in_group_r, 1)  # EOF once the child has called setsid() (or died)
-            return pid
+            opened.remove(go_w)
+            return pid, go_w
         finally:
             for fd in opened:
                 os.close(fd)
 
     def _become_child(self, argv: list[str], env: dict[str, str], cwd_fd: int, out_fd: int, err_fd: int,
-                      in_group_r: int, in_group_w: int) -> None:
+                      in_group_r: int, in_group_w: int, go_r: int, go_w: int) -> None:
         code, interrupted = 1, False
         try:
+            os.close(go_w)
             try:
                 os.setsid()  # its own session and process group: the executor signals the group by the child's pid
             finally:
                 os.close(in_group_w)  # tells the server the group exists
                 os.close(in_group_r)
+            confirmed = os.read(go_r, 1)  # the server has told the client this pid (see fork_child)
+            os.close(go_r)
+            if not confirmed:
+                os.write(err_fd, b"warm launcher: the server ended before this run was reported; not running it\n")
+                os._exit(1)
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, self.previous_sigchld)
             signal.signal(signal.SIGINT, self.previous_sigint)

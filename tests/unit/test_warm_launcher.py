@@ -259,6 +259,32 @@ def test_the_server_dying_kills_its_children_and_refuses_later_launches(tmp_path
     with_launcher(test)
 
 
+KILL_THE_SERVER_AT_ONCE = """
+import os, pathlib, signal, time
+pathlib.Path("child.pid").write_text(str(os.getpid()))
+os.kill(os.getppid(), signal.SIGKILL)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_a_script_that_kills_the_server_at_once_is_still_a_child_the_client_knows_and_kills(
+        tmp_path: Path, attempt: int) -> None:
+    # Before the server held the script back until its pid reply was written, the kill could beat that reply: the
+    # launch then failed with LauncherDied and the child slept on, unknown to anyone (a CI run hit it; with four
+    # busy loops beside it, 22 of 30 of these attempts failed that way).
+    agent = script(tmp_path, KILL_THE_SERVER_AT_ONCE)
+
+    async def test(launcher: WarmLauncher) -> None:
+        process = await launch(launcher, tmp_path, [str(agent)])
+        assert await asyncio.wait_for(process.wait(), 30) == -9
+        await launcher.wait_ended()
+        assert launcher.died
+        assert _dies(int(await _wait_for_file(tmp_path / "child.pid")))
+
+    with_launcher(test)
+
+
 def test_close_kills_live_children_and_refuses_later_launches(tmp_path: Path) -> None:
     agent = script(tmp_path, "import time; time.sleep(600)")
 

@@ -18,6 +18,15 @@ An agent that timed out is scored like any other: its preserved workspace is wha
 
 Scorers run in child tasks (at most `max_concurrent` at once, the rest queue), which report back with
 `ScoringEnded`, so waiting never blocks the mailbox.
+
+Warm scorers (`warm_launcher_preload`, off by default): a scorer is a fresh interpreter per execution, ~0.04 CPU-s
+even with `-S`, which the main job pays ~250 times a step (about a tenth of its CPU on 2 cores); a fork from a warm
+launcher costs ~0.01 (benchmarks/scorer_launch.py). With a preload the evaluator starts a warm launcher
+(gyre.actors.warm_launcher) that imported those modules once, and forks a scorer whose argv is `<this interpreter>
+[-S|-B|-s] <existing script> ...` from it; any other scorer, and every scorer after the launcher died, is exec'd the
+plain way. A warm scorer's stdout and stderr go to files in a folder of the evaluator's (not the workspace) and are
+judged like the plain pipes, capped alike; unlike a pipe, a file takes all a scorer prints until its time limit. The
+statistics count warm and plain scorer runs.
 """
 
 from __future__ import annotations
@@ -29,12 +38,14 @@ import math
 import os
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from gyre.actors.executor import signal_process_group, stop_process_group
+from gyre.actors.warm_launcher import LaunchedProcess, LauncherClosed, LauncherDied, WarmLauncher, preload_problem
 from gyre.messages.execution_reports import ScoringEnded
 from gyre.messages.execution_stats import EvaluatorStatistics, StatisticsAsked
 from gyre.messages.executions import ExecutionFinished
@@ -51,6 +62,12 @@ STDERR_TAIL_CHARS = 300
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+def _module_names(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    problem = preload_problem(value)
+    if problem is not None:
+        raise ValueError(f"{attribute.name}: {problem}")
 
 
 def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -78,6 +95,9 @@ class EvaluatorConfig:
     """Delete the workspace directory once scored or dropped (the logs beside it stay)."""
     inherit_env: bool = True
     """Scorers see this process's environment (plus GYRE_EXECUTION_ID and GYRE_AGENT_TIMED_OUT)."""
+    warm_launcher_preload: tuple[str, ...] = attrs.field(default=(), validator=_module_names)
+    """Modules a warm launcher imports once for the scorers it forks (module docstring); () runs every scorer as a
+    fresh process. An entry "module:function" also calls that warm-up once."""
 
 
 class ScorerOutputError(ValueError):
@@ -117,6 +137,18 @@ def _detail(obj: dict[str, Any], max_chars: int) -> str:
     return json.dumps(kept, sort_keys=True, separators=(",", ":"), ensure_ascii=False)[:max_chars]
 
 
+def _read_files_capped(paths: tuple[Path, ...], cap: int) -> tuple[bytes, ...]:
+    """The first `cap` bytes of each file (b"" for one that is missing)."""
+    contents = []
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
+                contents.append(file.read(cap))
+        except FileNotFoundError:
+            contents.append(b"")
+    return tuple(contents)
+
+
 async def _read_capped(stream: asyncio.StreamReader, into: bytearray, cap: int) -> None:
     """Append up to `cap` bytes of `stream` to `into`; read and discard the rest until EOF."""
     while True:
@@ -138,6 +170,32 @@ class Evaluator(Actor):
         self.running: dict[str, ExecutionFinished] = {}
         self.scored = 0
         self.dropped_by_kind: collections.Counter[str] = collections.Counter()
+        self.runs = {"warm": 0, "plain": 0}
+        self.launcher: WarmLauncher | None = None
+        self.output_dir: Path | None = None
+        self.output_serial = 0
+        if self.config.warm_launcher_preload:
+            self.output_dir = Path(tempfile.mkdtemp(prefix="gyre-scorer-output-"))
+            launcher = WarmLauncher()
+            await launcher.start(self.config.warm_launcher_preload)  # a preload that fails to import fails here
+            self.launcher = launcher
+            self.spawn(self._watch_launcher(launcher), name=f"{self.name}.warm_launcher")
+
+    async def on_stop(self) -> None:
+        if self.launcher is not None:
+            await self.launcher.close()
+        if self.output_dir is not None:
+            shutil.rmtree(self.output_dir, ignore_errors=True)
+
+    async def _watch_launcher(self, launcher: WarmLauncher) -> None:
+        """Says once that the server died; a child task, so it is cancelled (and ends the server) with this
+        instance."""
+        try:
+            await launcher.wait_ended()
+        finally:
+            launcher.close_nowait()
+        if launcher.died:
+            self.log.warning("warm_launcher_died", fallback="plain exec for the rest of the run")
 
     @handler(ExecutionFinished)
     async def on_execution_finished(self, msg: ExecutionFinished) -> None:
@@ -179,49 +237,94 @@ class Evaluator(Actor):
             return drop("workspace_lost", f"workspace lost: {workspace} is not a directory")
         env = dict(os.environ) if self.config.inherit_env else {"PATH": os.environ.get("PATH", os.defpath)}
         env.update(GYRE_EXECUTION_ID=execution_id, GYRE_AGENT_TIMED_OUT="1" if finished.timed_out else "0")
+        argv = task.scorer_argv
         try:
-            process = await asyncio.create_subprocess_exec(
-                *task.scorer_argv,
-                cwd=workspace,
-                env=env,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
+            ran = None
+            launcher = self.launcher
+            if launcher is not None and launcher.alive and launcher.accepts(argv, workspace, env):
+                ran = await self._run_warm(launcher, argv, workspace, env, task.scorer_timeout_s)
+            if ran is None:
+                ran = await self._run_plain(argv, workspace, env, task.scorer_timeout_s)
         except (OSError, ValueError) as error:
             return drop("failed_to_start", f"scorer did not start: {error!r}")
+        returncode, out, err, timed_out = ran
+        if timed_out:
+            return drop("timed_out", f"scorer timed out after {task.scorer_timeout_s} s")
+        if returncode != 0:
+            tail = err.decode("utf-8", errors="replace").strip()[-STDERR_TAIL_CHARS:]
+            return drop("crashed", f"scorer crashed: exit {returncode}" + (f": {tail}" if tail else ""))
+        try:
+            reward, obj = parse_scorer_output(bytes(out))
+        except ScorerOutputError as error:
+            return drop("bad_output", f"scorer output unusable: {error}")
+        return ScoringEnded(execution_id, reward, _detail(obj, self.config.max_detail_chars), "", "")
+
+    async def _run_plain(self, argv: tuple[str, ...], workspace: Path, env: dict[str, str],
+                         timeout_s: float) -> tuple[int, bytes, bytes, bool]:
+        """Exec the scorer; (exit code, stdout, stderr, timed out), output capped. Raises what exec raises."""
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=workspace,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.runs["plain"] += 1
         out, err = bytearray(), bytearray()
         assert process.stdout is not None and process.stderr is not None
         readers = asyncio.gather(
             _read_capped(process.stdout, out, self.config.max_output_bytes),
             _read_capped(process.stderr, err, self.config.max_output_bytes),
         )
+        try:
+            timed_out = await self._wait_or_stop(process, timeout_s)
+        except asyncio.CancelledError:
+            readers.cancel()
+            raise
+        try:
+            await asyncio.wait_for(readers, self.config.kill_grace_s)
+        except asyncio.TimeoutError:  # something outside the group holds a pipe: judge what was read
+            pass
+        assert process.returncode is not None
+        return process.returncode, bytes(out), bytes(err), timed_out
+
+    async def _run_warm(self, launcher: WarmLauncher, argv: tuple[str, ...], workspace: Path, env: dict[str, str],
+                        timeout_s: float) -> tuple[int, bytes, bytes, bool] | None:
+        """Fork the scorer from the warm launcher; as `_run_plain`, or None if the launcher is gone (run it plain)."""
+        assert self.output_dir is not None
+        self.output_serial += 1
+        out_path = self.output_dir / f"{self.output_serial}.out"
+        err_path = self.output_dir / f"{self.output_serial}.err"
+        try:
+            try:
+                process = await launcher.launch(argv, workspace, env, out_path, err_path)
+            except (LauncherDied, LauncherClosed):
+                return None  # the watcher logs a death once
+            self.runs["warm"] += 1
+            timed_out = await self._wait_or_stop(process, timeout_s)
+            out, err = await self.offload(_read_files_capped, (out_path, err_path), self.config.max_output_bytes)
+            assert process.returncode is not None
+            return process.returncode, out, err, timed_out
+        finally:
+            for path in (out_path, err_path):
+                path.unlink(missing_ok=True)
+
+    async def _wait_or_stop(self, process: asyncio.subprocess.Process | LaunchedProcess, timeout_s: float) -> bool:
+        """Wait for the scorer within its limit (else stop its group); then kill what is left of the group. Whether
+        it timed out."""
         timed_out = False
         try:
-            await asyncio.wait_for(process.wait(), task.scorer_timeout_s)
+            await asyncio.wait_for(process.wait(), timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
             await stop_process_group(process, self.config.kill_grace_s)
         except asyncio.CancelledError:
             signal_process_group(process.pid, signal.SIGKILL)
-            readers.cancel()
             raise
         signal_process_group(process.pid, signal.SIGKILL)  # leftovers, and the pipe ends they hold
-        try:
-            await asyncio.wait_for(readers, self.config.kill_grace_s)
-        except asyncio.TimeoutError:  # something outside the group holds a pipe: judge what was read
-            pass
-        if timed_out:
-            return drop("timed_out", f"scorer timed out after {task.scorer_timeout_s} s")
-        if process.returncode != 0:
-            tail = err.decode("utf-8", errors="replace").strip()[-STDERR_TAIL_CHARS:]
-            return drop("crashed", f"scorer crashed: exit {process.returncode}" + (f": {tail}" if tail else ""))
-        try:
-            reward, obj = parse_scorer_output(bytes(out))
-        except ScorerOutputError as error:
-            return drop("bad_output", f"scorer output unusable: {error}")
-        return ScoringEnded(execution_id, reward, _detail(obj, self.config.max_detail_chars), "", "")
+        return timed_out
 
     # ---- reports from the children ------------------------------------------------------------------------------
     @handler(ScoringEnded)
@@ -250,4 +353,6 @@ class Evaluator(Actor):
             dropped_by_kind={kind: self.dropped_by_kind[kind] for kind in DROP_KINDS},
             running=len(self.running),
             queued=len(self.queue),
+            warm_scorer_runs=self.runs["warm"],
+            plain_scorer_runs=self.runs["plain"],
         )

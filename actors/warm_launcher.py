@@ -9,7 +9,10 @@ asyncio.subprocess.Process the executor uses (`pid`, `returncode`, `wait()`), an
 group id, so signalling the group works unchanged.
 
 Only `<this interpreter> <existing script> args...` can be launched warm (`accepts`); anything else (`-m`, `-c`,
-another program or interpreter) must be started the ordinary way. If the server dies, every child it launched is
+another program or interpreter) must be started the ordinary way. Between the two, the flags in `STARTUP_FLAGS`
+(-B, -S, -s) are accepted and dropped: they only trim what a fresh interpreter does at start (write bytecode, import
+`site`, add the user's site-packages), and the server's interpreter has started already; a script that runs without
+`site` runs with it too. If the server dies, every child it launched is
 SIGKILLed (their `wait()` gives -9) and later launches raise `LauncherDied`; `close()` ends the server and its
 children (later launches raise `LauncherClosed`). Both are OSErrors, the errors a failed exec raises too.
 Linux only (the server forks).
@@ -45,6 +48,8 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 SERVER_MODULE = "gyre.actors.warm_launcher_server"
+STARTUP_FLAGS = frozenset({"-B", "-S", "-s"})
+"""Interpreter flags that a warm launch drops (module docstring): they change only a fresh interpreter's start."""
 _PRELOAD_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?")
 """A dotted module name, optionally followed by ":function", a warm-up the server calls once after the import."""
 
@@ -198,9 +203,13 @@ class WarmLauncher:
     # ---- launching ------------------------------------------------------------------------------------------------
     def accepts(self, argv: tuple[str, ...] | list[str], cwd: str | os.PathLike[str] | None = None,
                 env: dict[str, str] | None = None) -> bool:
-        """Whether `argv` is `<this interpreter> <existing script file> args...` (script relative to `cwd`, the
-        program looked up on env's PATH, as a plain exec would): only that can be launched warm."""
-        if len(argv) < 2 or not all(isinstance(a, str) and a for a in argv):
+        """Whether `argv` is `<this interpreter> [STARTUP_FLAGS...] <existing script file> args...` (script
+        relative to `cwd`, the program looked up on env's PATH, as a plain exec would): only that can be launched
+        warm."""
+        if not all(isinstance(a, str) and a for a in argv):
+            return False
+        argv = _without_startup_flags(argv)
+        if len(argv) < 2:
             return False
         program, script = argv[0], argv[1]
         if "/" in program and not os.path.isabs(program) and cwd is not None:
@@ -216,10 +225,12 @@ class WarmLauncher:
 
     async def launch(self, argv: tuple[str, ...] | list[str], cwd: str | os.PathLike[str], env: dict[str, str],
                      stdout_path: str | os.PathLike[str], stderr_path: str | os.PathLike[str]) -> LaunchedProcess:
-        """Fork a child that runs argv[1] with sys.argv = argv[1:], in `cwd`, with exactly `env`, stdin from
+        """Fork a child that runs the script (argv[1], once STARTUP_FLAGS are left out) with sys.argv = argv[1:], in
+        `cwd`, with exactly `env`, stdin from
         /dev/null, stdout and stderr truncated into the two files, in a process group of its own. Raises OSError
         as exec would (bad cwd, unwritable file, fork failure), LauncherDied or LauncherClosed."""
         self._check_usable()
+        argv = _without_startup_flags(argv)
         request_id = self._next_id
         self._next_id += 1
         line = (json.dumps({
@@ -338,6 +349,14 @@ class WarmLauncher:
             except ProcessLookupError:
                 pass
             await self._server.wait()
+
+
+def _without_startup_flags(argv: tuple[str, ...] | list[str]) -> list[str]:
+    """argv with the STARTUP_FLAGS between the program and the first other argument left out."""
+    rest = 1
+    while rest < len(argv) and argv[rest] in STARTUP_FLAGS:
+        rest += 1
+    return [*argv[:1], *argv[rest:]]
 
 
 def _kill_group(pgid: int) -> None:

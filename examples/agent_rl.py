@@ -62,7 +62,7 @@ from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy 
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
 from gyre.policies.task_sampling import EpochOrder, SignalWeighted  # noqa: E402
 from gyre.runtime import Topology  # noqa: E402
-from evaluate import AGENT_PRELOAD  # noqa: E402  (examples/toolbox: what agents are forked warm with)
+from evaluate import AGENT_PRELOAD, SCORER_PRELOAD  # noqa: E402  (examples/toolbox: what agents and scorers are forked warm with)
 
 CELLS = ("core", "sat1", "sat2")
 
@@ -423,7 +423,10 @@ def topology(argv: list[str]) -> Topology:
         # ~0.1 s, which on 2 cores is about half of a step's CPU. The warm-up also pays, once, the ~0.13 CPU-s of
         # imports that a client's first request triggers (an agent's model calls cost ~0.05 CPU-s after it).
         warm_launcher_preload=AGENT_PRELOAD), process="runs")
-    result.add("evaluator", Evaluator, EvaluatorConfig(remove_workspace=True), process="runs")
+    # A scorer exec'd fresh costs ~0.04 CPU-s even with -S, at ~250 scorers a step; forked from a server that
+    # imported score.py's modules, ~0.01 (benchmarks/scorer_launch.py).
+    result.add("evaluator", Evaluator, EvaluatorConfig(remove_workspace=True, warm_launcher_preload=SCORER_PRELOAD),
+               process="runs")
     result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(
         min_reward_spread=args.min_reward_spread), process="control")
     result.add("task_source", TaskSource, TaskSourceConfig(

@@ -37,7 +37,7 @@ class ExecutorStatistics:
     """Agents started as fresh processes (warm launcher off, an argv it cannot fork, or its server gone)."""
 
 
-@message("gyre.execution_stats.EvaluatorStatistics")
+@message("gyre.execution_stats.EvaluatorStatistics", version=2)
 class EvaluatorStatistics:
     """The evaluator's counters."""
 
@@ -51,6 +51,10 @@ class EvaluatorStatistics:
     """Scorers running now."""
     queued: int
     """Executions waiting for a scorer slot."""
+    warm_scorer_runs: int
+    """Scorers forked from the warm launcher."""
+    plain_scorer_runs: int
+    """Scorers exec'd as fresh processes."""
 
 
 @message("gyre.execution_stats.BuilderStatistics")

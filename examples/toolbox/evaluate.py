@@ -27,6 +27,7 @@ from agent import agent_argv, load_sibling  # noqa: E402
 tasks_module = load_sibling("tasks")
 AGENT_PRELOAD = ("openai", "structlog", "gyre.actors.sdk_warmup:openai_client")
 """What the warm launcher imports (and warms up) once for every toolbox agent it forks."""
+SCORER_PRELOAD = tasks_module.SCORER_PRELOAD
 
 
 @attrs.frozen
@@ -124,17 +125,37 @@ async def _run_one(task: Any, key: str, base_url: str, temperature: float, timeo
         await stop_process_group(process, grace_s=2.0)
         exit_code = -9  # scored on what the workspace holds, as in training
     signal_process_group(process.pid, signal.SIGKILL)  # tool processes the agent left behind
-    scorer = await asyncio.create_subprocess_exec(*task.scorer_argv, cwd=workspace, stdout=subprocess.PIPE,
+    scored = await _run_scorer(task, workspace, logs, launcher)
+    verdict = json.loads(scored or b"{}") if scored is not None else {"reward": 0.0, "success": False}
+    return TaskOutcome(task.task_id, task.kind, float(verdict.get("reward", 0.0)), bool(verdict.get("success")),
+                       exit_code, time.perf_counter() - started)
+
+
+async def _run_scorer(task: Any, workspace: Path, logs: Path, launcher: Any) -> bytes | None:
+    """The scorer's stdout, or None if it failed (non-zero exit, or over 60 s). Forked from the agents' warm
+    launcher when it can be: a fresh `python -S score.py` costs ~0.05 CPU-s, a fork a fraction of that."""
+    from gyre.actors.executor import signal_process_group, stop_process_group
+
+    argv, env = list(task.scorer_argv), dict(os.environ)
+    if launcher.alive and launcher.accepts(argv, workspace, env):
+        stdout = logs / "scorer.stdout.log"
+        process = await launcher.launch(argv, workspace, env, stdout, logs / "scorer.stderr.log")
+        try:
+            code = await asyncio.wait_for(process.wait(), 60)
+        except asyncio.TimeoutError:
+            await stop_process_group(process, grace_s=2.0)
+            return None
+        signal_process_group(process.pid, signal.SIGKILL)
+        return stdout.read_bytes() if code == 0 else None
+    scorer = await asyncio.create_subprocess_exec(*argv, cwd=workspace, stdout=subprocess.PIPE,
                                                   stderr=subprocess.DEVNULL)
     try:
         scored, _ = await asyncio.wait_for(scorer.communicate(), 60)
     except asyncio.TimeoutError:
         scorer.kill()
         await scorer.wait()
-        scored = b""
-    verdict = json.loads(scored or b"{}") if scorer.returncode == 0 else {"reward": 0.0, "success": False}
-    return TaskOutcome(task.task_id, task.kind, float(verdict.get("reward", 0.0)), bool(verdict.get("success")),
-                       exit_code, time.perf_counter() - started)
+        return None
+    return scored if scorer.returncode == 0 else None
 
 
 @attrs.frozen

@@ -178,6 +178,10 @@ def split_of(digest: str) -> str:
     return "heldout" if int(digest[:8], 16) % 100 < HELDOUT_PERCENT else "train"
 
 
+SCORER_PRELOAD = ("argparse", "json", "math", "re")
+"""What score.py imports: a warm launcher that imported them forks each scorer (gyre.actors.evaluator)."""
+
+
 def scorer_argv(expected: str, *, python: str = sys.executable) -> tuple[str, ...]:
     """The scoring command line for a task whose answer is `expected` (run with the workspace as cwd).
 

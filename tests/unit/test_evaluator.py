@@ -80,8 +80,13 @@ def run(tmp_path: Path, driver: DriverConfig, with_executor: bool = False, **eva
     return received
 
 
-def scorer(script: str) -> tuple[str, ...]:
-    return (sys.executable, "-c", textwrap.dedent(script))
+def scorer(tmp_path: Path, script: str) -> tuple[str, ...]:
+    """A scorer script in a file of its own, run as `python -S FILE` (the shape the warm launcher accepts)."""
+    folder = tmp_path / "scorers"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"scorer_{len(list(folder.iterdir()))}.py"
+    path.write_text(textwrap.dedent(script))
+    return (sys.executable, "-S", str(path))
 
 
 def finished(tmp_path: Path, name: str, scorer_argv: tuple[str, ...], *, timed_out: bool = False,
@@ -97,11 +102,13 @@ def finished(tmp_path: Path, name: str, scorer_argv: tuple[str, ...], *, timed_o
 
 
 READ_ANSWER = """
-import json, pathlib
+import json, pathlib, sys
 print("scoring...")   # a log line before the JSON is fine
 answer = pathlib.Path("answer.txt").read_text()
-print(json.dumps({"reward": 1.0 if answer == "17" else 0.25, "success": answer == "17", "seen": answer}))
+print(json.dumps({"reward": 1.0 if answer == "17" else 0.25, "success": answer == "17", "seen": answer,
+                  "warm": "colorsys" in sys.modules}))
 """
+WARM = {"warm_launcher_preload": ("colorsys",)}  # a stdlib module nothing here imports: its presence proves a fork
 
 HANG = """
 import pathlib, signal, subprocess, sys, time
@@ -126,27 +133,28 @@ def _dies(pid: int, within_s: float = 10.0) -> bool:
         time.sleep(0.01)
 
 
-def test_scores_and_drops(tmp_path: Path) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["plain", "warm"])
+def test_scores_and_drops(tmp_path: Path, warm: bool) -> None:
     cases = (
-        finished(tmp_path, "good", scorer(READ_ANSWER)),
-        finished(tmp_path, "partial-after-timeout", scorer(READ_ANSWER), timed_out=True, answer="1"),
-        finished(tmp_path, "crash", scorer("import sys; print('boom', file=sys.stderr); sys.exit(1)")),
-        finished(tmp_path, "not-json", scorer("print('reward: 1')")),
-        finished(tmp_path, "no-reward", scorer("print('{\"score\": 1}')")),
-        finished(tmp_path, "nan-reward", scorer("print('{\"reward\": NaN}')")),
-        finished(tmp_path, "bool-reward", scorer("print('{\"reward\": true}')")),
-        finished(tmp_path, "hang", scorer(HANG), scorer_timeout_s=2.0),
-        finished(tmp_path, "lost", scorer(READ_ANSWER), workspace=tmp_path / "nowhere"),
+        finished(tmp_path, "good", scorer(tmp_path, READ_ANSWER)),
+        finished(tmp_path, "partial-after-timeout", scorer(tmp_path, READ_ANSWER), timed_out=True, answer="1"),
+        finished(tmp_path, "crash", scorer(tmp_path, "import sys; print('boom', file=sys.stderr); sys.exit(1)")),
+        finished(tmp_path, "not-json", scorer(tmp_path, "print('reward: 1')")),
+        finished(tmp_path, "no-reward", scorer(tmp_path, "print('{\"score\": 1}')")),
+        finished(tmp_path, "nan-reward", scorer(tmp_path, "print('{\"reward\": NaN}')")),
+        finished(tmp_path, "bool-reward", scorer(tmp_path, "print('{\"reward\": true}')")),
+        finished(tmp_path, "hang", scorer(tmp_path, HANG), scorer_timeout_s=2.0),
+        finished(tmp_path, "lost", scorer(tmp_path, READ_ANSWER), workspace=tmp_path / "nowhere"),
         finished(tmp_path, "no-program", (str(tmp_path / "no-such-scorer"),)),
     )
     got = run(tmp_path, DriverConfig(finished=cases, expected_outcomes=len(cases)), kill_grace_s=0.3,
-              max_concurrent=3)
+              max_concurrent=3, **(WARM if warm else {}))
     scored = {m.execution_id: m for m in got["ExecutionScored"]}
     dropped = {m.execution_id: m for m in got["ExecutionDropped"]}
     assert sorted(scored) == ["good", "partial-after-timeout"]
     good = scored["good"]
     assert (good.reward, good.timed_out, good.group_id) == (1.0, False, "grp")
-    assert json.loads(good.detail) == {"reward": 1.0, "success": True, "seen": "17"}
+    assert json.loads(good.detail) == {"reward": 1.0, "success": True, "seen": "17", "warm": warm}
     late = scored["partial-after-timeout"]
     assert (late.reward, late.timed_out) == (0.25, True)  # a timed-out agent's workspace is scored
     assert dropped["crash"].reason == "scorer crashed: exit 1: boom"
@@ -163,10 +171,41 @@ def test_scores_and_drops(tmp_path: Path) -> None:
         "crashed": 1, "timed_out": 1, "bad_output": 4, "workspace_lost": 1, "failed_to_start": 1, "no_room": 0,
     }
     assert set(stats.dropped_by_kind) == set(DROP_KINDS)
+    # Eight scorers ran (the lost workspace and the missing program never started); "no-program" is not
+    # `python script` and was tried the plain way.
+    assert (stats.warm_scorer_runs, stats.plain_scorer_runs) == ((8, 0) if warm else (0, 8))
+
+
+KILL_THE_WARM_LAUNCHER = """
+import os, pathlib, signal, time
+parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+if b"warm_launcher_server" in parent:  # never kill anything but the fork server this scorer came from
+    os.kill(os.getppid(), signal.SIGKILL)
+time.sleep(600)
+"""
+
+
+def test_a_dead_warm_launcher_drops_its_scorers_run_and_the_rest_run_plain(tmp_path: Path) -> None:
+    cases = (
+        finished(tmp_path, "killer", scorer(tmp_path, KILL_THE_WARM_LAUNCHER)),
+        finished(tmp_path, "after", scorer(tmp_path, READ_ANSWER)),
+    )
+    got = run(tmp_path, DriverConfig(finished=cases, expected_outcomes=2), max_concurrent=1, **WARM)
+    (dropped,) = got["ExecutionDropped"]
+    assert (dropped.execution_id, dropped.reason) == ("killer", "scorer crashed: exit -9")
+    (scored,) = got["ExecutionScored"]
+    assert json.loads(scored.detail)["warm"] is False and scored.reward == 1.0
+    (stats,) = got["EvaluatorStatistics"]
+    assert (stats.warm_scorer_runs, stats.plain_scorer_runs) == (1, 1)
+
+
+def test_a_preload_that_is_not_a_module_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="warm_launcher_preload"):
+        EvaluatorConfig(warm_launcher_preload=("not a module",))
 
 
 def test_workspace_removed_after_scoring_when_asked(tmp_path: Path) -> None:
-    case = finished(tmp_path, "good", scorer(READ_ANSWER))
+    case = finished(tmp_path, "good", scorer(tmp_path, READ_ANSWER))
     (tmp_path / "good" / "logs").mkdir()
     got = run(tmp_path, DriverConfig(finished=(case,), expected_outcomes=1), remove_workspace=True)
     assert got["ExecutionScored"][0].reward == 1.0
@@ -183,7 +222,7 @@ time.sleep(600)                                # ... then it hangs
 
 def test_timed_out_agent_is_killed_then_scored_on_its_workspace(tmp_path: Path) -> None:
     spec = TaskSpec(
-        "t", "prompt", {}, (sys.executable, "-c", AGENT_PARTIAL_THEN_HANG), scorer(READ_ANSWER), 4.0, 20.0
+        "t", "prompt", {}, (sys.executable, "-c", AGENT_PARTIAL_THEN_HANG), scorer(tmp_path, READ_ANSWER), 4.0, 20.0
     )
     got = run(tmp_path, DriverConfig(groups=(StartGroup("grp", spec, 2, 0),), expected_outcomes=2), with_executor=True)
     scored = sorted(got["ExecutionScored"], key=lambda m: m.execution_id)

@@ -316,6 +316,22 @@ def test_accepts_only_this_interpreter_running_an_existing_script(tmp_path: Path
     assert not launcher.accepts([sys.executable])
     assert not launcher.accepts(["/bin/sh", str(agent)])
     assert not launcher.accepts(["no-such-program-anywhere", str(agent)])
+    # Flags that only trim a fresh interpreter's start are dropped; any other option is not `python script`.
+    assert launcher.accepts([sys.executable, "-S", "-B", str(agent), "-S"])
+    assert not launcher.accepts([sys.executable, "-S"])
+    assert not launcher.accepts([sys.executable, "-u", str(agent)])
+    assert not launcher.accepts([sys.executable, "-S", "-c", "pass"])
+
+
+def test_startup_flags_are_left_out_of_the_scripts_argv(tmp_path: Path) -> None:
+    agent = script(tmp_path, "import json, sys; json.dump(sys.argv, open('argv.json', 'w'))")
+
+    async def test(launcher: WarmLauncher) -> int:
+        process = await launch(launcher, tmp_path, ["-S", "-s", str(agent), "-S", "x"])
+        return await asyncio.wait_for(process.wait(), 30)
+
+    assert with_launcher(test) == 0
+    assert json.loads((tmp_path / "argv.json").read_text()) == [str(agent), "-S", "x"]
 
 
 def test_a_preload_that_does_not_import_is_a_clear_error_at_start() -> None:

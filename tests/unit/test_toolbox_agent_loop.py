@@ -216,3 +216,21 @@ def test_loads_by_path_under_any_name(tmp_path: Path) -> None:
     assert module.prompts is sys.modules["_gyre_toolbox_prompts"]
     argv = module.agent_argv("Write the words a b to answer.txt.")
     assert argv == (sys.executable, str(TOOLBOX / "agent.py"), "Write the words a b to answer.txt.")
+
+
+def test_a_plain_http_endpoint_gets_a_client_whose_tls_trusts_no_certificate() -> None:
+    import ssl
+
+    import openai
+
+    context = agent.trust_nothing_tls_context()
+    # Verifying, with nothing to verify against: an https redirect would fail its check, not go unverified.
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert context.cert_store_stats()["x509_ca"] == 0
+    client = agent.plain_http_client("http://127.0.0.1:8000/v1")
+    try:
+        assert isinstance(client, openai.DefaultHttpxClient)
+    finally:
+        client.close()
+    assert agent.plain_http_client("https://api.openai.com/v1") is None
+    assert agent.plain_http_client("") is None  # the SDK's default endpoint, over https

@@ -45,7 +45,14 @@ from typing import Any
 import attrs
 
 from gyre.actors.executor import signal_process_group, stop_process_group
-from gyre.actors.warm_launcher import LaunchedProcess, LauncherClosed, LauncherDied, WarmLauncher, preload_problem
+from gyre.actors.warm_launcher import (
+    LaunchedProcess,
+    LauncherClosed,
+    LauncherDied,
+    WarmLauncher,
+    preload_problem,
+    watch_launcher,
+)
 from gyre.messages.execution_reports import ScoringEnded
 from gyre.messages.execution_stats import EvaluatorStatistics, StatisticsAsked
 from gyre.messages.executions import ExecutionFinished
@@ -179,23 +186,13 @@ class Evaluator(Actor):
             launcher = WarmLauncher()
             await launcher.start(self.config.warm_launcher_preload)  # a preload that fails to import fails here
             self.launcher = launcher
-            self.spawn(self._watch_launcher(launcher), name=f"{self.name}.warm_launcher")
+            self.spawn(watch_launcher(launcher, self.log), name=f"{self.name}.warm_launcher")
 
     async def on_stop(self) -> None:
         if self.launcher is not None:
             await self.launcher.close()
         if self.output_dir is not None:
             shutil.rmtree(self.output_dir, ignore_errors=True)
-
-    async def _watch_launcher(self, launcher: WarmLauncher) -> None:
-        """Says once that the server died; a child task, so it is cancelled (and ends the server) with this
-        instance."""
-        try:
-            await launcher.wait_ended()
-        finally:
-            launcher.close_nowait()
-        if launcher.died:
-            self.log.warning("warm_launcher_died", fallback="plain exec for the rest of the run")
 
     @handler(ExecutionFinished)
     async def on_execution_finished(self, msg: ExecutionFinished) -> None:

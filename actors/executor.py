@@ -46,7 +46,7 @@ from pathlib import Path, PurePosixPath
 
 import attrs
 
-from gyre.actors.warm_launcher import LaunchedProcess, LauncherDied, WarmLauncher, preload_problem
+from gyre.actors.warm_launcher import LaunchedProcess, LauncherDied, WarmLauncher, preload_problem, watch_launcher
 from gyre.messages.execution_reports import AgentExited, AgentLaunched, LaunchFailed
 from gyre.messages.execution_stats import ExecutorStatistics, StatisticsAsked
 from gyre.messages.executions import (
@@ -231,22 +231,12 @@ class Executor(Actor):
             launcher = WarmLauncher()
             await launcher.start(self.config.warm_launcher_preload)  # a preload that fails to import fails here
             self.launcher = launcher
-            self.spawn(self._watch_launcher(launcher), name=f"{self.name}.warm_launcher")
+            self.spawn(watch_launcher(launcher, self.log), name=f"{self.name}.warm_launcher")
         self.log.info("executor_started", workspace_root=str(self.root), warm=self.launcher is not None)
 
     async def on_stop(self) -> None:
         if self.launcher is not None:
             await self.launcher.close()
-
-    async def _watch_launcher(self, launcher: WarmLauncher) -> None:
-        """Says once that the server died; being a child task, it is cancelled when this instance stops or fails,
-        and then ends the server (a restarted executor starts a fresh one in on_start)."""
-        try:
-            await launcher.wait_ended()
-        finally:
-            launcher.close_nowait()
-        if launcher.died:
-            self.log.warning("warm_launcher_died", fallback="plain exec for the rest of the run")
 
     # ---- groups -------------------------------------------------------------------------------------------------
     @handler(StartGroup)

@@ -43,6 +43,7 @@ __all__ = [
     "WarmLauncher",
     "WarmLauncherConfig",
     "preload_problem",
+    "watch_launcher",
 ]
 
 log = structlog.get_logger(__name__)
@@ -349,6 +350,18 @@ class WarmLauncher:
             except ProcessLookupError:
                 pass
             await self._server.wait()
+
+
+async def watch_launcher(launcher: WarmLauncher, logger: Any) -> None:
+    """Wait until the server has ended, and say once (on `logger`) if it died: its owner runs later launches the plain
+    way. Run it as the owning actor's child task: cancelled when the actor stops or fails, it ends the server (a
+    restarted actor starts a fresh one)."""
+    try:
+        await launcher.wait_ended()
+    finally:
+        launcher.close_nowait()
+    if launcher.died:
+        logger.warning("warm_launcher_died", fallback="plain exec for the rest of the run")
 
 
 def _without_startup_flags(argv: tuple[str, ...] | list[str]) -> list[str]:

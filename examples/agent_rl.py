@@ -62,7 +62,8 @@ from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy 
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
 from gyre.policies.task_sampling import EpochOrder, SignalWeighted  # noqa: E402
 from gyre.runtime import Topology  # noqa: E402
-from evaluate import AGENT_PRELOAD, SCORER_PRELOAD  # noqa: E402  (examples/toolbox: what agents and scorers are forked warm with)
+# examples/toolbox: what agents and scorers are forked warm with
+from evaluate import AGENT_PRELOAD, SCORER_PRELOAD  # noqa: E402
 
 CELLS = ("core", "sat1", "sat2")
 

@@ -7,6 +7,7 @@ that change weights must copy it first (`copy_model_dir`).
 from __future__ import annotations
 
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,15 @@ def writable_cgroup_cpu():
     if not os.access(controller.own_group, os.W_OK):
         pytest.skip(f"{controller.own_group} is not writable here")
     return controller
+
+
+@pytest.fixture(scope="session")
+def kills_its_warm_launcher() -> str:
+    """Source of a script that SIGKILLs the warm launcher's server it was forked from (nothing else), then sleeps."""
+    return textwrap.dedent("""
+        import os, pathlib, signal, time
+        parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        if b"warm_launcher_server" in parent:  # never kill anything but the fork server this came from
+            os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(600)
+    """)

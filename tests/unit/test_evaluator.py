@@ -176,18 +176,10 @@ def test_scores_and_drops(tmp_path: Path, warm: bool) -> None:
     assert (stats.warm_scorer_runs, stats.plain_scorer_runs) == ((8, 0) if warm else (0, 8))
 
 
-KILL_THE_WARM_LAUNCHER = """
-import os, pathlib, signal, time
-parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-if b"warm_launcher_server" in parent:  # never kill anything but the fork server this scorer came from
-    os.kill(os.getppid(), signal.SIGKILL)
-time.sleep(600)
-"""
-
-
-def test_a_dead_warm_launcher_drops_its_scorers_run_and_the_rest_run_plain(tmp_path: Path) -> None:
+def test_a_dead_warm_launcher_drops_its_scorers_run_and_the_rest_run_plain(tmp_path: Path,
+                                                                           kills_its_warm_launcher: str) -> None:
     cases = (
-        finished(tmp_path, "killer", scorer(tmp_path, KILL_THE_WARM_LAUNCHER)),
+        finished(tmp_path, "killer", scorer(tmp_path, kills_its_warm_launcher)),
         finished(tmp_path, "after", scorer(tmp_path, READ_ANSWER)),
     )
     got = run(tmp_path, DriverConfig(finished=cases, expected_outcomes=2), max_concurrent=1, **WARM)

@@ -380,22 +380,14 @@ def test_warm_launcher_preload_must_be_module_names() -> None:
         ExecutorConfig(warm_launcher_preload="openai")  # type: ignore[arg-type]
 
 
-KILL_THE_WARM_LAUNCHER = """
-import os, pathlib, signal, time
-parent = pathlib.Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-if b"warm_launcher_server" in parent:  # never kill anything but the fork server this agent came from
-    os.kill(os.getppid(), signal.SIGKILL)
-time.sleep(600)
-"""
-
-
-def test_a_dead_warm_launcher_kills_its_agents_and_the_rest_run_cold(tmp_path: Path) -> None:
+def test_a_dead_warm_launcher_kills_its_agents_and_the_rest_run_cold(tmp_path: Path,
+                                                                      kills_its_warm_launcher: str) -> None:
     def script_task(task_id: str, body: str) -> TaskSpec:
         spec = task("", files={"agent.py": textwrap.dedent(body)}, agent_argv=(sys.executable, "agent.py"))
         return attrs.evolve(spec, task_id=task_id)
 
     groups = (
-        StartGroup("killer", script_task("t1", KILL_THE_WARM_LAUNCHER), 1, 0),
+        StartGroup("killer", script_task("t1", kills_its_warm_launcher), 1, 0),
         StartGroup("after", script_task("t2", "import sys; sys.exit(4)"), 2, 0),
     )
     _, got = run(tmp_path, DriverConfig(groups, expected_outcomes=3), max_concurrent=1,

@@ -1,5 +1,5 @@
-"""The executor's side of the warm launcher: start agent scripts by forking a server that has already imported the
-heavy modules, instead of starting a fresh interpreter each time.
+"""The client side of the warm launcher (for the executor's agents and the evaluator's scorers): start Python scripts
+by forking a server that has already imported the heavy modules, instead of starting a fresh interpreter each time.
 
 Why: on a small machine a `python agent.py` that imports `openai` spends ~2 CPU-seconds on imports, once per agent
 run. `WarmLauncher.start(("openai",))` starts gyre.actors.warm_launcher_server (the protocol is described there),
@@ -9,13 +9,12 @@ asyncio.subprocess.Process the executor uses (`pid`, `returncode`, `wait()`), an
 group id, so signalling the group works unchanged.
 
 Only `<this interpreter> <existing script> args...` can be launched warm (`accepts`); anything else (`-m`, `-c`,
-another program or interpreter) must be started the ordinary way. Between the two, the flags in `STARTUP_FLAGS`
-(-B, -S, -s) are accepted and dropped: they only trim what a fresh interpreter does at start (write bytecode, import
+another program or interpreter) must be started the ordinary way. Between the two, the flags in `STARTUP_FLAGS` (-B,
+-S, -s) are accepted and dropped: they only trim what a fresh interpreter does at start (write bytecode, import
 `site`, add the user's site-packages), and the server's interpreter has started already; a script that runs without
-`site` runs with it too. If the server dies, every child it launched is
-SIGKILLed (their `wait()` gives -9) and later launches raise `LauncherDied`; `close()` ends the server and its
-children (later launches raise `LauncherClosed`). Both are OSErrors, the errors a failed exec raises too.
-Linux only (the server forks).
+`site` runs with it too. If the server dies, every child it launched is SIGKILLed (their `wait()` gives -9) and
+later launches raise `LauncherDied`; `close()` ends the server and its children (later launches raise
+`LauncherClosed`). Both are OSErrors, the errors a failed exec raises too. Linux only (the server forks).
 """
 
 from __future__ import annotations
@@ -226,10 +225,10 @@ class WarmLauncher:
 
     async def launch(self, argv: tuple[str, ...] | list[str], cwd: str | os.PathLike[str], env: dict[str, str],
                      stdout_path: str | os.PathLike[str], stderr_path: str | os.PathLike[str]) -> LaunchedProcess:
-        """Fork a child that runs the script (argv[1], once STARTUP_FLAGS are left out) with sys.argv = argv[1:], in
-        `cwd`, with exactly `env`, stdin from
-        /dev/null, stdout and stderr truncated into the two files, in a process group of its own. Raises OSError
-        as exec would (bad cwd, unwritable file, fork failure), LauncherDied or LauncherClosed."""
+        """Fork a child that runs the script (argv[1], once STARTUP_FLAGS are left out) with sys.argv = argv[1:],
+        in `cwd`, with exactly `env`, stdin from /dev/null, stdout and stderr truncated into the two files, in a
+        process group of its own. Raises OSError as exec would (bad cwd, unwritable file, fork failure),
+        LauncherDied or LauncherClosed."""
         self._check_usable()
         argv = _without_startup_flags(argv)
         request_id = self._next_id

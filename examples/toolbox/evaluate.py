@@ -133,13 +133,20 @@ async def _run_one(task: Any, key: str, base_url: str, temperature: float, timeo
 
 async def _run_scorer(task: Any, workspace: Path, logs: Path, launcher: Any) -> bytes | None:
     """The scorer's stdout, or None if it failed (non-zero exit, or over 60 s). Forked from the agents' warm
-    launcher when it can be: a fresh `python -S score.py` costs ~0.05 CPU-s, a fork a fraction of that."""
+    launcher when it can be (a fresh `python -S score.py` costs ~0.04 CPU-s, a fork ~0.01:
+    benchmarks/scorer_launch.py); exec'd as before once that launcher has died."""
     from gyre.actors.executor import signal_process_group, stop_process_group
+    from gyre.actors.warm_launcher import LauncherClosed, LauncherDied
 
     argv, env = list(task.scorer_argv), dict(os.environ)
+    process = None
     if launcher.alive and launcher.accepts(argv, workspace, env):
         stdout = logs / "scorer.stdout.log"
-        process = await launcher.launch(argv, workspace, env, stdout, logs / "scorer.stderr.log")
+        try:
+            process = await launcher.launch(argv, workspace, env, stdout, logs / "scorer.stderr.log")
+        except (LauncherDied, LauncherClosed):
+            pass
+    if process is not None:
         try:
             code = await asyncio.wait_for(process.wait(), 60)
         except asyncio.TimeoutError:

@@ -45,3 +45,32 @@ def test_pooled_passes_each_score_every_task_in_their_own_workspaces(tiny_model_
         assert [o.task_id for o in one_pass.outcomes] == [t.task_id for t in chosen]
         assert all(o.agent_exit_code in (0, 3, -9) for o in one_pass.outcomes)
     assert greedy.seconds == sampled.seconds  # one pooled wall time
+
+
+def test_a_scorer_is_exec_d_when_the_warm_launcher_has_died(tmp_path: Path) -> None:
+    import asyncio
+
+    from gyre.actors.warm_launcher import LauncherDied, WarmLauncher
+
+    tasks, evaluate = load("tasks"), load("evaluate")
+    (task,) = tasks.generate_tasks(1, "heldout", 1)
+    workspace = tasks.write_workspace(task, tmp_path / "workspace")
+    (workspace / tasks.ANSWER_FILE).write_text("nothing right")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    async def score_after_the_server_died() -> bytes | None:
+        launcher = WarmLauncher()
+        await launcher.start(evaluate.SCORER_PRELOAD)
+        try:
+            async def died(*args, **kwargs):  # the server went between `alive` and the launch
+                raise LauncherDied("the warm launcher's server died")
+
+            launcher.launch = died
+            return await evaluate._run_scorer(task, workspace, logs, launcher)
+        finally:
+            await launcher.close()
+
+    scored = asyncio.run(score_after_the_server_died())
+    assert scored is not None and b'"reward": 0.2' in scored  # the file exists but holds no answer
+    assert not (logs / "scorer.stdout.log").exists()  # it ran the plain way

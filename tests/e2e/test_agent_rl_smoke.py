@@ -65,5 +65,11 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     for row in cells.values():
         assert row["rollout_share"] + row["train_share"] + row["switching_share"] == pytest.approx(1.0, abs=0.02)
     assert 0.0 < cells["core"]["train_busy_share"] <= 1.0
+    # Where the rollout tokens went: the landed groups' executions are among those counted, with their kinds.
+    from rollout_cost import rollout_cost
+
+    cost = rollout_cost(report / "events.glog")
+    assert cost["groups_landed"] >= 2 * summary["groups_per_step"] and cost["tokens"] > 0
+    assert sum(kind["tokens"] for kind in cost["by_kind"].values()) == cost["tokens"]
     executor = [line for line in run.stderr.splitlines() if '"executor_started"' in line]
     assert executor and '"warm": true' in executor[0]  # agents were forked from the warm launcher

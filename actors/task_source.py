@@ -42,7 +42,7 @@ import attrs
 from gyre.messages.execution_stats import GroupRecord, StatisticsAsked, TaskSourceStatistics
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
-from gyre.policies.task_sampling import EpochOrder, TaskSampling, checked_weights, family_of
+from gyre.policies.task_sampling import EpochOrder, GroupOutcome, TaskSampling, checked_weights, family_of
 from gyre.runtime import Actor, handler
 
 __all__ = ["TaskSourceConfig", "TaskSource", "groups_ahead_for_staleness"]
@@ -129,7 +129,7 @@ class TaskSource(Actor):
         for task in self.config.tasks:
             families[family_of(task.task_id, separator)].append(task)
         self.family_orders = {family: self._order(tasks, family) for family, tasks in families.items()}
-        self.landed_by_family: dict[str, collections.deque[bool]] = {
+        self.outcomes_by_family: dict[str, collections.deque[GroupOutcome]] = {
             family: collections.deque(maxlen=self.config.history_size) for family in families
         }
         self.family_rng = random.Random(f"task_source:{self.config.seed}:families")
@@ -177,7 +177,7 @@ class TaskSource(Actor):
             self.tell(cfg.executor, StartGroup(group_id, task, cfg.group_size, self.version))
 
     def _next_task(self) -> TaskSpec:
-        weights = checked_weights(self.config.sampling, self.landed_by_family)
+        weights = checked_weights(self.config.sampling, self.outcomes_by_family)
         if weights is None:
             return next(self.order)
         families = sorted(weights)
@@ -198,7 +198,8 @@ class TaskSource(Actor):
             self.landed += 1
         else:
             self.dropped += 1
-        self.landed_by_family[family_of(task_id, self.config.sampling.family_separator)].append(msg.landed)
+        family = family_of(task_id, self.config.sampling.family_separator)
+        self.outcomes_by_family[family].append(GroupOutcome(msg.landed, msg.work_tokens))
         self.history.append(
             GroupRecord(
                 msg.group_id, task_id, version, msg.landed, msg.mean_reward, msg.success_rate, msg.num_scored,

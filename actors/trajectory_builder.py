@@ -16,7 +16,8 @@ With `min_reward_spread` > 0 a group whose survivors' rewards all lie within tha
 move the weights only through the optimizer's momentum; dropped, it frees the step for a group that teaches. The
 task source's staleness gate does not count dropped groups, so it starts another in its place.
 Either way the task source hears `GroupDone`: mean reward and success rate over every scored execution (success:
-reward >= `success_reward`, or the scorer's JSON detail says "success": true), and the counts.
+reward >= `success_reward`, or the scorer's JSON detail says "success": true), the counts, and the group's work
+tokens (what its calls cost the engines, refused calls included: compute spent whether or not it trains).
 
 Memory is bounded: trees of a finished group are deleted at once; live trees and tracked groups are capped (a call
 beyond the cap is refused, counted and logged, and its execution cannot survive); finished group ids are
@@ -123,6 +124,7 @@ class TrajectoryBuilder(Actor):
         self.broken: collections.OrderedDict[str, str] = collections.OrderedDict()  # execution -> why refused
         self.groups: dict[str, _Group] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.work_tokens: dict[str, int] = {}  # group -> prompt tokens not cached + output tokens of its calls
         self.counts: collections.Counter[str] = collections.Counter()
 
     # ---- calls --------------------------------------------------------------------------------------------------
@@ -132,6 +134,7 @@ class TrajectoryBuilder(Actor):
         if call.group_id in self.finished:
             self.counts["late_messages"] += 1
             return
+        self._count_work(call)
         if execution in self.broken:
             self.counts["messages_refused"] += 1
             return
@@ -156,6 +159,14 @@ class TrajectoryBuilder(Actor):
             self._refuse(execution, str(error))
             return
         self.counts["calls_added"] += 1
+
+    def _count_work(self, call: ModelCallCompleted) -> None:
+        """Add the call's cost to its group's work tokens (bounded like the groups: past the cap, a group not yet
+        counted is not counted)."""
+        group = call.group_id
+        if group in self.work_tokens or len(self.work_tokens) < self.config.max_live_groups:
+            work = max(0, len(call.prompt_ids) - call.cached_tokens) + len(call.output_ids)
+            self.work_tokens[group] = self.work_tokens.get(group, 0) + work
 
     def _refuse(self, execution: str, reason: str) -> None:
         self.counts["messages_refused"] += 1
@@ -302,6 +313,7 @@ class TrajectoryBuilder(Actor):
             success_rate=sum(successes) / len(successes) if successes else 0.0,
             num_scored=len(scores),
             num_dropped=len(group.drops),
+            work_tokens=self.work_tokens.pop(group.group_id, 0),
         )
         await self.send(self.config.task_source, done)
         self.publish(done)  # for observers (progress, reports); the task source gets its own copy above

@@ -60,12 +60,14 @@ from gyre.engines.trainer import TrainerConfig  # noqa: E402
 from gyre.messages.executions import TaskSpec  # noqa: E402
 from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy  # noqa: E402
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
-from gyre.policies.task_sampling import EpochOrder, SignalWeighted  # noqa: E402
+from gyre.policies.task_sampling import EpochOrder, SignalPerToken, SignalWeighted  # noqa: E402
 from gyre.runtime import Topology  # noqa: E402
 # examples/toolbox: what agents and scorers are forked warm with
 from evaluate import AGENT_PRELOAD, SCORER_PRELOAD  # noqa: E402
 
 CELLS = ("core", "sat1", "sat2")
+TASK_SAMPLING = {"signal": SignalWeighted, "signal-per-token": SignalPerToken, "epoch": EpochOrder}
+"""--task-sampling's choices: policies/task_sampling.py."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -106,9 +108,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "0.25 also drops groups that differ only by the 0.2 written-file reward, so the task sampling "
                         "moves rollouts to kinds that can succeed: +9.4 to +12.1 held-out points in four runs "
                         "(median +10.05), against +6.7 twice at 0.01 (BENCHMARKS.md, sessions 8 and 9)")
-    parser.add_argument("--task-sampling", choices=("signal", "epoch"), default="signal",
+    parser.add_argument("--task-sampling", choices=tuple(TASK_SAMPLING), default="signal",
                         help="signal: run task kinds more often while their groups still land, i.e. their 16 rewards "
-                        "differ (policies/task_sampling.py); epoch: every training task in turn")
+                        "differ (policies/task_sampling.py); signal-per-token: the same rule over the engines' tokens, "
+                        "so kinds whose groups run long and rarely land get fewer groups; epoch: every training task "
+                        "in turn")
     parser.add_argument("--train-tasks", type=int, default=400)
     parser.add_argument("--train-kinds", default="", help="comma-separated task kinds RL trains on (default: all; "
                         "held-out evaluation always covers every kind)")
@@ -434,7 +438,7 @@ def topology(argv: list[str]) -> Topology:
         tasks=_task_specs(args), group_size=args.group_size, groups_in_flight=args.groups_per_step * 2,
         groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),
         seed=args.seed, stop_topology_when_done=False,
-        sampling=SignalWeighted() if args.task_sampling == "signal" else EpochOrder()), process="control")
+        sampling=TASK_SAMPLING[args.task_sampling]()), process="control")
     monitor = RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=CELLS, core_cell=CELLS[0])
     result.add("monitor", RunMonitor, monitor, process="control")
     return result

@@ -83,7 +83,7 @@ class ExecutionEnded:
     """Its group."""
 
 
-@message("gyre.executions.GroupDone")
+@message("gyre.executions.GroupDone", version=2)
 class GroupDone:
     """Trajectory builder -> task source: a group was turned into samples or dropped."""
 
@@ -99,6 +99,10 @@ class GroupDone:
     """Executions scored."""
     num_dropped: int
     """Executions dropped (scorer crash or hang)."""
+    work_tokens: int
+    """What the group's rollouts cost the engines: over every model call of its executions that the builder heard,
+    the prompt tokens not served from the prefix cache plus the output tokens (the task sampler weighs a family's
+    landed groups against this: policies/task_sampling.py)."""
 
 
 @message("gyre.executions.IssueKey")

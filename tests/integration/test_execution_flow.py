@@ -156,7 +156,9 @@ def test_one_group_through_agent_proxy_scorer_and_builder(tiny_model_dir: Path, 
     assert sorted(s.execution_id for s in scores) == ["g0.0", "g0.1"]
     assert all(s.reward in (0.0, 0.2, 0.5, 1.0) for s in scores)
 
-    assert done == [GroupDone("g0", True, pytest.approx(sum(s.reward for s in scores) / 2), done[0].success_rate, 2, 0)]
+    assert done == [GroupDone("g0", True, pytest.approx(sum(s.reward for s in scores) / 2), done[0].success_rate, 2, 0,
+                              done[0].work_tokens)]
+    assert done[0].work_tokens > 0
     (samples,) = landed
     assert samples.group_id == "g0" and sorted(samples.execution_ids) == ["g0.0", "g0.1"]
     assert samples.samples and {s.execution_id for s in samples.samples} == {"g0.0", "g0.1"}

@@ -67,7 +67,7 @@ class ScriptedExecutor(Actor):
         self.tell("claimer", SamplesLanded(msg.group_id, samples, executions, (1.0,) * len(executions),
                                            (advantage,) * len(executions), 0, TOKENS * len(samples),
                                            sum(s.num_loss_tokens for s in samples), 0, 0))
-        self.tell("task_source", GroupDone(msg.group_id, True, 1.0, 1.0, msg.group_size, 0))
+        self.tell("task_source", GroupDone(msg.group_id, True, 1.0, 1.0, msg.group_size, 0, 0))
 
 
 class Recorder(Actor):

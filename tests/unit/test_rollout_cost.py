@@ -70,8 +70,10 @@ def log(tmp_path: Path) -> Path:
         ExecutionScored(execution_id="a.1", group_id="ga", reward=0.2, timed_out=False, detail=""),
         ExecutionScored(execution_id="b.0", group_id="gb", reward=0.0, timed_out=False, detail=""),
         ExecutionScored(execution_id="c.0", group_id="gc", reward=0.0, timed_out=False, detail=""),
-        GroupDone(group_id="ga", landed=True, mean_reward=0.6, success_rate=0.5, num_scored=2, num_dropped=0),
-        GroupDone(group_id="gb", landed=False, mean_reward=0.0, success_rate=0.0, num_scored=1, num_dropped=0),
+        GroupDone(group_id="ga", landed=True, mean_reward=0.6, success_rate=0.5, num_scored=2, num_dropped=0,
+                  work_tokens=45),
+        GroupDone(group_id="gb", landed=False, mean_reward=0.0, success_rate=0.0, num_scored=1, num_dropped=0,
+                  work_tokens=55),
     ]
     path = tmp_path / "events.glog"
     _write(path, [(receiver, m) for m in messages for receiver in ("builder", "monitor")])

@@ -14,7 +14,7 @@ from gyre.actors.task_source import TaskSource, TaskSourceConfig, groups_ahead_f
 from gyre.messages.execution_stats import StatisticsAsked, TaskSourceStatistics
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
-from gyre.policies.task_sampling import EpochOrder, SignalWeighted
+from gyre.policies.task_sampling import EpochOrder, SignalPerToken, SignalWeighted
 from gyre.runtime import Actor, Codec, RunOptions, Topology, VirtualLauncher, handler, read_log
 
 
@@ -37,6 +37,8 @@ class DriverConfig:
     """Steps published as skipped (non-finite gradients: the version stays)."""
     ask_statistics_after_done: int = 0
     """Ask the task source's statistics and stop the run when this many groups are done (0: never)."""
+    work_tokens_by_family: tuple[tuple[str, int], ...] = ()
+    """GroupDone.work_tokens of the groups of a family ((family, tokens) pairs); 100 for the others."""
 
 
 class Driver(Actor):
@@ -54,7 +56,8 @@ class Driver(Actor):
         landed = msg.group_id not in self.config.dropped and not any(
             msg.task.task_id.startswith(family + "-") for family in self.config.dropped_families)
         reward = self.started / 10
-        result = GroupDone(msg.group_id, landed, reward, 0.5, msg.group_size, 0 if landed else msg.group_size)
+        tokens = dict(self.config.work_tokens_by_family).get(msg.task.task_id.split("-")[0], 100)
+        result = GroupDone(msg.group_id, landed, reward, 0.5, msg.group_size, 0 if landed else msg.group_size, tokens)
         self.send_later(1.0 + self.started % 3, result)  # groups take different times: they finish out of order
 
     @handler(GroupDone)
@@ -185,6 +188,23 @@ def test_signal_weighted_sampling_runs_the_families_whose_groups_land_and_keeps_
                DriverConfig(dropped_families=("flat",)))
     even_order = [m.task.task_id for m in even[1] if isinstance(m, StartGroup)]
     assert sum(task.startswith("flat-") for task in even_order) == 36  # the default ignores what landed: 6 epochs
+
+
+def test_per_token_sampling_gives_fewer_groups_to_a_family_whose_groups_cost_more(tmp_path: Path) -> None:
+    # Both families land every group; "long" groups cost four times the tokens of "short" ones. SignalWeighted draws
+    # them alike; SignalPerToken gives each the same share of tokens, so "long" runs about 1 group in 5.
+    tasks = tuple(spec(f"{family}-{i}") for family in ("long", "short") for i in range(6))
+    driver = DriverConfig(work_tokens_by_family=(("long", 400), ("short", 100)))
+    config = TaskSourceConfig(tasks, groups_in_flight=2, max_groups=120, seed=5,
+                              sampling=SignalPerToken(window_groups=4, min_groups=2, floor=0.1))
+
+    def long_share(sampling) -> float:
+        _, seen = run(tmp_path / type(sampling).__name__, attrs.evolve(config, sampling=sampling), driver)
+        late = [m.task.task_id for m in seen if isinstance(m, StartGroup)][20:]
+        return sum(task.startswith("long-") for task in late) / len(late)
+
+    assert 0.1 < long_share(SignalPerToken(window_groups=4, min_groups=2, floor=0.1)) < 0.3
+    assert 0.35 < long_share(SignalWeighted(window_groups=4, min_groups=2, floor=0.1)) < 0.65
 
 
 @pytest.mark.parametrize(

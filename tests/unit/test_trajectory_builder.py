@@ -78,7 +78,8 @@ def run(tmp_path: Path, driver: DriverConfig, **builder: Any) -> dict[str, list[
 
 
 def calls(execution: str, group: str, seed: int, *, version: int = 0) -> tuple[ModelCallCompleted, ...]:
-    """Two main turns and a summary that extends the second: a small branching tree."""
+    """Two main turns and a summary that extends the second: a small branching tree. Nothing is cached, so the calls
+    cost 5 + 3, 10 + 4 and 15 + 2 work tokens: 39 an execution (GroupDone.work_tokens)."""
     system = (1, 2, 3, 4)
     out0 = (20 + seed, 21, 99)
     prompt1 = system + (5,) + out0 + (6, 7)
@@ -131,7 +132,7 @@ def test_complete_group_lands_the_processors_samples(tmp_path: Path) -> None:
     assert landed.execution_ids == ("g.0", "g.1", "g.2") and landed.num_dropped == 0
     assert landed.samples and {s.execution_id for s in landed.samples} == {"g.0", "g.1", "g.2"}
     assert (landed.min_weight_version, landed.max_weight_version) == (2, 3)
-    assert got["GroupDone"] == [GroupDone("g", True, 0.5, pytest.approx(2 / 3), 3, 0)]
+    assert got["GroupDone"] == [GroupDone("g", True, 0.5, pytest.approx(2 / 3), 3, 0, 3 * 39)]
     (stats,) = got["BuilderStatistics"]
     assert (stats.groups_landed, stats.groups_dropped, stats.calls_added) == (1, 0, 9)
     assert (stats.late_messages, stats.live_trees, stats.live_groups) == (1, 0, 0)  # trees of the group are gone
@@ -145,7 +146,7 @@ def test_group_with_too_few_survivors_is_dropped_whole(tmp_path: Path) -> None:
     )
     got = run(tmp_path, DriverConfig(script, expected_groups_done=1), group_filter=FractionOfGroup(0.5))
     assert "SamplesLanded" not in got
-    assert got["GroupDone"] == [GroupDone("g", False, 1.0, 1.0, 1, 3)]
+    assert got["GroupDone"] == [GroupDone("g", False, 1.0, 1.0, 1, 3, 4 * 39)]
     stats = got["BuilderStatistics"][0]
     assert (stats.groups_dropped, stats.executions_dropped, stats.live_trees) == (1, 3, 0)
 
@@ -159,7 +160,7 @@ def test_exactly_enough_survivors_land_and_count_the_dropped(tmp_path: Path) -> 
     (landed,) = got["SamplesLanded"]
     assert landed.execution_ids == ("h.0", "h.1") and landed.num_dropped == 2
     assert landed.advantages[0] > 0 > landed.advantages[1]
-    assert got["GroupDone"] == [GroupDone("h", True, 0.5, 0.5, 2, 2)]
+    assert got["GroupDone"] == [GroupDone("h", True, 0.5, 0.5, 2, 2, 3 * 39)]
 
 
 def test_group_without_reward_spread_is_dropped_when_asked(tmp_path: Path) -> None:
@@ -195,7 +196,7 @@ def test_scored_execution_without_calls_or_with_a_bad_tree_does_not_survive(tmp_
     script = (announce("g", 3), *good, bad, scored("g.0", 1.0), scored("g.1", 0.0), scored("g.2", 0.0))
     got = run(tmp_path, DriverConfig(script, expected_groups_done=1), group_filter=AtLeast(2))
     assert "SamplesLanded" not in got  # one survivor of three: AtLeast(2) drops the group
-    assert got["GroupDone"] == [GroupDone("g", False, pytest.approx(1 / 3), pytest.approx(1 / 3), 3, 0)]
+    assert got["GroupDone"] == [GroupDone("g", False, pytest.approx(1 / 3), pytest.approx(1 / 3), 3, 0, 39 + 8)]
     assert got["BuilderStatistics"][0].messages_refused == 1
 
 
@@ -206,7 +207,7 @@ def test_refused_group_is_done_at_once_and_groups_are_independent(tmp_path: Path
         scored("b.1", 0.0, "b"),
     )
     got = run(tmp_path, DriverConfig(script, expected_groups_done=2))
-    assert got["GroupDone"] == [GroupDone("a", False, 0.0, 0.0, 0, 0), GroupDone("b", True, 0.5, 0.5, 2, 0)]
+    assert got["GroupDone"] == [GroupDone("a", False, 0.0, 0.0, 0, 0, 0), GroupDone("b", True, 0.5, 0.5, 2, 0, 2 * 39)]
     assert [m.group_id for m in got["SamplesLanded"]] == ["b"]
 
 

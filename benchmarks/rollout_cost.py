@@ -19,12 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gyre.messages.executions import ExecutionFinished, GroupDone
+import msgpack
+
+from gyre.messages.executions import ExecutionFinished
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionScored
 from gyre.policies.task_sampling import family_of
 from gyre.runtime.codec import Codec
-from gyre.runtime.event_log import read_log
+from gyre.runtime.event_log import LogRecord, read_log
 
 WANTED = {"gyre.model_calls.ModelCallCompleted", "gyre.executions.ExecutionFinished", "gyre.executions.GroupDone",
           "gyre.samples.ExecutionScored"}
@@ -35,6 +37,16 @@ SUCCESS_REWARD = 1.0
 
 def _share(part: float, whole: float) -> float:
     return part / whole if whole else 0.0
+
+
+def _group_fate(record: LogRecord, codec: Codec) -> tuple[str, bool]:
+    """(group id, landed) of a GroupDone record. Version 1 (logs written before session 17, without work tokens) is
+    read from its fields as they are: group_id and landed come first in both."""
+    if record.version == 1:
+        group_id, landed = msgpack.unpackb(record.body, use_list=False, raw=False)[:2]
+        return group_id, bool(landed)
+    message = record.decode(codec)
+    return message.group_id, message.landed
 
 
 def rollout_cost(log_path: Path) -> dict[str, Any]:
@@ -50,6 +62,10 @@ def rollout_cost(log_path: Path) -> dict[str, Any]:
     for record in read_log(log_path, codec):
         if record.type_name not in WANTED:
             continue
+        if record.type_name == "gyre.executions.GroupDone":
+            group, fate = _group_fate(record, codec)
+            landed[group] = fate
+            continue
         message = record.decode(codec)
         if isinstance(message, ModelCallCompleted):
             work = len(message.prompt_ids) - message.cached_tokens + len(message.output_ids)
@@ -60,8 +76,6 @@ def rollout_cost(log_path: Path) -> dict[str, Any]:
             kind_of[message.group_id] = family_of(message.task.task_id, "-")
         elif isinstance(message, ExecutionScored):
             reward[message.execution_id] = message.reward
-        elif isinstance(message, GroupDone):
-            landed[message.group_id] = message.landed
     # Executions of groups that finished (landed or dropped), with a reward.
     executions = [e for e in reward if group_of.get(e) in landed]
     tokens = {e: sum(call_tokens.get(e, {}).values()) for e in executions}

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from gyre.messages.executions import ExecutionFinished, GroupDone, TaskSpec
@@ -40,18 +41,29 @@ def _finished(execution: str, group: str, task_id: str) -> ExecutionFinished:
                              timed_out=False, wall_s=1.0)
 
 
-def _write(path: Path, messages: list[tuple[str, object]]) -> None:
+def _as_version_1(header: bytes, body: bytes) -> tuple[bytes, bytes]:
+    """A GroupDone record as logs before session 17 hold it: schema version 1, no work_tokens field."""
+    fields = msgpack.unpackb(header, use_list=False, raw=False)
+    body_fields = msgpack.unpackb(body, use_list=False, raw=False)
+    return (msgpack.packb((*fields[:-1], 1), use_bin_type=True),
+            msgpack.packb(body_fields[:-1], use_bin_type=True))
+
+
+def _write(path: Path, messages: list[tuple[str, object]], *, group_done_version: int = 2) -> None:
     codec = Codec()
     writer = EventLogWriter(path)
     for index, (receiver, message) in enumerate(messages):
         envelope = Envelope(msg_id=index + 1, sender="x", receiver=receiver, topic="", time_s=float(index),
                             correlation_id=0, causation_id=0, kind=Kind.TELL)
-        writer.append(float(index), *codec.encode(envelope, message))
+        header, body = codec.encode(envelope, message)
+        if isinstance(message, GroupDone) and group_done_version == 1:
+            header, body = _as_version_1(header, body)
+        writer.append(float(index), header, body)
     writer.close()
 
 
-@pytest.fixture()
-def log(tmp_path: Path) -> Path:
+@pytest.fixture(params=[2, 1], ids=["GroupDone-v2", "GroupDone-v1"])
+def log(tmp_path: Path, request) -> Path:
     # Group "ga" (calc) lands: a success with 2 calls (10 + 5 tokens of work, 4 of the first call's prompt cached)
     # and a failure with 3 calls. Group "gb" (helper) is dropped: one failure with 2 calls. Group "gc" is still
     # running (no GroupDone): it counts nowhere. Each message is recorded twice, as two receivers would.
@@ -76,7 +88,8 @@ def log(tmp_path: Path) -> Path:
                   work_tokens=55),
     ]
     path = tmp_path / "events.glog"
-    _write(path, [(receiver, m) for m in messages for receiver in ("builder", "monitor")])
+    _write(path, [(receiver, m) for m in messages for receiver in ("builder", "monitor")],
+           group_done_version=request.param)
     return path
 
 

@@ -55,6 +55,14 @@ def test_the_policy_flags_choose_the_scheduling_policy(agent_rl) -> None:
     assert isinstance(agent_rl._policy(agent_rl.parse_args(["--policy", "colocate"])), ColocatePolicy)
 
 
+@pytest.mark.parametrize("choice, policy", [("signal", "SignalWeighted"), ("signal-per-token", "SignalPerToken"),
+                                            ("epoch", "EpochOrder")])
+def test_the_task_source_samples_with_the_chosen_policy(agent_rl, tmp_path: Path, choice: str, policy: str) -> None:
+    (tmp_path / "prepare.json").write_text('{"model_dir": "unused: the topology is only built"}')
+    topology = agent_rl.topology(["--report", str(tmp_path), "--task-sampling", choice])
+    assert type(topology.spec("task_source").config.sampling).__name__ == policy
+
+
 @pytest.mark.parametrize("argv", [
     ["--cell-cpu-cores", "-1"],
     ["--clip-low", "-0.1"],

@@ -2,9 +2,9 @@
 
 Why: importing `openai` is not the whole cost. A client's first request imports ~140 more modules (the chat
 resources, the HTTP stack, the JSON parser), about 0.13 CPU-s, and its first response builds the pydantic schemas of
-the reply types (`ChatCompletion` and what it nests: the SDK defers them to first use), ~10 CPU-ms more; every forked
-agent would pay both again, against ~0.04 CPU-s for the rest of a short agent's run
-(benchmarks/agent_warmup_cost.py). Each warm-up here builds a client and makes one call, with a tool, to a
+the reply types (`ChatCompletion` and what it nests: the SDK defers them to first use); every forked agent would pay
+both again. Left to each agent, the schemas alone raised a short run from 48.4 to 68.8 CPU-ms (agent_warmup_cost.py in
+benchmarks/; BENCHMARKS.md, session 17). Each warm-up here builds a client and makes one call, with a tool, to a
 one-shot server on loopback that answers with a canned reply carrying a tool call, so every import and schema on
 the request and response paths is built in the server and no byte leaves the machine. Use as preload entries:
 `gyre.actors.sdk_warmup:openai_client`.
@@ -58,7 +58,7 @@ def _answer_once(listener: socket.socket, reply: bytes) -> None:
             if _read_request(connection):
                 connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                                    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(reply) + reply)
-        except OSError:
+        except (OSError, ValueError):  # the client went away, or sent a Content-Length that is not a number
             pass
 
 

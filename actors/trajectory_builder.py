@@ -49,7 +49,7 @@ from gyre.policies.trajectory_processor import (
 from gyre.policies.trajectory_tree import TrajectoryError, TrajectoryTree, TreeConfig
 from gyre.runtime import Actor, handler
 
-__all__ = ["TrajectoryBuilderConfig", "TrajectoryBuilder", "scored_success"]
+__all__ = ["TrajectoryBuilderConfig", "TrajectoryBuilder", "scored_success", "call_work_tokens"]
 
 def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -100,6 +100,11 @@ def scored_success(score: ExecutionScored, success_reward: float = 1.0) -> bool:
     except ValueError:
         return False
     return isinstance(detail, dict) and detail.get("success") is True
+
+
+def call_work_tokens(call: ModelCallCompleted) -> int:
+    """What a call cost its engine, in tokens: prompt tokens not served from the prefix cache plus output tokens."""
+    return max(0, len(call.prompt_ids) - call.cached_tokens) + len(call.output_ids)
 
 
 @attrs.define(eq=False)
@@ -165,8 +170,7 @@ class TrajectoryBuilder(Actor):
         counted is not counted)."""
         group = call.group_id
         if group in self.work_tokens or len(self.work_tokens) < self.config.max_live_groups:
-            work = max(0, len(call.prompt_ids) - call.cached_tokens) + len(call.output_ids)
-            self.work_tokens[group] = self.work_tokens.get(group, 0) + work
+            self.work_tokens[group] = self.work_tokens.get(group, 0) + call_work_tokens(call)
 
     def _refuse(self, execution: str, reason: str) -> None:
         self.counts["messages_refused"] += 1

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 
+from gyre.actors.trajectory_builder import call_work_tokens, scored_success
 from gyre.messages.executions import ExecutionFinished
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionScored
@@ -31,8 +32,6 @@ from gyre.runtime.event_log import LogRecord, read_log
 WANTED = {"gyre.model_calls.ModelCallCompleted", "gyre.executions.ExecutionFinished", "gyre.executions.GroupDone",
           "gyre.samples.ExecutionScored"}
 CALL_BUDGETS = (8, 12, 16, 20, 24)
-SUCCESS_REWARD = 1.0
-"""A reward at or above this is a success (the toolbox scorer gives 1.0 for a right answer)."""
 
 
 def _share(part: float, whole: float) -> float:
@@ -51,13 +50,13 @@ def _group_fate(record: LogRecord, codec: Codec) -> tuple[str, bool]:
 
 def rollout_cost(log_path: Path) -> dict[str, Any]:
     """The breakdown of one run's log (see the module doc). A message may be recorded by several receivers; each
-    execution's calls are keyed by call index, each group's fate and each execution's reward by id, so copies
+    execution's calls are keyed by call index, each group's fate and each execution's outcome by id, so copies
     count once."""
     codec = Codec()
     call_tokens: dict[str, dict[int, int]] = {}
     group_of: dict[str, str] = {}
     kind_of: dict[str, str] = {}
-    reward: dict[str, float] = {}
+    success: dict[str, bool] = {}  # scored execution -> success, as the builder judges it
     landed: dict[str, bool] = {}
     for record in read_log(log_path, codec):
         if record.type_name not in WANTED:
@@ -68,16 +67,15 @@ def rollout_cost(log_path: Path) -> dict[str, Any]:
             continue
         message = record.decode(codec)
         if isinstance(message, ModelCallCompleted):
-            work = len(message.prompt_ids) - message.cached_tokens + len(message.output_ids)
-            call_tokens.setdefault(message.execution_id, {})[message.call_index] = work
+            call_tokens.setdefault(message.execution_id, {})[message.call_index] = call_work_tokens(message)
             group_of[message.execution_id] = message.group_id
         elif isinstance(message, ExecutionFinished):
             group_of[message.execution_id] = message.group_id
             kind_of[message.group_id] = family_of(message.task.task_id, "-")
         elif isinstance(message, ExecutionScored):
-            reward[message.execution_id] = message.reward
+            success[message.execution_id] = scored_success(message)
     # Executions of groups that finished (landed or dropped), with a reward.
-    executions = [e for e in reward if group_of.get(e) in landed]
+    executions = [e for e in success if group_of.get(e) in landed]
     tokens = {e: sum(call_tokens.get(e, {}).values()) for e in executions}
     total = sum(tokens.values())
     by_kind: dict[str, dict[str, Any]] = {}
@@ -98,7 +96,7 @@ def rollout_cost(log_path: Path) -> dict[str, Any]:
                 "tokens_per_execution": round(_share(sum(tokens[e] for e in selected), len(selected)), 1),
                 "token_share": round(_share(sum(tokens[e] for e in selected), total), 4)}
 
-    successes = [e for e in executions if reward[e] >= SUCCESS_REWARD]
+    successes = [e for e in executions if success[e]]
     budgets = {}
     for cap in CALL_BUDGETS:
         cut = sum(work for e in executions for index, work in call_tokens.get(e, {}).items() if index >= cap)
@@ -111,7 +109,7 @@ def rollout_cost(log_path: Path) -> dict[str, Any]:
                                                   total), 4),
         "by_kind": dict(sorted(by_kind.items())),
         "by_outcome": {"success": outcome(successes),
-                       "failure": outcome([e for e in executions if reward[e] < SUCCESS_REWARD])},
+                       "failure": outcome([e for e in executions if not success[e]])},
         "call_budget": budgets,
     }
 

@@ -7,7 +7,7 @@ tokens whichever other requests share the batch, and a generation cut off after 
 as prompt + those k tokens with the same seed (and the remaining budget) goes on with exactly the tokens it would
 have produced: token k+1 sits at the same absolute position either way. A stream per request could not do that
 without shipping its state along (the proxy's resubmission after a role switch relies on it; see
-actors/proxy.py). The cost is that two requests with the same seed whose sequences share positions get the same
+actors/serving/proxy.py). The cost is that two requests with the same seed whose sequences share positions get the same
 noise at those positions; give different requests different seeds (the engine and the proxy do).
 
 Log-probs: `output_logprobs` are log-softmax of the logits divided by the request's temperature (no top-p or top-k)

@@ -44,17 +44,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "toolbox"))
 sys.path.insert(0, str(HERE))
 
-from gyre.actors.cell import Cell, CellConfig  # noqa: E402
-from gyre.actors.evaluator import Evaluator, EvaluatorConfig  # noqa: E402
-from gyre.actors.executor import Executor, ExecutorConfig  # noqa: E402
-from gyre.actors.kv_migrator import KVMigrator, KVMigratorConfig  # noqa: E402
-from gyre.actors.microstep_claimer import ClaimerConfig, MicroStepClaimer  # noqa: E402
-from gyre.actors.proxy import Proxy, ProxyConfig  # noqa: E402
-from gyre.actors.run_monitor import RunMonitor, RunMonitorConfig  # noqa: E402
-from gyre.actors.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from gyre.actors.task_source import TaskSource, TaskSourceConfig  # noqa: E402
-from gyre.actors.trajectory_builder import TrajectoryBuilder, TrajectoryBuilderConfig  # noqa: E402
-from gyre.actors.weight_broker import WeightBroker, WeightBrokerConfig  # noqa: E402
+from gyre.actors.cells.cell import Cell, CellConfig  # noqa: E402
+from gyre.actors.executions.evaluator import Evaluator, EvaluatorConfig  # noqa: E402
+from gyre.actors.executions.executor import Executor, ExecutorConfig  # noqa: E402
+from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig  # noqa: E402
+from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer  # noqa: E402
+from gyre.actors.serving.proxy import Proxy, ProxyConfig  # noqa: E402
+from gyre.actors.training.run_monitor import RunMonitor, RunMonitorConfig  # noqa: E402
+from gyre.actors.training.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig  # noqa: E402
+from gyre.actors.training.trajectory_builder import TrajectoryBuilder, TrajectoryBuilderConfig  # noqa: E402
+from gyre.actors.cells.weight_broker import WeightBroker, WeightBrokerConfig  # noqa: E402
 from gyre.engines.embedded_engine import EngineConfig  # noqa: E402
 from gyre.engines.trainer import TrainerConfig  # noqa: E402
 from gyre.messages.executions import TaskSpec  # noqa: E402
@@ -154,7 +154,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the held-out score after RL is the average's (0: the last weights')")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save the weights every N steps to REPORT/checkpoints/vNNNNN (0: never); "
-                        "benchmarks/average_checkpoints.py averages them afterwards")
+                        "benchmarks/studies/average_checkpoints.py averages them afterwards")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
@@ -430,7 +430,7 @@ def topology(argv: list[str]) -> Topology:
         # imports that a client's first request triggers (an agent's model calls cost ~0.05 CPU-s after it).
         warm_launcher_preload=AGENT_PRELOAD), process="runs")
     # A scorer exec'd fresh costs ~0.04 CPU-s even with -S, at ~250 scorers a step; forked from a server that
-    # imported score.py's modules, ~0.01 (benchmarks/scorer_launch.py).
+    # imported score.py's modules, ~0.01 (benchmarks/studies/scorer_launch.py).
     result.add("evaluator", Evaluator, EvaluatorConfig(remove_workspace=True, warm_launcher_preload=SCORER_PRELOAD),
                process="runs")
     result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(

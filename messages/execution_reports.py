@@ -59,6 +59,6 @@ class ScoringEnded:
     detail: str
     """The scorer's JSON object, compact (kept for the builder's success flag); "" when dropped."""
     drop_kind: str
-    """"" when scored, else one of gyre.actors.evaluator.DROP_KINDS."""
+    """"" when scored, else one of gyre.actors.executions.evaluator.DROP_KINDS."""
     reason: str
     """Human-readable reason for a drop; "" when scored."""

@@ -46,7 +46,7 @@ class EvaluatorStatistics:
     dropped: int
     """Executions dropped (sum of `dropped_by_kind`)."""
     dropped_by_kind: dict[str, int]
-    """Drops per kind (every kind of gyre.actors.evaluator.DROP_KINDS, zeros included)."""
+    """Drops per kind (every kind of gyre.actors.executions.evaluator.DROP_KINDS, zeros included)."""
     running: int
     """Scorers running now."""
     queued: int

@@ -333,7 +333,7 @@ def plain_http_client(base_url: str) -> Any:
 
     Why: the default client builds a TLS context that parses the system's CA bundle, ~30 ms of CPU a client, even
     when every request goes over plain http; the executor runs thousands of agents, and the warm launcher cannot
-    pay this once for them (each client builds its own context; benchmarks/agent_client_cost.py: 30.2 ms against
+    pay this once for them (each client builds its own context; benchmarks/studies/agent_client_cost.py: 30.2 ms against
     2.1). A context that trusts nothing is not an unverified one: were the endpoint to redirect to https, that
     connection would fail its certificate check."""
     if not base_url.startswith("http://"):

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent import agent_argv, load_sibling  # noqa: E402
 
 tasks_module = load_sibling("tasks")
-AGENT_PRELOAD = ("openai", "structlog", "gyre.actors.sdk_warmup:openai_client")
+AGENT_PRELOAD = ("openai", "structlog", "gyre.actors.executions.sdk_warmup:openai_client")
 """What the warm launcher imports (and warms up) once for every toolbox agent it forks."""
 SCORER_PRELOAD = tasks_module.SCORER_PRELOAD
 
@@ -72,9 +72,9 @@ class EvalResult:
 def _make_app_factory(model_dir: str, keys: dict[str, str], max_context_tokens: int, kv_blocks: int,
                       max_running_requests: int):
     async def make_app():
-        from gyre.actors.engine_backend import EmbeddedBackend
-        from gyre.actors.proxy_http import ProxyHttpConfig, build_proxy_app
-        from gyre.actors.proxy_sessions import ProxySessions, ProxySessionsConfig
+        from gyre.actors.serving.backends import EmbeddedBackend
+        from gyre.actors.serving.http_app import ProxyHttpConfig, build_proxy_app
+        from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
         from gyre.engines.async_engine import AsyncEngine
         from gyre.engines.chat_template import ChatTemplate
         from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
@@ -104,7 +104,7 @@ def _agent_env(base_url: str, key: str) -> dict[str, str]:
 async def _run_one(task: Any, key: str, base_url: str, temperature: float, timeout_s: float, root: Path,
                    launcher: Any) -> TaskOutcome:
     """One attempt at `task`; `root` is this attempt's own folder."""
-    from gyre.actors.executor import signal_process_group, stop_process_group
+    from gyre.actors.executions.process_groups import signal_process_group, stop_process_group
 
     started = time.perf_counter()
     workspace = tasks_module.write_workspace(task, root / "workspace")
@@ -134,9 +134,9 @@ async def _run_one(task: Any, key: str, base_url: str, temperature: float, timeo
 async def _run_scorer(task: Any, workspace: Path, logs: Path, launcher: Any) -> bytes | None:
     """The scorer's stdout, or None if it failed (non-zero exit, or over 60 s). Forked from the agents' warm
     launcher when it can be (a fresh `python -S score.py` costs ~0.04 CPU-s, a fork ~0.01:
-    benchmarks/scorer_launch.py); exec'd as before once that launcher has died."""
-    from gyre.actors.executor import signal_process_group, stop_process_group
-    from gyre.actors.warm_launcher import LauncherClosed, LauncherDied
+    benchmarks/studies/scorer_launch.py); exec'd as before once that launcher has died."""
+    from gyre.actors.executions.process_groups import signal_process_group, stop_process_group
+    from gyre.actors.executions.warm_launcher import LauncherClosed, LauncherDied
 
     argv, env = list(task.scorer_argv), dict(os.environ)
     process = None
@@ -178,8 +178,8 @@ class _Attempt:
 async def _run_all(attempts: Sequence[_Attempt], base_url: str, timeout_s: float, root: Path,
                    concurrency: int) -> tuple[TaskOutcome, ...]:
     """Every attempt, at most `concurrency` at once. Agents are forked from a warm launcher that imported openai once
-    (gyre.actors.warm_launcher): the import costs ~2 CPU-s per fresh process, more than a short task's model calls."""
-    from gyre.actors.warm_launcher import WarmLauncher
+    (gyre.actors.executions.warm_launcher): the import costs ~2 CPU-s per fresh process, more than a short task's model calls."""
+    from gyre.actors.executions.warm_launcher import WarmLauncher
 
     launcher = WarmLauncher()
     await launcher.start(AGENT_PRELOAD)
@@ -217,7 +217,7 @@ def evaluate_passes(
     157 s and 8,192 took 116 s. Pooling also keeps the tail of one pass from running alone. Sampled passes draw
     their seeds from one engine's seed stream, so two passes at a temperature are two independent draws (fresh
     engines, one a pass, would hand both the same stream). Each result's `seconds` is the pooled wall time."""
-    from gyre.actors.proxy_http import ServedApp
+    from gyre.actors.serving.http_app import ServedApp
 
     started = time.perf_counter()
     attempts = [_Attempt(task, index, temperature, secrets.token_hex(16))

@@ -179,7 +179,7 @@ def split_of(digest: str) -> str:
 
 
 SCORER_PRELOAD = ("argparse", "json", "math", "re")
-"""What score.py imports: a warm launcher that imported them forks each scorer (gyre.actors.evaluator)."""
+"""What score.py imports: a warm launcher that imported them forks each scorer (gyre.actors.executions.evaluator)."""
 
 
 def scorer_argv(expected: str, *, python: str = sys.executable) -> tuple[str, ...]:

@@ -57,8 +57,7 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     assert sorted({(m.step_id, m.version) for m in applied}) == [(0, 1), (1, 2)]
     # Where each cell's time went, read off the same log: every cell's roles cover the steady window, and the core,
     # which trains every step, held a micro-step for part of its train time.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from cell_utilization import utilization
+    from gyre.benchmarks.studies.cell_utilization import utilization
 
     cells = utilization(report / "events.glog")["cells"]
     assert sorted(cells) == ["core", "sat1", "sat2"]
@@ -66,7 +65,7 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
         assert row["rollout_share"] + row["train_share"] + row["switching_share"] == pytest.approx(1.0, abs=0.02)
     assert 0.0 < cells["core"]["train_busy_share"] <= 1.0
     # Where the rollout tokens went: the landed groups' executions are among those counted, with their kinds.
-    from rollout_cost import rollout_cost
+    from gyre.benchmarks.studies.rollout_cost import rollout_cost
 
     cost = rollout_cost(report / "events.glog")
     assert cost["groups_landed"] >= 2 * summary["groups_per_step"] and cost["tokens"] > 0

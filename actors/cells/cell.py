@@ -1,0 +1,541 @@
+"""The cell actor: one slice of hardware that serves rollouts or trains, and switches between the two.
+
+Roles. In the rollout role the cell serves its embedded engine over HTTP (actors/cells/rollout_role.py) and reports load
+every `report_interval_s`. In the train role it runs the claim loop (actors/cells/train_role.py). While it switches
+its role reads "switching". The core cell is a cell like the others with one difference: it always holds the
+trainer with the authoritative weights and optimizer state, registered with Mooncake for peers to pull, and it
+reduces every micro-step's gradients and applies the optimizer steps *whatever its role*. So the core can also
+serve rollouts in its spare time: in the rollout role it keeps its trainer, keeps applying steps that satellites'
+gradients complete, and loads each new version into its own engine straight from its trainer. Which role it plays
+is the scheduler's call, as for any cell. Satellites hold a trainer only in the train role; leaving it releases
+the trainer (they never step, so they never hold optimizer state).
+
+A switch runs as a background task (the mailbox stays free: a satellite must still receive GradientsTaken while it
+winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role and announces it.
+
+rollout -> train: refused (logged, the cell stays) when no other rollout cell is known to take the sessions, unless
+the switch says `migrate_sessions=False` (the colocate baseline: every cell leaves rollout at once; the sessions
+stay unplaced, their generations are aborted, and the proxy holds their calls until a cell rolls out again).
+Otherwise: CellDraining (the proxy stops routing here) -> pause generation in place -> ask the KV migrator to move
+every live session to the other rollout cells (it asks the proxy which sessions live here; the cell names the
+sequences paused in place so that their partial output moves too) -> abort what is still in flight (the proxy
+resubmits prompt + partial output where the session went, which finds it cached) -> stop the server, release the
+engine's memory -> the newest weights into a trainer (a satellite builds it while the migration runs, then pulls)
+-> RoleChanged(train) -> claim.
+
+train -> rollout: stop claiming (a micro-step in compute finishes and reports, a later grant goes back) -> a
+satellite waits for the core to take its last gradients and releases its trainer -> the engine gets its memory back
+(concurrently) and the newest weights -> serve -> RoleChanged(rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from typing import Any
+
+import attrs
+import torch
+
+from gyre.actors.cells.rollout_role import EngineWeights, PeerView, RecentSessions, RolloutHost
+from gyre.actors.cells.train_role import ClaimLoop, CoreSteps, TrainerHost
+from gyre.actors.cells.weight_broker import WeightPuller
+from gyre.engines.embedded_engine import EngineConfig
+from gyre.engines.model_format import ModelSpec
+from gyre.engines.trainer import TrainerConfig, prepare_training_runtime
+from gyre.engines.transfer import TransferAgent, TransferConfig
+from gyre.messages.cell_internal import (
+    CellStatus,
+    CellStatusQuery,
+    ReportTick,
+    SwitchFinished,
+    WeightSource,
+)
+from gyre.messages.cells import (
+    ROLLOUT,
+    SWITCHING,
+    TRAIN,
+    CellDraining,
+    LoadReport,
+    MigrateSessions,
+    RoleChanged,
+    SessionPlaced,
+    SessionsMigrated,
+    SwitchRole,
+)
+from gyre.messages.executions import ExecutionEnded
+from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
+from gyre.runtime import Actor, GyreError, handler
+
+__all__ = ["Cell", "CellConfig"]
+
+ROLES = (ROLLOUT, TRAIN)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class CellConfig:
+    """One cell. The cell's name is its actor name."""
+
+    model_dir: str
+    """HF model directory both the engine and the trainer start from (weight version 0)."""
+    is_core: bool = False
+    """The core holds the authoritative weights and optimizer state and applies the steps."""
+    initial_role: str = attrs.field(default=ROLLOUT, validator=attrs.validators.in_(ROLES))
+    """Role at start: "rollout" or "train"."""
+    engine: EngineConfig = EngineConfig()
+    """The embedded engine's sizes and limits."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The trainer's optimizer settings."""
+    claimer: str = "claimer"
+    """Actor name of the micro-step claimer."""
+    migrator: str = "kv_migrator"
+    """Actor name of the KV migrator."""
+    broker: str = "weight_broker"
+    """Actor name of the weight broker."""
+    core: str = "core"
+    """Actor name of the core cell (where satellites send gradients)."""
+    report_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    """Time between LoadReports."""
+    host: str = "127.0.0.1"
+    """Address the engine server binds and that peers (and Mooncake) reach this cell at."""
+    port: int = 0
+    """Engine server port; 0 picks a free one (then reused across switches when it is still free)."""
+    clip_low: float = 3e-4
+    """GSPO lower clip range."""
+    clip_high: float = 4e-4
+    """GSPO upper clip range."""
+    prepare_trainer_at_start: bool = False
+    """Satellite: import and set up the training runtime (engines.trainer.prepare_training_runtime) in the background
+    as the cell starts, so its first switch into training does not pay 5-13 s in the middle of a run. Worth it when
+    satellites are expected to train (the elastic policy); it costs the import's memory and CPU on every cell."""
+    train_chunk_padded_tokens: int = attrs.field(default=2048, validator=_positive)
+    """A micro-step is computed in length-sorted chunks of at most this many tokens once padded (a longer sample
+    gets a chunk of its own): less padding, and a bound on activation memory."""
+    claim_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    """How long a ClaimMicroStep waits for the claimer."""
+    claim_retry_s: float = attrs.field(default=0.2, validator=_positive)
+    """Pause before claiming again after a failed claim (a "no work" answer brings its own hint)."""
+    migrate_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    """How long the KV migration of a draining cell may take before the cell aborts and lets the proxy re-prefill."""
+    grads_taken_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    """How long a satellite waits for GradientsTaken before giving its send buffer up."""
+    server_shutdown_s: float = attrs.field(default=10.0, validator=_positive)
+    """Grace time for the engine server's open requests when it stops (they are aborted anyway)."""
+    broker_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    """How long a WeightsQuery waits for the broker."""
+    pull_attempts: int = attrs.field(default=50, validator=_positive)
+    """Attempts at a weight pull (a torn read, a step in progress, the broker busy) before the cell fails."""
+    pull_retry_s: float = attrs.field(default=0.02, validator=_positive)
+    """Pause between pull attempts."""
+    session_ttl_s: float = attrs.field(default=600.0, validator=_positive)
+    """A session counts as live on this cell (LoadReport.live_sessions) until this long after its last call here
+    (agents run tools between calls), or until the executor publishes its ExecutionEnded. The proxy knows sessions
+    exactly; this is the cell's estimate."""
+    max_sessions: int = attrs.field(default=65536, validator=_positive)
+    """Sessions the estimate remembers at most."""
+    save_dir: str = ""
+    """Core only: when the cell stops, save its authoritative weights here as an HF model directory ("" = don't)."""
+    average_save_dir: str = ""
+    """Core only, with `trainer.average_decay` > 0: when the cell stops, also save the weights' moving average here
+    ("" = don't)."""
+    checkpoint_dir: str = ""
+    """Core only: after every `checkpoint_every_steps`-th applied step, save the weights as an HF model directory
+    `<checkpoint_dir>/v<version>` ("" = never). A failed save is logged and training goes on."""
+    checkpoint_every_steps: int = attrs.field(default=1, validator=_positive)
+    """Steps between checkpoints (versions divisible by it are saved)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.average_save_dir and self.trainer.average_decay <= 0:
+            raise ValueError("average_save_dir needs a trainer that keeps a weight average (trainer.average_decay > 0)")
+
+
+class Cell(Actor):
+    """See the module docstring."""
+
+    config_cls = CellConfig
+    subscriptions = (RoleChanged, LoadReport, CellDraining, SessionPlaced, WeightsPublished, StepReady,
+                     ExecutionEnded)
+
+    async def on_start(self) -> None:
+        config = self.config
+        self.role = SWITCHING
+        self.engine_url = ""
+        self.peers = PeerView(self.name)
+        self.spec = ModelSpec.from_model_dir(config.model_dir)
+        self.compute_lock = asyncio.Lock()
+        self.agent: Any = None
+        self.fence_scratch = torch.zeros(1, dtype=torch.int64)
+        self.rollout: RolloutHost | None = None
+        self.training: TrainerHost | None = None
+        self.claims = ClaimLoop(self)
+        self.core_steps = CoreSteps(self) if config.is_core else None
+        self.core_ready = asyncio.Event()
+        self.latest_version = 0
+        """Newest weight version this cell has heard of (WeightsPublished, StepReady)."""
+        self.pending_switch: SwitchRole | None = None
+        self.switches = 0
+        self.switches_refused = 0
+        self.puller = WeightPuller(self, config.broker, config.broker_timeout_s, config.pull_attempts,
+                                   config.pull_retry_s)
+        self.engine_weights = EngineWeights(self)
+        self.sessions = RecentSessions(config.session_ttl_s, config.max_sessions, self.clock.now)
+        self.spawn(self.guarded(self._start_role(config.initial_role)), name=f"{self.name}.start")
+        if config.prepare_trainer_at_start and not config.is_core:
+            self.spawn(self._prepare_training_runtime(), name=f"{self.name}.prepare_training")
+        self.send_later(config.report_interval_s, ReportTick())
+
+    async def _prepare_training_runtime(self) -> None:
+        started = self.clock.now()
+        try:
+            await self.offload(prepare_training_runtime)
+        except Exception:  # the first switch into training builds it again and fails there, with the cell's handling
+            self.log.exception("training_runtime_not_prepared")
+            return
+        self.log.info("training_runtime_prepared", seconds=round(self.clock.now() - started, 3))
+
+    async def on_stop(self) -> None:
+        config = self.config
+        if config.is_core and self.training is not None:
+            trainer = self.training.trainer
+            if config.save_dir:
+                await self.offload(trainer.save_hf, config.save_dir)
+                self.log.info("final_weights_saved", path=config.save_dir, version=trainer.version)
+            if config.average_save_dir:
+                await self.offload(trainer.save_hf, config.average_save_dir, True)
+                self.log.info("final_average_saved", path=config.average_save_dir, version=trainer.version,
+                              decay=trainer.config.average_decay)
+        await self._release_all()
+
+    # ---- resources ----------------------------------------------------------------------------------------
+
+    async def _release_all(self) -> None:
+        if self.rollout is not None:
+            await self.rollout.close()
+            self.rollout = None
+        if self.training is not None:
+            self.training.close()
+            self.training = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+    async def guarded(self, work: Any) -> None:
+        """Run a role's background work (a switch, the claim loop); if it fails, free the server, engine and
+        buffers before the actor fails (its restart builds everything anew, and nothing of this incarnation may
+        stay listening or registered)."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            self.log.exception("role_task_failed")
+            await self._release_all()
+            raise
+
+    async def _build_trainer(self) -> None:
+        config = self.config
+        self.training = await self.offload(TrainerHost.build, config.model_dir, config.trainer, self.agent,
+                                           config.is_core, self.fence_scratch)
+
+    # ---- weights ------------------------------------------------------------------------------------------
+
+    def tell_broker(self, msg: Any) -> None:
+        try:
+            self.tell(self.config.broker, msg)
+        except GyreError as error:
+            self.log.warning("broker_not_told", type=type(msg).__name__, error=str(error))
+
+    async def catch_up_trainer(self, always_ask: bool = False) -> None:
+        """Satellite in the train role: pull the newest weights straight into the trainer if they are newer than
+        its own (asking the broker only when a newer version was announced, unless `always_ask`)."""
+        host = self.training
+        assert host is not None
+        if not always_ask and self.latest_version <= host.version:
+            return
+        started = self.clock.now()
+
+        async def pull_into_trainer(source: WeightSource) -> None:
+            async with self.compute_lock:
+                await self.offload(host.pull, source)
+
+        source = await self.puller.pull(lambda: host.version, pull_into_trainer)
+        if source is not None:
+            self.latest_version = max(self.latest_version, source.version)
+            self.tell_broker(WeightsLoaded(self.name, source.version, self.clock.now() - started))
+
+    def on_core_weights_changed(self) -> None:
+        """Core: a step was applied; an engine it serves from follows."""
+        self.engine_weights.follow()
+
+    # ---- roles --------------------------------------------------------------------------------------------
+
+    async def _start_role(self, role: str) -> None:
+        """The initial role (a switch from nothing)."""
+        config = self.config
+        started = self.clock.now()
+        self.agent = await self.offload(TransferAgent, TransferConfig(hostname=config.host))
+        self.agent.register_tensor(self.fence_scratch)
+        self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, config.host, config.port,
+                                   config.server_shutdown_s, self.offload, self.sessions)
+        if config.is_core:
+            await self._build_trainer()
+            assert self.training is not None
+            self.tell_broker(self.training.source(self.name))
+            self.core_ready.set()
+        url = ""
+        if role == TRAIN:
+            if self.training is None:
+                await self._build_trainer()
+            if not config.is_core:
+                await self.catch_up_trainer(always_ask=True)
+            version = self.training.version
+        else:
+            weights, version = await self.engine_weights.newest()
+            url = await self.rollout.start(weights, version)
+            version = self.rollout.weight_version
+            self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
+        self.tell(self.name, SwitchFinished(role, "", url, version, self.clock.now() - started, 0))
+
+    def _begin_switch(self, msg: SwitchRole) -> None:
+        if msg.role == TRAIN:
+            targets = self.peers.rollout_targets() if msg.migrate_sessions else {}
+            if msg.migrate_sessions and not targets:
+                self.switches_refused += 1
+                self.log.warning("switch_refused", role=msg.role, reason=msg.reason,
+                                 why="no other rollout cell is known to take this cell's sessions")
+                return
+            self.role = SWITCHING
+            self.spawn(self.guarded(self._rollout_to_train(targets)), name=f"{self.name}.to_train")
+        else:
+            self.role = SWITCHING
+            self.spawn(self.guarded(self._train_to_rollout()), name=f"{self.name}.to_rollout")
+        self.log.info("switch_started", role=msg.role, reason=msg.reason, migrate_sessions=msg.migrate_sessions)
+
+    async def _rollout_to_train(self, targets: dict[str, str]) -> None:
+        """`targets` empty: the sessions stay where they are (nowhere, once the engine stops); see SwitchRole."""
+        config = self.config
+        started = self.clock.now()
+        assert self.rollout is not None
+        phases: dict[str, float] = {}
+        self.publish(CellDraining(self.name))
+        await self._publish_load()
+        # A satellite builds its trainer while the sessions move: the two overlap on separate threads.
+        building = (asyncio.ensure_future(self._timed(phases, "trainer_built_s", self._build_trainer()))
+                    if self.training is None else None)
+        try:
+            await self.engine_weights.settle()
+            paused = await self._timed(phases, "paused_s", self.rollout.pause_in_place())
+            in_flight = await self.rollout.live_sequences()
+            migrated = (await self._timed(phases, "migrated_s", self._migrate(targets, in_flight))) if targets else 0
+            aborted = await self._timed(phases, "engine_released_s", self.rollout.shutdown())
+            self.rollout.drop_pull_buffer()
+        finally:
+            if building is not None:
+                await building
+        assert self.training is not None
+        if not config.is_core:
+            await self._timed(phases, "weights_s", self.catch_up_trainer(always_ask=True))
+        self.log.info("drained", paused=paused, sessions_migrated=migrated, aborted=aborted,
+                      **{k: round(v, 4) for k, v in phases.items()})
+        self.tell(self.name, SwitchFinished(TRAIN, ROLLOUT, "", self.training.version, self.clock.now() - started,
+                                            migrated))
+
+    async def _migrate(self, targets: dict[str, str], in_flight: tuple[tuple[int, ...], ...]) -> int:
+        """Ask the KV migrator to move this cell's sessions, the partial output of the generations paused in place
+        (`in_flight`) included; 0 (and a warning) if it cannot: the proxy then re-prefills the aborted calls on other
+        cells, slower but nothing is lost."""
+        assert self.rollout is not None
+        request = MigrateSessions(self.name, self.rollout.url, targets, (), in_flight)
+        try:
+            reply: SessionsMigrated = await self.ask(self.config.migrator, request,
+                                                     timeout_s=self.config.migrate_timeout_s)
+        except GyreError as error:
+            self.log.warning("migration_failed_reprefill", error=str(error))
+            return 0
+        self.log.info("sessions_migrated", sessions=len(reply.placement), moved_tokens=reply.moved_tokens,
+                      reprefill=reply.reprefill_sessions, seconds=round(reply.seconds, 4))
+        return len(reply.placement)
+
+    async def _train_to_rollout(self) -> None:
+        started = self.clock.now()
+        assert self.rollout is not None
+        phases: dict[str, float] = {}
+        preparing = asyncio.ensure_future(self._timed(phases, "engine_memory_s", self.rollout.prepare()))
+        try:
+            await self._timed(phases, "claims_halted_s", self.claims.halt())
+            if not self.config.is_core and self.training is not None:
+                if not await self.claims.wait_grads_taken():
+                    self.log.error("gradients_not_taken_before_release")
+                released = self.clock.now()
+                self._release_trainer()
+                phases["trainer_released_s"] = self.clock.now() - released
+        finally:
+            await preparing
+        weights, version = await self._timed(phases, "weights_s", self.engine_weights.newest())
+        await self._timed(phases, "server_s", self.rollout.start(weights, version))
+        version = self.rollout.weight_version
+        self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
+        self.log.info("back_to_rollout", **{k: round(v, 4) for k, v in phases.items()})
+        self.tell(self.name, SwitchFinished(ROLLOUT, TRAIN, self.rollout.url, version, self.clock.now() - started, 0))
+
+    def _release_trainer(self) -> None:
+        """Drop a satellite's trainer. Reference counting frees its buffers at once; a full gc pass (0.4 s of a
+        stalled event loop with megatron imported) runs only if something still holds them."""
+        host, self.training = self.training, None
+        assert host is not None
+        host.close()
+        params = weakref.ref(host.params)
+        del host
+        if params() is not None:
+            gc.collect()
+            self.log.warning("trainer_needed_gc", freed=params() is None)
+
+    async def _timed(self, phases: dict[str, float], name: str, work: Any) -> Any:
+        """Await `work` and note how long it took under `name` (the switch's phase timings, for its log line)."""
+        started = self.clock.now()
+        result = await work
+        phases[name] = self.clock.now() - started
+        return result
+
+    async def _publish_load(self) -> None:
+        now = self.clock.now()
+        stats = None
+        if self.role == ROLLOUT and self.rollout is not None and self.rollout.serving:
+            stats = await self.rollout.stats()
+        if stats is not None:
+            report = LoadReport(
+                cell=self.name, role=self.role, engine_url=self.engine_url,
+                live_sessions=max(self.sessions.count(), stats.running + stats.waiting),
+                running_requests=stats.running, waiting_requests=stats.waiting,
+                free_kv_blocks=stats.free_blocks, total_kv_blocks=stats.total_blocks,
+                capacity_requests=self.config.engine.max_running_requests,
+                weight_version=stats.weight_version, time_s=now,
+            )
+        else:
+            report = LoadReport(self.name, self.role, "", 0, 0, 0, 0, 0, 0, self._weight_version(), now)
+        self.publish(report)
+
+    def _weight_version(self) -> int:
+        if self.role == ROLLOUT and self.rollout is not None:
+            return self.rollout.weight_version
+        return self.training.version if self.training is not None else -1
+
+    # ---- handlers -----------------------------------------------------------------------------------------
+
+    @handler(SwitchRole)
+    def on_switch_role(self, msg: SwitchRole) -> None:
+        if msg.cell != self.name:
+            self.log.warning("switch_for_another_cell", cell=msg.cell)
+            return
+        if msg.role not in ROLES:
+            self.log.error("switch_to_unknown_role", role=msg.role)
+            return
+        if self.role == SWITCHING:
+            self.pending_switch = msg  # the newest wish wins; applied when the current switch ends
+            self.log.info("switch_deferred", role=msg.role, reason=msg.reason)
+            return
+        if msg.role == self.role:
+            self.log.debug("switch_noop", role=msg.role)
+            return
+        self._begin_switch(msg)
+
+    @handler(SwitchFinished)
+    async def on_switch_finished(self, msg: SwitchFinished) -> None:
+        self.role = msg.role
+        self.engine_url = msg.engine_url
+        if msg.previous_role:
+            self.switches += 1
+        self.publish(RoleChanged(self.name, msg.role, msg.previous_role, msg.engine_url, msg.weight_version,
+                                 msg.switch_s, msg.sessions_migrated, self.config.is_core))
+        self.log.info("role_changed", role=msg.role, previous=msg.previous_role, switch_s=round(msg.switch_s, 4),
+                      url=msg.engine_url, weight_version=msg.weight_version)
+        if msg.role == TRAIN:
+            self.claims.start()
+        else:
+            self.engine_weights.follow()
+        await self._publish_load()
+        pending, self.pending_switch = self.pending_switch, None
+        if pending is not None and pending.role != self.role:
+            self._begin_switch(attrs.evolve(pending, reason=f"deferred while switching: {pending.reason}"))
+
+    @handler(ReportTick)
+    async def on_report_tick(self, msg: ReportTick) -> None:
+        await self._publish_load()
+        self.send_later(self.config.report_interval_s, ReportTick())
+
+    @handler(RoleChanged)
+    def on_role_changed(self, msg: RoleChanged) -> None:
+        self.peers.on_role_changed(msg)
+
+    @handler(LoadReport)
+    def on_load_report(self, msg: LoadReport) -> None:
+        self.peers.on_load(msg)
+
+    @handler(CellDraining)
+    def on_cell_draining(self, msg: CellDraining) -> None:
+        self.peers.on_draining(msg)
+
+    @handler(SessionPlaced)
+    def on_session_placed(self, msg: SessionPlaced) -> None:
+        if msg.cell == self.name:
+            self.sessions.seen(msg.session)
+
+    @handler(ExecutionEnded)
+    def on_execution_ended(self, msg: ExecutionEnded) -> None:
+        self.sessions.ended(msg.execution_id)
+
+    @handler(WeightsPublished)
+    def on_weights_published(self, msg: WeightsPublished) -> None:
+        self.latest_version = max(self.latest_version, msg.version)
+        if not self.config.is_core:
+            self.engine_weights.follow()
+
+    @handler(StepReady)
+    async def on_step_ready(self, msg: StepReady) -> None:
+        self.latest_version = max(self.latest_version, msg.base_version)
+        if self.core_steps is not None:
+            await self.core_ready.wait()
+            await self.core_steps.on_ready(msg)
+
+    @handler(MicroStepDone)
+    async def on_microstep_done(self, msg: MicroStepDone) -> None:
+        if self.core_steps is None:
+            self.log.error("microstep_done_sent_to_satellite", from_cell=msg.cell, step_id=msg.step_id)
+            return
+        await self.core_ready.wait()
+        await self.core_steps.on_done(msg)
+
+    @handler(GradientsTaken)
+    def on_gradients_taken(self, msg: GradientsTaken) -> None:
+        self.claims.on_gradients_taken(msg)
+
+    @handler(CellStatusQuery)
+    async def on_status(self, msg: CellStatusQuery) -> CellStatus:
+        digest = ""
+        if msg.with_digest:
+            if self.training is not None:
+                async with self.compute_lock:
+                    digest = await self.offload(self.training.digest)
+            elif self.rollout is not None and self.rollout.pulled_version == self.rollout.weight_version:
+                digest = await self.offload(self.rollout.pulled_digest)
+        return CellStatus(
+            cell=self.name,
+            role=self.role,
+            is_core=self.config.is_core,
+            engine_url=self.engine_url,
+            weight_version=self._weight_version(),
+            weights_sha256=digest,
+            microsteps_computed=self.claims.computed,
+            microsteps_released=self.claims.released,
+            steps_applied=self.core_steps.steps_applied if self.core_steps else 0,
+            switches=self.switches,
+            switches_refused=self.switches_refused,
+            has_trainer=self.training is not None,
+            has_engine_memory=self.rollout is not None and self.rollout.has_memory,
+        )

@@ -1,0 +1,306 @@
+"""GenerateBackends: the proxy's way to a rollout engine, over HTTP (SGLang or Gyre's engine server) or in-process.
+
+`SGLangBackend` drives one or more `SGLangClient`s, one per cell; `EmbeddedBackend` drives an in-process
+`AsyncEngine` (what `gyre serve` and the tests use). Both speak the same `GenerateBackend` protocol, so the proxy
+cannot tell them apart.
+
+Both also stream (`generate_streaming`, for calls made with `stream: true`): output ids reach the proxy as the engine
+produces them, and the result is the one `generate` would return. Over HTTP, `stream_generate` reads SGLang's
+streamed /generate (`data: {...}` chunks, then `data: [DONE]`); it accepts chunks whose output_ids and log-probs
+are cumulative (SGLang's default and Gyre's engine server) or only the new ones (SGLang's
+--incremental-streaming-output): `meta_info.completion_tokens` says how many ids exist, so the new ones are that
+many minus those already seen, taken from the end of the chunk's lists.
+
+Routing here is deliberately minimal (sticky by session key, new sessions to the cell with the fewest calls in
+flight, a bounded map): the bus-hosted proxy replaces it with the swappable routing policy. Engine errors are
+mapped to the proxy's two kinds: the request is wrong (`BackendRejected`, 400) or no engine can serve it now
+(`BackendUnavailable`, 503 and the SDKs retry).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import aclosing
+from typing import Any, Mapping, Sequence
+
+import attrs
+import structlog
+
+from gyre.actors.serving.http_app import BackendRejected, BackendRequest, BackendResult, BackendUnavailable, OnOutput
+
+__all__ = [
+    "SGLangBackend",
+    "EmbeddedBackend",
+    "StreamProgress",
+    "sampling_params_from_dict",
+    "result_from_sglang",
+    "stream_generate",
+]
+
+log = structlog.get_logger(__name__)
+
+# SGLang's sampling_params keys that the embedded engine understands, and its SamplingParams field for each.
+_EMBEDDED_FIELDS = {
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "sampling_seed": "seed",
+    "ignore_eos": "ignore_eos",
+}
+
+
+def _version(value: Any) -> int:
+    """SGLang reports weight_version as a string; Gyre sets it to str(int). The initial "default" counts as 0."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def result_from_sglang(response: Mapping[str, Any], cell: str) -> BackendResult:
+    """Translate SGLang's /generate answer (output_ids, meta_info) into a BackendResult.
+
+    Per-token versions come from `meta_info.output_token_versions` when the server gives them (Gyre's engine
+    server); SGLang gives one `weight_version` per request, which then stands for every token.
+    """
+    meta = response.get("meta_info") or {}
+    output_ids = tuple(int(t) for t in response.get("output_ids") or ())
+    logprobs = tuple(float(entry[0]) for entry in meta.get("output_token_logprobs") or ())
+    if len(logprobs) != len(output_ids):
+        raise BackendUnavailable(f"engine returned {len(output_ids)} ids but {len(logprobs)} log-probs")
+    versions_raw = meta.get("output_token_versions")
+    if versions_raw is not None:
+        versions = tuple(_version(v) for v in versions_raw)
+    else:
+        versions = (_version(meta.get("weight_version")),) * len(output_ids)
+    reason = meta.get("finish_reason")
+    matched = None
+    if isinstance(reason, Mapping):
+        finish, matched = str(reason.get("type", "")), reason.get("matched")
+    else:
+        finish = "" if reason is None else str(reason)
+    if finish not in ("stop", "length", "abort"):
+        raise BackendUnavailable(f"engine returned an unknown finish_reason {reason!r}")
+    return BackendResult(
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        output_versions=versions,
+        finish_reason=finish,
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+        cell=cell,
+        matched_stop=matched if isinstance(matched, (int, str)) else None,
+    )
+
+
+@attrs.define
+class StreamProgress:
+    """What one streamed generation has delivered so far; kept by the caller, so that output already passed on
+    survives a stream that breaks off (it is then resumed from, like an aborted generation's partial output)."""
+
+    output_ids: list[int] = attrs.field(factory=list)
+    output_logprobs: list[float] = attrs.field(factory=list)
+    output_versions: list[int] = attrs.field(factory=list)
+    per_token_versions: bool = False
+    """Whether the engine sent `output_token_versions` (else each chunk's weight_version stood for its tokens)."""
+
+    def partial_result(self, cell: str) -> BackendResult:
+        """The output so far as an aborted generation's result."""
+        return BackendResult(
+            output_ids=tuple(self.output_ids),
+            output_logprobs=tuple(self.output_logprobs),
+            output_versions=tuple(self.output_versions),
+            finish_reason="abort",
+            cached_tokens=0,
+            cell=cell,
+        )
+
+
+def _tail(values: Sequence[Any], count: int, what: str) -> list[Any]:
+    if len(values) < count:
+        raise BackendUnavailable(f"engine streamed {count} new ids but only {len(values)} {what}")
+    return list(values[len(values) - count :]) if count else []
+
+
+async def stream_generate(
+    client: Any,
+    input_ids: Sequence[int],
+    sampling_params: Mapping[str, Any],
+    rid: str,
+    on_output: OnOutput,
+    progress: StreamProgress,
+) -> dict[str, Any]:
+    """Stream one /generate through an SGLangClient, passing new ids to `on_output` and recording them in
+    `progress`; returns the response a non-streamed /generate would have given (all ids, log-probs, the final
+    meta_info), for `result_from_sglang`. An exception from `on_output` closes the stream (the server aborts)."""
+    final: dict[str, Any] | None = None
+    stream = client.generate_stream(list(input_ids), dict(sampling_params), rid=rid, return_logprob=True)
+    async with aclosing(stream) as chunks:
+        async for chunk in chunks:
+            meta = chunk.get("meta_info") or {}
+            ids = chunk.get("output_ids") or []
+            total = meta.get("completion_tokens")
+            total = len(ids) if not isinstance(total, int) else total
+            count = total - len(progress.output_ids)
+            if count < 0 or count > len(ids):
+                raise BackendUnavailable(
+                    f"engine streamed {len(ids)} ids for {total} completion tokens after {len(progress.output_ids)}"
+                )
+            new_ids = [int(t) for t in _tail(ids, count, "ids")]
+            logprobs = [float(entry[0]) for entry in _tail(meta.get("output_token_logprobs") or (), count, "log-probs")]
+            versions_raw = meta.get("output_token_versions")
+            if versions_raw is not None:
+                progress.per_token_versions = True
+                versions = [_version(v) for v in _tail(versions_raw, count, "versions")]
+            else:
+                versions = [_version(meta.get("weight_version"))] * count
+            progress.output_ids.extend(new_ids)
+            progress.output_logprobs.extend(logprobs)
+            progress.output_versions.extend(versions)
+            if new_ids:
+                await on_output(tuple(new_ids))
+            if meta.get("finish_reason") is not None:
+                final = chunk  # read on to the end ([DONE]) so that the connection can be reused
+    if final is None:
+        raise BackendUnavailable("the engine's stream ended without a finished chunk")
+    meta = dict(final.get("meta_info") or {})
+    meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(progress.output_logprobs, progress.output_ids)]
+    if progress.per_token_versions:
+        meta["output_token_versions"] = list(progress.output_versions)
+    else:
+        meta.pop("output_token_versions", None)
+    return {"text": final.get("text", ""), "output_ids": list(progress.output_ids), "meta_info": meta}
+
+
+@attrs.define
+class _Cell:
+    name: str
+    client: Any
+    in_flight: int = 0
+
+
+class SGLangBackend:
+    """A GenerateBackend over SGLang-compatible servers: `cells` maps a cell name to its `SGLangClient`."""
+
+    def __init__(self, cells: Mapping[str, Any], max_sessions: int = 65536) -> None:
+        if not cells:
+            raise ValueError("SGLangBackend needs at least one cell")
+        self._cells = [_Cell(name, client) for name, client in cells.items()]
+        self._sticky: OrderedDict[str, _Cell] = OrderedDict()
+        self._max_sessions = max_sessions
+
+    def _route(self, session_key: str) -> _Cell:
+        cell = self._sticky.get(session_key)
+        if cell is None:
+            cell = min(self._cells, key=lambda c: c.in_flight)
+            self._sticky[session_key] = cell
+            while len(self._sticky) > self._max_sessions:
+                self._sticky.popitem(last=False)
+        else:
+            self._sticky.move_to_end(session_key)
+        return cell
+
+    async def generate(self, request: BackendRequest) -> BackendResult:
+        return await self._on_cell(request, lambda cell: cell.client.generate(
+            request.prompt_ids, request.sampling_params, rid=request.rid, return_logprob=True))
+
+    async def generate_streaming(self, request: BackendRequest, on_output: OnOutput) -> BackendResult:
+        return await self._on_cell(request, lambda cell: stream_generate(
+            cell.client, request.prompt_ids, request.sampling_params, request.rid, on_output, StreamProgress()))
+
+    async def _on_cell(self, request: BackendRequest, call: Any) -> BackendResult:
+        """Run `call(cell)` on the session's cell, counting it in flight and mapping client errors to the proxy's."""
+        from gyre.engines.sglang_client import RequestRejected, SGLangError
+
+        cell = self._route(request.session_key)
+        cell.in_flight += 1
+        try:
+            response = await call(cell)
+        except RequestRejected as error:
+            raise BackendRejected(error.message) from None
+        except SGLangError as error:
+            raise BackendUnavailable(f"cell {cell.name}: {error}") from None
+        finally:
+            cell.in_flight -= 1
+        return result_from_sglang(response, cell.name)
+
+
+def sampling_params_from_dict(params: Mapping[str, Any]) -> Any:
+    """SGLang's sampling_params dict -> the embedded engine's SamplingParams; unknown keys are refused."""
+    from gyre.engines.embedded_engine import SamplingParams
+
+    unknown = sorted(set(params) - set(_EMBEDDED_FIELDS))
+    if unknown:
+        raise BackendRejected(f"sampling params not supported by the embedded engine: {unknown}")
+    fields: dict[str, Any] = {}
+    for key, value in params.items():
+        if key in ("stop", "stop_token_ids"):
+            value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        fields[_EMBEDDED_FIELDS[key]] = value
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as error:
+        raise BackendRejected(str(error)) from None
+
+
+class EmbeddedBackend:
+    """A GenerateBackend over an in-process `gyre.engines.async_engine.AsyncEngine` named `cell`."""
+
+    def __init__(self, engine: Any, cell: str = "embedded") -> None:
+        self.engine = engine
+        self.cell = cell
+
+    async def generate(self, request: BackendRequest) -> BackendResult:
+        from gyre.engines.async_engine import EngineClosed, EngineFailed
+        from gyre.engines.embedded_engine import EngineError, EngineOverloaded
+
+        params = sampling_params_from_dict(request.sampling_params)
+        try:
+            out = await self.engine.generate(request.rid, list(request.prompt_ids), params)
+        except (EngineOverloaded, EngineFailed, EngineClosed) as error:
+            raise BackendUnavailable(f"cell {self.cell}: {error}") from None
+        except EngineError as error:
+            raise BackendRejected(str(error)) from None
+        return self._result(out)
+
+    async def generate_streaming(self, request: BackendRequest, on_output: OnOutput) -> BackendResult:
+        from gyre.engines.async_engine import EngineClosed, EngineFailed
+        from gyre.engines.embedded_engine import EngineError, EngineOverloaded
+
+        params = sampling_params_from_dict(request.sampling_params)
+        sent: list[int] = []
+        out = None
+        try:
+            # aclosing: leaving early (on_output raised, the call was cancelled) aborts the request at once.
+            async with aclosing(self.engine.stream(request.rid, list(request.prompt_ids), params)) as events:
+                async for event in events:
+                    if event.token_ids:
+                        sent.extend(event.token_ids)
+                        await on_output(tuple(event.token_ids))
+                    if event.finished is not None:
+                        out = event.finished
+                        break
+        except (EngineOverloaded, EngineFailed, EngineClosed) as error:
+            raise BackendUnavailable(f"cell {self.cell}: {error}") from None
+        except EngineError as error:
+            raise BackendRejected(str(error)) from None
+        if out is None:
+            raise BackendUnavailable(f"cell {self.cell}: the engine's stream ended without a result")
+        if list(out.output_ids[: len(sent)]) != sent:
+            raise BackendUnavailable(f"cell {self.cell}: streamed ids differ from the result's")
+        if len(out.output_ids) > len(sent):
+            await on_output(tuple(out.output_ids[len(sent) :]))
+        return self._result(out)
+
+    def _result(self, out: Any) -> BackendResult:
+        return BackendResult(
+            output_ids=tuple(out.output_ids),
+            output_logprobs=tuple(out.output_logprobs),
+            output_versions=tuple(out.output_versions),
+            finish_reason=out.finish_reason,
+            cached_tokens=int(out.cached_tokens),
+            cell=self.cell,
+            matched_stop=out.matched_stop,
+        )

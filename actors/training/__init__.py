@@ -1,0 +1,27 @@
+"""The training wing: the micro-step claimer (the exactly-once ledger of each optimizer step's micro-steps), the
+scheduler (hosts a scheduling policy: which cell plays which role), the trajectory builder (one prefix-shared tree
+per execution, cut into training samples) and the run monitor (the run's curves and its end)."""
+
+from gyre.runtime.exports import lazy_exports
+
+__all__ = [
+    "ClaimerConfig",
+    "MicroStepClaimer",
+    "RunMonitor",
+    "RunMonitorConfig",
+    "Scheduler",
+    "SchedulerConfig",
+    "TrajectoryBuilder",
+    "TrajectoryBuilderConfig",
+]
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "ClaimerConfig": "microstep_claimer",
+    "MicroStepClaimer": "microstep_claimer",
+    "RunMonitor": "run_monitor",
+    "RunMonitorConfig": "run_monitor",
+    "Scheduler": "scheduler",
+    "SchedulerConfig": "scheduler",
+    "TrajectoryBuilder": "trajectory_builder",
+    "TrajectoryBuilderConfig": "trajectory_builder",
+})

@@ -118,7 +118,7 @@ class AsyncEngine:
                 try:
                     events = engine.step()
                 except BaseException as error:
-                    log.exception("engine step failed")
+                    log.exception("engine_step_failed")
                     failure = EngineFailed(f"engine step failed: {type(error).__name__}: {error}")
                     failure.__cause__ = error
                     self._failure = failure

@@ -41,6 +41,7 @@ from gyre.engines.sampling import (
     load_tokenizer,
     sample_next,
 )
+from gyre.runtime.validators import count
 
 __all__ = [
     "EmbeddedEngine",
@@ -70,33 +71,28 @@ class EngineOverloaded(EngineError):
     """The waiting queue is full: explicit backpressure. The server answers 503; retry later."""
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
-
-
 @attrs.frozen
 class EngineConfig:
     """Sizes and limits of one embedded engine."""
 
-    block_size_tokens: int = attrs.field(default=16, validator=_positive)
+    block_size_tokens: int = attrs.field(default=16, validator=count)
     """Tokens per KV block; also the granularity of prefix sharing."""
-    num_blocks: int = attrs.field(default=2048, validator=_positive)
+    num_blocks: int = attrs.field(default=2048, validator=count)
     """KV blocks in the pool."""
-    max_running_requests: int = attrs.field(default=64, validator=_positive)
+    max_running_requests: int = attrs.field(default=64, validator=count)
     """Requests decoded together at most."""
-    max_context_tokens: int = attrs.field(default=8192, validator=_positive)
+    max_context_tokens: int = attrs.field(default=8192, validator=count)
     """Prompt plus output tokens of one request at most."""
-    max_prefill_tokens: int = attrs.field(default=4096, validator=_positive)
+    max_prefill_tokens: int = attrs.field(default=4096, validator=count)
     """Prompt tokens computed per step at most (chunked prefill budget)."""
     dtype: str = "float32"
     """Weights and KV element type: float32, bfloat16 or float16."""
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's setting alone."""
     # Fields beyond INTERFACES.md's list; the ones above keep its order, so positional use still works.
-    max_waiting_requests: int = attrs.field(default=1024, validator=_positive)
+    max_waiting_requests: int = attrs.field(default=1024, validator=count)
     """Queued requests at most; beyond it `submit` raises EngineOverloaded."""
-    max_exports: int = attrs.field(default=256, validator=_positive)
+    max_exports: int = attrs.field(default=256, validator=count)
     """Exported prefixes pinned at once at most."""
     decode_staging_bytes: int = 256 << 20
     """Memory for contiguous copies of the decoding requests' K/V (saves a gather of every context per layer
@@ -364,7 +360,7 @@ class EmbeddedEngine:
         if not chunks:
             self._stalled = not events and bool(self._waiting or self._running)
             if self._stalled:
-                log.warning("engine stalled: no KV blocks for any waiting request", waiting=len(self._waiting))
+                log.warning("engine_stalled_no_kv_blocks_for_any_waiting_request", waiting=len(self._waiting))
             return events + self._take_pending()
         self._counters["steps"] += 1
         logits = self.model.forward(chunks, self.pool)  # type: ignore[arg-type]
@@ -538,7 +534,7 @@ class EmbeddedEngine:
         self._running.remove(request)
         self._waiting.appendleft(request)
         self._counters["retractions"] += 1
-        log.info("request retracted for KV space", rid=request.rid, tokens=len(request.tokens))
+        log.info("request_retracted_for_kv_space", rid=request.rid, tokens=len(request.tokens))
 
     def _cache_prefix(self, request: _Request) -> None:
         """Put the request's full computed blocks into the radix cache and share the cache's copies."""
@@ -617,7 +613,7 @@ class EmbeddedEngine:
             raise EngineError(str(error)) from error
         self.weight_version = version
         self._new_epoch()
-        log.info("weights loaded", version=version, tensors=len(hf_state_dict))
+        log.info("weights_loaded", version=version, tensors=len(hf_state_dict))
 
     def load_weights_from_disk(self, model_dir: str | Path, version: int) -> None:
         """Load a whole checkpoint of the same architecture from an HF model directory."""
@@ -639,7 +635,7 @@ class EmbeddedEngine:
         self.weight_version = version
         self._weights_source = (str(model_dir), version)
         self._new_epoch()
-        log.info("weights loaded from disk", version=version, model_dir=str(model_dir))
+        log.info("weights_loaded_from_disk", version=version, model_dir=str(model_dir))
 
     def _new_epoch(self) -> None:
         self._epoch += 1
@@ -693,7 +689,7 @@ class EmbeddedEngine:
         if "weights" in chosen and self.model.has_weights:
             self.model.release_weights()
             self._released.add("weights")
-        log.info("memory released", tags=sorted(chosen))
+        log.info("memory_released", tags=sorted(chosen))
 
     def resume_memory(self, tags: Iterable[str] | None = None) -> None:
         """Re-create what `release_memory` freed. Weights come back from the last checkpoint loaded from disk (and
@@ -709,7 +705,7 @@ class EmbeddedEngine:
             self._released.discard("weights")
             self._new_epoch()
         self._stalled = False
-        log.info("memory resumed", tags=sorted(chosen), weight_version=self.weight_version)
+        log.info("memory_resumed", tags=sorted(chosen), weight_version=self.weight_version)
 
     # ---- log-probs, export, import -------------------------------------------------------------------------
 
@@ -768,7 +764,7 @@ class EmbeddedEngine:
         if match.block_ids and self.staging is not None:
             region = self.staging.reserve(len(match.block_ids))
             if region is None:
-                log.debug("staging buffer full: export goes block by block", blocks=len(match.block_ids))
+                log.debug("staging_buffer_full_export_goes_block_by_block", blocks=len(match.block_ids))
             else:
                 self.staging.gather(pool, match.block_ids, region)
         cache.lock(match.node)
@@ -845,7 +841,7 @@ class EmbeddedEngine:
                 except BaseException as error:
                     if getattr(error, "unsafe_ranges", None) != ():
                         staging.quarantine(region)  # bytes of the failed read may still land in it
-                        log.warning("staging region quarantined after a failed read", blocks=blocks)
+                        log.warning("staging_region_quarantined_after_a_failed_read", blocks=blocks)
                     raise
                 staging.scatter(region, pool, dest)
             finally:

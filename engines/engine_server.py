@@ -571,9 +571,9 @@ def _wrap(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Ca
             raise
         except Exception as error:
             if type(error).__name__ == "TransferError":
-                log.warning("kv transfer failed", error=str(error))
+                log.warning("kv_transfer_failed", error=str(error))
                 return _error(502, str(error), "transfer_failed")
-            log.exception("request handler failed", path=request.path)
+            log.exception("request_handler_failed", path=request.path)
             return _error(500, f"{type(error).__name__}: {error}", "internal_error")
 
     return wrapped
@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         await engine.close()
 
     app.on_cleanup.append(close_engine)
-    log.info("engine server starting", host=args.host, port=args.port, kv_transfer=args.kv_transfer)
+    log.info("engine_server_starting", host=args.host, port=args.port, kv_transfer=args.kv_transfer)
     try:
         web.run_app(app, host=args.host, port=args.port, print=None)
     finally:

@@ -171,7 +171,7 @@ class SGLangClient:
         try:
             await self._post("/flush_cache", {}, self.config.control_timeout_s)
         except RequestRejected as error:
-            log.info("flush_cache refused", base_url=self.base_url, reason=error.message)
+            log.info("flush_cache_refused", base_url=self.base_url, reason=error.message)
             return False
         return True
 

@@ -203,7 +203,7 @@ class TransferAgent:
             if rc == 0:
                 self._engine = engine
                 break
-            log.warning("mooncake initialize failed, retrying", attempt=attempt, rc=rc)
+            log.warning("mooncake_initialize_failed_retrying", attempt=attempt, rc=rc)
             del engine
             if attempt < config.init_retries:
                 time.sleep(backoff_s)
@@ -214,7 +214,7 @@ class TransferAgent:
                 f"{config.init_retries} times (a clash on the random P2P port, or the protocol is unavailable)"
             )
         self.peer = f"{config.hostname}:{self._engine.get_rpc_port()}"
-        log.debug("transfer agent ready", peer=self.peer)
+        log.debug("transfer_agent_ready", peer=self.peer)
 
     # ---- registration -------------------------------------------------------------------------------------
 

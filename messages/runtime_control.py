@@ -1,4 +1,5 @@
-"""Messages the runtime itself exchanges: ask failures, supervision, shutdown, and the per-actor start record of logs."""
+"""Messages the runtime itself exchanges: ask failures, supervision, shutdown, statistics, and the per-actor start
+record of logs."""
 
 from __future__ import annotations
 
@@ -63,3 +64,9 @@ class ActorStarted:
     """Wire names of the published message types the actor listens to."""
     incarnation: int
     """0 for the first start, then 1, 2, ... for each restart."""
+
+
+@message("gyre.runtime.StatisticsAsked")
+class StatisticsAsked:
+    """Anyone -> any actor (ask): your statistics, now. Every actor answers with its own frozen record,
+    `<Actor>Statistics` (what `Actor.statistics()` returns); one without counters answers with a NoHandler error."""

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Coroutine, TypeVar
 import attrs
 import structlog
 
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime.clock import Clock
+from gyre.runtime.errors import NoHandler
 
 if TYPE_CHECKING:
     from gyre.runtime.node import ActorSlot
@@ -74,6 +76,15 @@ class Actor:
 
     async def on_stop(self) -> None:
         """Called once when the actor stops (not when it fails)."""
+
+    def statistics(self) -> Any:
+        """This actor's counters as one frozen record, `<Actor>Statistics` (trio's `statistics()`): the answer to
+        `StatisticsAsked`. Override it in an actor that keeps counters; it must not block or change state."""
+        raise NoHandler(f"{type(self).__name__} keeps no statistics")
+
+    @handler(StatisticsAsked)
+    def on_statistics_asked(self, msg: StatisticsAsked) -> Any:
+        return self.statistics()
 
     # ---- what a handler may do ------------------------------------------------------------------------------------
     def tell(self, to: str, msg: Any) -> None:

@@ -53,5 +53,9 @@ class NoHandler(GyreError):
     """An actor received a message type it declares no handler for."""
 
 
+class ConfigError(GyreError, ValueError):
+    """A config field holds a value it cannot take (raised as the config is built, before anything starts)."""
+
+
 class TopologyError(GyreError):
     """A topology is malformed: duplicate names, a config of the wrong class, an unknown policy."""

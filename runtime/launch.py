@@ -272,7 +272,7 @@ class LocalProcessLauncher:
         if parts_dir is not None and options.log_path:
             report = merge_segments(sorted(parts_dir.glob("*.glog")), Path(options.log_path))
             if report.torn_tail_bytes:
-                log.warning("a process left a torn record; it was skipped", bytes=report.torn_tail_bytes)
+                log.warning("a_process_left_a_torn_record_it_was_skipped", bytes=report.torn_tail_bytes)
             shutil.rmtree(parts_dir, ignore_errors=True)
         return RunResult(code, reason)
 
@@ -294,7 +294,7 @@ class LocalProcessLauncher:
             if asyncio.get_running_loop().time() > deadline:
                 for child in children.values():
                     if child.is_alive():
-                        log.error("process did not stop in time; killing it", process=child.name)
+                        log.error("process_did_not_stop_in_time_killing_it", process=child.name)
                         child.kill()
                 break
             await asyncio.sleep(0.05)

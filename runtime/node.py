@@ -330,7 +330,7 @@ class Node:
             try:
                 await slot.actor.on_stop()
             except Exception as error:
-                log.error("on_stop raised", actor=slot.name, error=repr(error))
+                log.error("on_stop_raised", actor=slot.name, error=repr(error))
         self._refuse_mailbox(slot, "stopped")
 
     # ---- sending --------------------------------------------------------------------------------------------------
@@ -523,20 +523,20 @@ class Node:
         self.statistics["received"] += 1
         if len(frames) != 2:
             self.statistics["bad_frames"] += 1
-            log.error("dropped a frame set of the wrong shape", node=self.name, parts=len(frames))
+            log.error("dropped_a_frame_set_of_the_wrong_shape", node=self.name, parts=len(frames))
             return None
         header, body = frames
         try:
             envelope, type_name, version = self.codec.decode_header(header)
         except CodecError as error:
             self.statistics["bad_frames"] += 1
-            log.error("dropped an undecodable header", node=self.name, error=str(error))
+            log.error("dropped_an_undecodable_header", node=self.name, error=str(error))
             return None
         try:
             msg = self.codec.decode_body(type_name, version, body)
         except CodecError as error:
             self.statistics["bad_frames"] += 1
-            log.error("dropped an undecodable body", node=self.name, type=type_name, error=str(error))
+            log.error("dropped_an_undecodable_body", node=self.name, type=type_name, error=str(error))
             if envelope.kind == _ASK:
                 self._reply_error(envelope, type(error).__name__, str(error))
             elif envelope.kind == _REPLY:
@@ -548,7 +548,7 @@ class Node:
         slot = self.slots.get(envelope.receiver)
         if slot is None:
             self.statistics["misrouted"] += 1
-            log.error("message for an actor this node does not host", node=self.name, receiver=envelope.receiver)
+            log.error("message_for_an_actor_this_node_does_not_host", node=self.name, receiver=envelope.receiver)
             if envelope.kind == _ASK:
                 self._reply_error(envelope, "UnknownAddress", f"{envelope.receiver} is not on node {self.name}")
             return None
@@ -594,7 +594,7 @@ class Node:
         try:
             self._route(envelope, msg)
         except (UnknownAddress, Backpressure) as error:
-            log.error("could not deliver a reply", actor=slot.name, to=ask.sender, error=str(error))
+            log.error("could_not_deliver_a_reply", actor=slot.name, to=ask.sender, error=str(error))
 
     def _reply_error(self, ask: Envelope, error_type: str, message: str) -> None:
         replier = self.slots.get(ask.receiver) or self._client
@@ -606,7 +606,7 @@ class Node:
             self._reply_error(envelope, "ActorDead", f"{slot.name} is {slot.status}")
         else:
             self.statistics["refused"] += 1
-            log.warning("message for a dead actor", actor=slot.name, status=slot.status, type=type(msg).__name__)
+            log.warning("message_for_a_dead_actor", actor=slot.name, status=slot.status, type=type(msg).__name__)
 
     def _refuse_mailbox(self, slot: ActorSlot, why: str) -> None:
         while not slot.mailbox.empty():
@@ -659,7 +659,7 @@ class Node:
             if envelope.kind == _ASK:
                 self._reply_error(envelope, "NoHandler", f"{slot.name} has no handler for {type(msg).__qualname__}")
             else:
-                log.error("no handler", actor=slot.name, type=type(msg).__qualname__, seq=envelope.msg_id)
+                log.error("no_handler", actor=slot.name, type=type(msg).__qualname__, seq=envelope.msg_id)
             return None
         if self._debug:
             log.debug("handle", actor=slot.name, type=type(msg).__name__, seq=envelope.msg_id, sender=envelope.sender)
@@ -727,10 +727,10 @@ class Node:
         it is cancelled, and if it was answering an ask, the asker gets an error reply instead of waiting forever).
         """
         if not slot.alive:  # e.g. a background task that raised while the actor was being stopped
-            log.warning("failure after the actor ended", actor=slot.name, status=slot.status, error=repr(error))
+            log.warning("failure_after_the_actor_ended", actor=slot.name, status=slot.status, error=repr(error))
             return
         policy: RestartPolicy = slot.spec.restart
-        log.error("actor failed", actor=slot.name, error=repr(error), restarts=slot.restarts, policy=policy.mode)
+        log.error("actor_failed", actor=slot.name, error=repr(error), restarts=slot.restarts, policy=policy.mode)
         self.statistics["failures"] += 1
         in_mailbox = slot.task is not None and asyncio.current_task() is slot.task
         interrupted = None if in_mailbox else slot.current_envelope
@@ -770,7 +770,7 @@ class Node:
             try:
                 self.send_from(self._client, SUPERVISOR, notice)
             except Exception as send_error:  # the supervisor unreachable must not hide the failure
-                log.error("could not tell the supervisor", actor=slot.name, error=repr(send_error))
+                log.error("could_not_tell_the_supervisor", actor=slot.name, error=repr(send_error))
 
     async def _restart_hook(self, slot: ActorSlot) -> None:
         try:

@@ -27,7 +27,7 @@ class Supervisor(Actor):
     @handler(ActorFailed)
     def on_actor_failed(self, msg: ActorFailed) -> None:
         self.failures.append(msg)
-        self.log.warning("actor failed", failed=msg.actor, error=msg.error_type, detail=msg.message, action=msg.action)
+        self.log.warning("actor_failed", failed=msg.actor, error=msg.error_type, detail=msg.message, action=msg.action)
         if msg.action == "escalated" and self.config.stop_on_escalation:
             self._slot.node.resolve_stop(f"{msg.actor} failed: {msg.error_type}: {msg.message}", 1)
 

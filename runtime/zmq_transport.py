@@ -118,7 +118,7 @@ class ZmqTransport:
             try:
                 waiting = on_frames(frames)
             except Exception as error:  # the node must never lose its reader to one bad frame set
-                log.error("frame handler raised; frames dropped", error=repr(error))
+                log.error("frame_handler_raised_frames_dropped", error=repr(error))
                 continue
             if waiting is not None:
                 self._blocked = True
@@ -130,7 +130,7 @@ class ZmqTransport:
         try:
             await waiting
         except Exception as error:
-            log.error("frame handler raised; frames dropped", error=repr(error))
+            log.error("frame_handler_raised_frames_dropped", error=repr(error))
         self._blocked = False
         self._drain()
 

@@ -67,15 +67,11 @@ from gyre.messages.cells import (
 from gyre.messages.executions import ExecutionEnded
 from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
+from gyre.runtime.validators import positive
 
 __all__ = ["Cell", "CellConfig"]
 
 ROLES = (ROLLOUT, TRAIN)
-
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
 
 
 @attrs.frozen
@@ -100,7 +96,7 @@ class CellConfig:
     """Actor name of the weight broker."""
     core: str = "core"
     """Actor name of the core cell (where satellites send gradients)."""
-    report_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    report_interval_s: float = attrs.field(default=1.0, validator=positive)
     """Time between LoadReports."""
     host: str = "127.0.0.1"
     """Address the engine server binds and that peers (and Mooncake) reach this cell at."""
@@ -114,30 +110,30 @@ class CellConfig:
     """Satellite: import and set up the training runtime (engines.trainer.prepare_training_runtime) in the background
     as the cell starts, so its first switch into training does not pay 5-13 s in the middle of a run. Worth it when
     satellites are expected to train (the elastic policy); it costs the import's memory and CPU on every cell."""
-    train_chunk_padded_tokens: int = attrs.field(default=2048, validator=_positive)
+    train_chunk_padded_tokens: int = attrs.field(default=2048, validator=positive)
     """A micro-step is computed in length-sorted chunks of at most this many tokens once padded (a longer sample
     gets a chunk of its own): less padding, and a bound on activation memory."""
-    claim_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    claim_timeout_s: float = attrs.field(default=30.0, validator=positive)
     """How long a ClaimMicroStep waits for the claimer."""
-    claim_retry_s: float = attrs.field(default=0.2, validator=_positive)
+    claim_retry_s: float = attrs.field(default=0.2, validator=positive)
     """Pause before claiming again after a failed claim (a "no work" answer brings its own hint)."""
-    migrate_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    migrate_timeout_s: float = attrs.field(default=120.0, validator=positive)
     """How long the KV migration of a draining cell may take before the cell aborts and lets the proxy re-prefill."""
-    grads_taken_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    grads_taken_timeout_s: float = attrs.field(default=60.0, validator=positive)
     """How long a satellite waits for GradientsTaken before giving its send buffer up."""
-    server_shutdown_s: float = attrs.field(default=10.0, validator=_positive)
+    server_shutdown_s: float = attrs.field(default=10.0, validator=positive)
     """Grace time for the engine server's open requests when it stops (they are aborted anyway)."""
-    broker_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    broker_timeout_s: float = attrs.field(default=10.0, validator=positive)
     """How long a WeightsQuery waits for the broker."""
-    pull_attempts: int = attrs.field(default=50, validator=_positive)
+    pull_attempts: int = attrs.field(default=50, validator=positive)
     """Attempts at a weight pull (a torn read, a step in progress, the broker busy) before the cell fails."""
-    pull_retry_s: float = attrs.field(default=0.02, validator=_positive)
+    pull_retry_s: float = attrs.field(default=0.02, validator=positive)
     """Pause between pull attempts."""
-    session_ttl_s: float = attrs.field(default=600.0, validator=_positive)
+    session_ttl_s: float = attrs.field(default=600.0, validator=positive)
     """A session counts as live on this cell (LoadReport.live_sessions) until this long after its last call here
     (agents run tools between calls), or until the executor publishes its ExecutionEnded. The proxy knows sessions
     exactly; this is the cell's estimate."""
-    max_sessions: int = attrs.field(default=65536, validator=_positive)
+    max_sessions: int = attrs.field(default=65536, validator=positive)
     """Sessions the estimate remembers at most."""
     save_dir: str = ""
     """Core only: when the cell stops, save its authoritative weights here as an HF model directory ("" = don't)."""
@@ -147,7 +143,7 @@ class CellConfig:
     checkpoint_dir: str = ""
     """Core only: after every `checkpoint_every_steps`-th applied step, save the weights as an HF model directory
     `<checkpoint_dir>/v<version>` ("" = never). A failed save is logged and training goes on."""
-    checkpoint_every_steps: int = attrs.field(default=1, validator=_positive)
+    checkpoint_every_steps: int = attrs.field(default=1, validator=positive)
     """Steps between checkpoints (versions divisible by it are saved)."""
 
     def __attrs_post_init__(self) -> None:

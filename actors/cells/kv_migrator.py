@@ -147,7 +147,7 @@ class KVMigrator(Actor):
         placement = assign_sessions({s: len(ids) for s, ids in prefixes.items()}, tuple(targets))
         partial = sum(len(prefixes[s]) - len(answer.sessions[s]) for s in placement)
         if prefixes and not placement:
-            self.log.warning("no target cell to migrate to", source=msg.source, sessions=len(prefixes))
+            self.log.warning("no_target_cell_to_migrate_to", source=msg.source, sessions=len(prefixes))
 
         source = self._client(msg.source_url) if msg.source_url else None
         gate = asyncio.Semaphore(self.config.max_concurrent)
@@ -168,7 +168,7 @@ class KVMigrator(Actor):
         self.moved_tokens += moved
         self.partial_output_tokens += partial
         self.log.info(
-            "sessions migrated",
+            "sessions_migrated",
             source=msg.source,
             sessions=len(placement),
             moved_tokens=moved,
@@ -192,10 +192,10 @@ class KVMigrator(Actor):
             export = await source.export_kv(ids)
         except CapabilityMissing as error:
             capability["missing"] = True  # the same server will refuse every other session too
-            self.log.info("source cannot export KV: re-prefill", error=str(error))
+            self.log.info("source_cannot_export_kv_re_prefill", error=str(error))
             return _Outcome(reprefill=True)
         except SGLangError as error:
-            self.log.warning("KV export failed: re-prefill", error=str(error))
+            self.log.warning("kv_export_failed_re_prefill", error=str(error))
             return _Outcome(reprefill=True)
         try:
             if int(export.get("num_tokens", 0)) <= 0:
@@ -203,10 +203,10 @@ class KVMigrator(Actor):
             try:
                 result = await target.import_kv(ids, export)
             except CapabilityMissing as error:
-                self.log.info("target cannot import KV: re-prefill", error=str(error))
+                self.log.info("target_cannot_import_kv_re_prefill", error=str(error))
                 return _Outcome(reprefill=True)
             except SGLangError as error:
-                self.log.warning("KV import failed: re-prefill", error=str(error))
+                self.log.warning("kv_import_failed_re_prefill", error=str(error))
                 return _Outcome(reprefill=True)
             return _Outcome(moved_tokens=int(result.get("imported_tokens", 0)))
         finally:
@@ -220,4 +220,4 @@ class KVMigrator(Actor):
             await source.release_kv(handle)
         except SGLangError as error:
             # A pinned export only keeps blocks from eviction; the engine bounds how many can be pinned.
-            self.log.warning("KV release failed", handle=handle, error=str(error))
+            self.log.warning("kv_release_failed", handle=handle, error=str(error))

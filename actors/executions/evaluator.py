@@ -58,6 +58,7 @@ from gyre.messages.execution_stats import EvaluatorStatistics, StatisticsAsked
 from gyre.messages.executions import ExecutionFinished
 from gyre.messages.samples import ExecutionDropped, ExecutionScored
 from gyre.runtime import Actor, handler
+from gyre.runtime.validators import count, positive
 
 __all__ = ["EvaluatorConfig", "Evaluator", "ScorerOutputError", "parse_scorer_output", "DROP_KINDS"]
 
@@ -66,20 +67,10 @@ STDERR_TAIL_CHARS = 300
 """How much of a crashed scorer's stderr goes into the drop reason."""
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
-
 def _module_names(instance: object, attribute: attrs.Attribute, value: object) -> None:
     problem = preload_problem(value)
     if problem is not None:
         raise ValueError(f"{attribute.name}: {problem}")
-
-
-def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
 
 
 @attrs.frozen
@@ -88,15 +79,15 @@ class EvaluatorConfig:
 
     builder: str = "trajectory_builder"
     """Actor that receives ExecutionScored and ExecutionDropped."""
-    max_concurrent: int = attrs.field(default=4, validator=_count)
+    max_concurrent: int = attrs.field(default=4, validator=count)
     """Scorers running at once."""
-    max_queued: int = attrs.field(default=4096, validator=_count)
+    max_queued: int = attrs.field(default=4096, validator=count)
     """Executions waiting for a scorer at most; beyond it an execution is dropped ("no_room"), loudly."""
-    kill_grace_s: float = attrs.field(default=1.0, validator=_positive)
+    kill_grace_s: float = attrs.field(default=1.0, validator=positive)
     """Time between SIGTERM and SIGKILL of an overrunning scorer's process group."""
-    max_output_bytes: int = attrs.field(default=64 * 1024, validator=_count)
+    max_output_bytes: int = attrs.field(default=64 * 1024, validator=count)
     """Stdout (and stderr) kept per scorer run; the rest is read and discarded so the scorer never blocks."""
-    max_detail_chars: int = attrs.field(default=2048, validator=_count)
+    max_detail_chars: int = attrs.field(default=2048, validator=count)
     """Longest `detail` sent on; a longer scorer object is cut down to its "reward" and "success"."""
     remove_workspace: bool = False
     """Delete the workspace directory once scored or dropped (the logs beside it stay)."""

@@ -63,6 +63,7 @@ from gyre.messages.executions import (
 from gyre.messages.groups import GroupStarted
 from gyre.messages.samples import ExecutionDropped
 from gyre.runtime import Actor, handler
+from gyre.runtime.validators import count, positive
 
 __all__ = [
     "ExecutorConfig",
@@ -74,16 +75,6 @@ __all__ = [
 
 AGENT_STDOUT = "agent.stdout.log"
 AGENT_STDERR = "agent.stderr.log"
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
-
-def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
 
 
 def _module_names(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -104,15 +95,15 @@ class ExecutorConfig:
     """Actor that scores finished executions."""
     builder: str = "trajectory_builder"
     """Actor told about executions that never got a process."""
-    max_concurrent: int = attrs.field(default=16, validator=_count)
+    max_concurrent: int = attrs.field(default=16, validator=count)
     """Executions holding a slot (key requested, agent alive) at once."""
-    max_queued: int = attrs.field(default=4096, validator=_count)
+    max_queued: int = attrs.field(default=4096, validator=count)
     """Executions waiting for a slot at most; a group that does not fit is refused."""
-    max_group_size: int = attrs.field(default=1024, validator=_count)
+    max_group_size: int = attrs.field(default=1024, validator=count)
     """Largest group accepted."""
-    issue_key_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    issue_key_timeout_s: float = attrs.field(default=30.0, validator=positive)
     """How long to wait for the proxy's key."""
-    kill_grace_s: float = attrs.field(default=2.0, validator=_positive)
+    kill_grace_s: float = attrs.field(default=2.0, validator=positive)
     """Time between SIGTERM and SIGKILL of a timed-out agent's process group."""
     inherit_env: bool = True
     """Agents see this process's environment (PATH, PYTHONPATH, ...) under the variables the executor sets; False

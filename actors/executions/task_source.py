@@ -44,13 +44,9 @@ from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
 from gyre.policies.task_sampling import EpochOrder, GroupOutcome, TaskSampling, checked_weights, family_of
 from gyre.runtime import Actor, handler
+from gyre.runtime.validators import count, optional_count
 
 __all__ = ["TaskSourceConfig", "TaskSource", "groups_ahead_for_staleness"]
-
-def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
 
 def _tasks(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
     if not isinstance(value, tuple) or not value:
@@ -61,11 +57,6 @@ def _tasks(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
     ids = [task.task_id for task in value]
     if len(set(ids)) != len(ids):
         raise ValueError("task ids must be unique")
-
-
-def _optional_count(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{attribute.name} must be None or an int >= 1, got {value!r}")
 
 
 def _sampling(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -86,11 +77,11 @@ class TaskSourceConfig:
 
     tasks: tuple[TaskSpec, ...] = attrs.field(validator=_tasks)
     """The task list (unique task ids)."""
-    group_size: int = attrs.field(default=16, validator=_count)
+    group_size: int = attrs.field(default=16, validator=count)
     """G: executions per group."""
-    groups_in_flight: int = attrs.field(default=2, validator=_count)
+    groups_in_flight: int = attrs.field(default=2, validator=count)
     """Groups running at once."""
-    max_groups: int | None = attrs.field(default=None, validator=_optional_count)
+    max_groups: int | None = attrs.field(default=None, validator=optional_count)
     """Groups to run in all; None: no end."""
     seed: int = 0
     """Seeds the task order."""
@@ -98,9 +89,9 @@ class TaskSourceConfig:
     """Shuffle the tasks in each epoch (False: the list's order)."""
     executor: str = "executor"
     """Actor that runs groups."""
-    groups_per_step: int = attrs.field(default=1, validator=_count)
+    groups_per_step: int = attrs.field(default=1, validator=count)
     """Groups one optimizer step trains (the micro-step claimer's setting)."""
-    max_groups_ahead_of_training: int | None = attrs.field(default=None, validator=_optional_count)
+    max_groups_ahead_of_training: int | None = attrs.field(default=None, validator=optional_count)
     """Bound on groups started and not yet trained (module docstring); None: no bound."""
     initial_weight_version: int = 0
     """Weight version before the first step."""
@@ -108,7 +99,7 @@ class TaskSourceConfig:
     """Id of the first step (the micro-step claimer's `first_step_id`)."""
     stop_topology_when_done: bool = True
     """Stop the run once `max_groups` groups are done."""
-    history_size: int = attrs.field(default=1024, validator=_count)
+    history_size: int = attrs.field(default=1024, validator=count)
     """Group records kept (the newest)."""
     group_id_prefix: str = "g"
     """Group ids are the prefix plus a 6-digit counter."""

@@ -33,6 +33,7 @@ import attrs
 import structlog
 
 from gyre.actors.executions.warm_launcher_server import MAX_REQUEST_BYTES
+from gyre.runtime.validators import positive
 
 __all__ = [
     "LaunchedProcess",
@@ -76,20 +77,15 @@ def preload_problem(preload: object) -> str | None:
     return None
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{attribute.name} must be a number > 0, got {value!r}")
-
-
 @attrs.frozen
 class WarmLauncherConfig:
     """Time bounds of the launcher's conversations with its server."""
 
-    start_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    start_timeout_s: float = attrs.field(default=120.0, validator=positive)
     """How long the server may take to import the preload modules and say it is ready."""
-    launch_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    launch_timeout_s: float = attrs.field(default=30.0, validator=positive)
     """How long one fork may take to be answered; a server that does not answer is treated as dead."""
-    close_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    close_timeout_s: float = attrs.field(default=10.0, validator=positive)
     """How long `close()` waits for the server to kill its children and exit before it is SIGKILLed."""
 
 

@@ -360,7 +360,7 @@ class RoutedBackend:
                         waited = True
                         await self._wait_change(started + self.config.placement_wait_s)
                         continue
-                    log.warning("no placement came for a migrating session", session=route.key, cell=holder.name)
+                    log.warning("no_placement_came_for_a_migrating_session", session=route.key, cell=holder.name)
                     route.migrating = False
                 if (not route.migrating and holder is not None and holder.draining and holder.role == ROLLOUT
                         and loop.time() - started < self.config.resume_grace_s):
@@ -414,7 +414,7 @@ class RoutedBackend:
             try:
                 await cell.client.abort(rid)
             except SGLangError as error:
-                log.info("abort failed", cell=cell.name, rid=rid, error=str(error))
+                log.info("abort_failed", cell=cell.name, rid=rid, error=str(error))
 
         task = asyncio.ensure_future(abort())
         self._background.add(task)
@@ -529,7 +529,7 @@ class RoutedBackend:
                     reason = "the proxy is stopping" if self._stopping else failure
                     raise BackendUnavailable(f"cell {cell.name}: {reason}")
                 log.warning(
-                    "generation aborted for good",
+                    "generation_aborted_for_good",
                     rid=request.rid,
                     attempts=attempt,
                     revoked=route.revoked,
@@ -545,7 +545,7 @@ class RoutedBackend:
                 )
             self._resumed += 1
             log.info(
-                "resuming generation",
+                "resuming_generation",
                 rid=request.rid,
                 cell=cell.name,
                 generated=len(out_ids),
@@ -603,7 +603,7 @@ class Proxy(Actor):
         await web.TCPSite(self.runner, config.host, config.port).start()
         port = self.runner.addresses[0][1]
         self.base_url = f"http://{config.host}:{port}"
-        self.log.info("proxy serving", base_url=self.base_url)
+        self.log.info("proxy_serving", base_url=self.base_url)
         # A restarted proxy holds no call: say so, in case its predecessor's last count said otherwise.
         self.publish(CallsWaitingForCell(calls=0, time_s=self.clock.now()))
 
@@ -639,9 +639,9 @@ class Proxy(Actor):
         known = self.sessions.revoke(msg.execution_id)
         aborted = self.backend.forget_execution(msg.execution_id)
         if not known:
-            self.log.info("revoke of an unknown execution", execution_id=msg.execution_id)
+            self.log.info("revoke_of_an_unknown_execution", execution_id=msg.execution_id)
         elif aborted:
-            self.log.info("revoked with calls in flight", execution_id=msg.execution_id, aborted=aborted)
+            self.log.info("revoked_with_calls_in_flight", execution_id=msg.execution_id, aborted=aborted)
 
     @handler(RoleChanged)
     def on_role_changed(self, msg: RoleChanged) -> None:
@@ -658,7 +658,7 @@ class Proxy(Actor):
     @handler(SessionPlaced)
     def on_session_placed(self, msg: SessionPlaced) -> None:
         if not self.backend.session_placed(msg.session, msg.cell):
-            self.log.info("placement of an unknown session", session=msg.session, cell=msg.cell)
+            self.log.info("placement_of_an_unknown_session", session=msg.session, cell=msg.cell)
 
     @handler(SessionsOnCell)
     def on_sessions_on_cell(self, msg: SessionsOnCell) -> SessionPrefixes:

@@ -128,7 +128,7 @@ class TurnStreamer:
             # Cannot happen when the settled text is a prefix of the final one; if a tokenizer's decode is not
             # prefix-stable it might: the client then assembles something other than what was recorded.
             self.consistent = False
-            log.warning("streamed turn does not extend to the final answer", sent=len(self.sent_content),
+            log.warning("streamed_turn_does_not_extend_to_the_final_answer", sent=len(self.sent_content),
                         final=len(final_content), sent_calls=len(self.sent_calls), final_calls=len(final_calls))
         return deltas
 

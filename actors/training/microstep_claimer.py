@@ -192,7 +192,7 @@ class MicroStepLedger:
         for execution_id, samples in by_execution.items():
             if execution_id in self._seen_executions:
                 self.counts["samples_duplicate"] += len(samples)
-                log.error("execution landed twice; refused", execution=execution_id, group=msg.group_id)
+                log.error("execution_landed_twice_refused", execution=execution_id, group=msg.group_id)
                 continue
             self._seen_executions.add(execution_id)
             self.counts["executions_landed"] += 1
@@ -207,7 +207,7 @@ class MicroStepLedger:
         while len(self.pending) > self.config.max_pending_executions:
             dropped = self.pending.popleft()
             self.counts["samples_dropped_overflow"] += len(dropped.samples)
-            log.warning("pending queue full: dropped the oldest execution", execution=dropped.execution_id,
+            log.warning("pending_queue_full_dropped_the_oldest_execution", execution=dropped.execution_id,
                         bound=self.config.max_pending_executions)
         return self._fill()
 
@@ -230,7 +230,7 @@ class MicroStepLedger:
     def _drop_stale(self, execution: _Execution) -> None:
         self.counts["executions_dropped_stale"] += 1
         self.counts["samples_dropped_stale"] += len(execution.samples)
-        log.debug("stale execution dropped", execution=execution.execution_id,
+        log.debug("stale_execution_dropped", execution=execution.execution_id,
                  sample_version=execution.min_weight_version, base_version=self.base_version)
 
     def _pack(self, sample: TrainingSample) -> None:
@@ -316,7 +316,7 @@ class MicroStepLedger:
 
     def _refuse(self, msg: ClaimMicroStep, why: str) -> ClaimGranted:
         self.counts["claims_refused"] += 1
-        log.debug("claim refused", cell=msg.cell, why=why)
+        log.debug("claim_refused", cell=msg.cell, why=why)
         return self._no_work()
 
     def _claims_of(self, cell: str) -> int:
@@ -336,7 +336,7 @@ class MicroStepLedger:
         microstep = self.microsteps.get(msg.microstep_index)
         if microstep is None or msg.cell not in microstep.past_holders:
             self.counts["stray_messages"] += 1
-            log.warning("MicroStepDone from a cell that never held it", cell=msg.cell, step=msg.step_id,
+            log.warning("micro_step_done_from_a_cell_that_never_held_it", cell=msg.cell, step=msg.step_id,
                         microstep=msg.microstep_index)
             return
         if microstep.state == "done":
@@ -366,7 +366,7 @@ class MicroStepLedger:
         self._requeue(microstep, "released")
 
     def _requeue(self, microstep: _MicroStep, why: str) -> None:
-        log.info("micro-step re-queued", step=self.step_id, microstep=microstep.index, cell=microstep.holder, why=why)
+        log.info("micro_step_re_queued", step=self.step_id, microstep=microstep.index, cell=microstep.holder, why=why)
         microstep.state = "queued"
         microstep.holder = ""
         self.queue.appendleft(microstep.index)  # oldest work first: it holds the step back
@@ -395,7 +395,7 @@ class MicroStepLedger:
             return
         for name, cell in sorted(self.cells.items()):
             if now_s - cell.last_seen_s > limit and self._claims_of(name):
-                log.warning("cell silent while holding claims; presumed dead", cell=name,
+                log.warning("cell_silent_while_holding_claims_presumed_dead", cell=name,
                             silent_s=now_s - cell.last_seen_s)
                 self._requeue_cell(name, "the cell went silent")
 
@@ -408,7 +408,7 @@ class MicroStepLedger:
         """The core applied a step: finish it, move to the next base version, drop what became too stale."""
         if msg.step_id != self.step_id:
             self.counts["stray_messages"] += 1
-            log.error("StepApplied for a step that is not current", step=msg.step_id, current=self.step_id)
+            log.error("step_applied_for_a_step_that_is_not_current", step=msg.step_id, current=self.step_id)
             return []
         done_samples = 0
         for microstep in self.microsteps.values():
@@ -416,7 +416,7 @@ class MicroStepLedger:
                 self._mark_done(microstep)  # its MicroStepDone to us is still on the way; the core had it
             elif microstep.state != "done":
                 self.counts["samples_lost"] += len(microstep.samples)
-                log.error("the core applied a step without one of its micro-steps", step=self.step_id,
+                log.error("the_core_applied_a_step_without_one_of_its_micro_steps", step=self.step_id,
                           microstep=microstep.index, state=microstep.state)
             if microstep.state == "done":
                 done_samples += len(microstep.samples)
@@ -426,7 +426,7 @@ class MicroStepLedger:
             self.counts["steps_skipped"] += 1
             self.counts["samples_trained"] -= done_samples
             self.counts["samples_skipped"] += done_samples
-            log.warning("step skipped by the core; its samples count as skipped", step=self.step_id,
+            log.warning("step_skipped_by_the_core_its_samples_count_as_skipped", step=self.step_id,
                         samples=done_samples, version=msg.version)
         self.step_id = msg.step_id + 1
         self.base_version = msg.version
@@ -541,7 +541,7 @@ class MicroStepClaimer(Actor):
     # Every handler ends in _after(): publish what changed and arm the silence check while claims are held.
     def _after(self, published: list[Any] = ()) -> None:
         for msg in published:
-            self.log.info("step ready", step=msg.step_id, microsteps=msg.num_microsteps, samples=msg.num_samples)
+            self.log.info("step_ready", step=msg.step_id, microsteps=msg.num_microsteps, samples=msg.num_samples)
             self.publish(msg)
         self._publish_backlog()
         if self.ledger.claims_held and not self._tick_armed and self.config.cell_silence_limit_s is not None:
@@ -590,7 +590,7 @@ class MicroStepClaimer(Actor):
     def on_step_applied(self, msg: StepApplied) -> None:
         published = self.ledger.step_applied(msg)
         stats = self.ledger.statistics()
-        self.log.info("step applied", step=msg.step_id, version=msg.version, skipped=msg.skipped,
+        self.log.info("step_applied", step=msg.step_id, version=msg.version, skipped=msg.skipped,
                       trained=stats.samples_trained, stale=stats.samples_dropped_stale)
         check_exactly_once(stats, lost_ok=True)  # a failure here is a bug in the ledger: fail loudly
         self._after(published)

@@ -110,7 +110,7 @@ class Scheduler(Actor):
         state = self.cells[name]
         state.last_heard_s = self.clock.now()
         if state.silent:
-            self.log.info("cell heard from again", cell=name)
+            self.log.info("cell_heard_from_again", cell=name)
             state.silent = False
         return state
 
@@ -184,7 +184,7 @@ class Scheduler(Actor):
             state = self.cells[name]
             if limit is not None and now - state.last_heard_s > limit:
                 if not state.silent:
-                    self.log.warning("cell silent; left out of the view", cell=name, silent_s=now - state.last_heard_s)
+                    self.log.warning("cell_silent_left_out_of_the_view", cell=name, silent_s=now - state.last_heard_s)
                     state.silent = True
                 continue
             load = state.load
@@ -234,7 +234,7 @@ class Scheduler(Actor):
         try:
             self.tell(decision.cell, decision)
         except UnknownAddress as error:  # a cell of another topology announced itself: not ours to switch
-            self.log.error("cannot switch an unknown cell", cell=decision.cell, error=str(error))
+            self.log.error("cannot_switch_an_unknown_cell", cell=decision.cell, error=str(error))
             return
         self.log.info("switch", cell=decision.cell, role=decision.role, reason=decision.reason)
         state.switching_to = decision.role

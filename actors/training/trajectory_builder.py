@@ -48,13 +48,9 @@ from gyre.policies.trajectory_processor import (
 )
 from gyre.policies.trajectory_tree import TrajectoryError, TrajectoryTree, TreeConfig
 from gyre.runtime import Actor, handler
+from gyre.runtime.validators import count
 
 __all__ = ["TrajectoryBuilderConfig", "TrajectoryBuilder", "scored_success", "call_work_tokens"]
-
-def _count(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
-
 
 def _group_filter(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, GroupFilter) or not attrs.has(type(value)):
@@ -82,11 +78,11 @@ class TrajectoryBuilderConfig:
     min_reward_spread: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     """A group whose survivors' rewards span no more than this is dropped (all advantages ~0); 0 keeps every group
     (a group whose rewards are all equal then trains with zero advantages)."""
-    max_live_executions: int = attrs.field(default=4096, validator=_count)
+    max_live_executions: int = attrs.field(default=4096, validator=count)
     """Trees held at once."""
-    max_live_groups: int = attrs.field(default=1024, validator=_count)
+    max_live_groups: int = attrs.field(default=1024, validator=count)
     """Groups tracked at once; a group announced beyond it is dropped at once."""
-    finished_groups_remembered: int = attrs.field(default=65536, validator=_count)
+    finished_groups_remembered: int = attrs.field(default=65536, validator=count)
     """Finished group ids kept to recognise late messages."""
 
 

@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tempfile
 from pathlib import Path
 from typing import Protocol
@@ -30,6 +29,7 @@ from gyre.runtime.codec import Codec
 from gyre.runtime.cpu_limits import RunCpuGroups
 from gyre.runtime.event_log import EventLogWriter, merge_segments
 from gyre.runtime.node import Node, NodeConfig
+from gyre.runtime.run_secrets import install_run_secret, run_secret
 from gyre.runtime.supervisor import Supervisor, SupervisorConfig
 from gyre.runtime.topology import SUPERVISOR, ActorSpec, Directory, RestartPolicy, Topology, load_topology_file
 from gyre.runtime.virtual_loop import Quiescent, VirtualEventLoop
@@ -156,9 +156,10 @@ def _die_with_parent() -> None:
 
 def _child_main(
     topology_file: str, argv: list[str], seed: int | None, process: str, endpoints: dict[str, str],
-    log_dir: str | None, node_config: NodeConfig,
+    log_dir: str | None, node_config: NodeConfig, secret: bytes,
 ) -> None:
     _die_with_parent()
+    install_run_secret(secret)  # through the spawn pipe, never the environment (see runtime/run_secrets.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us in order
     from gyre.runtime.logs import configure_logging
 
@@ -226,7 +227,7 @@ class LocalProcessLauncher:
             name: context.Process(
                 target=_child_main,
                 args=(self.topology_file, list(self.argv), self.seed, name, endpoints,
-                      str(parts_dir) if parts_dir else None, options.node),
+                      str(parts_dir) if parts_dir else None, options.node, run_secret()),
                 name=f"gyre:{name}",
                 daemon=False,
             )

@@ -1,14 +1,10 @@
 """Counters of the execution actors (executor, evaluator, trajectory builder, task source), for progress displays,
-reports and tests: ask an actor `StatisticsAsked` and it answers with its own record."""
+reports and tests: ask an actor `StatisticsAsked` (gyre.messages.runtime_control) and it answers with its own
+record."""
 
 from __future__ import annotations
 
 from gyre.messages._define import message
-
-
-@message("gyre.execution_stats.StatisticsAsked")
-class StatisticsAsked:
-    """Anyone -> executor, evaluator, trajectory_builder or task_source (ask): your counters, now."""
 
 
 @message("gyre.execution_stats.ExecutorStatistics", version=2)

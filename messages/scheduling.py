@@ -50,11 +50,6 @@ class SchedulerTick:
     """Scheduler -> itself: re-evaluate the policy even if no event came (dwell times and grace periods expire)."""
 
 
-@message("gyre.scheduling.ClaimerStatisticsAsked")
-class ClaimerStatisticsAsked:
-    """Anyone -> claimer (ask): reply with `ClaimerStatistics`."""
-
-
 @message("gyre.scheduling.ClaimerStatistics", version=2)
 class ClaimerStatistics:
     """The claimer's exactly-once ledger: every landed sample is trained once, dropped with a reason, or in flight."""
@@ -107,11 +102,6 @@ class ClaimerStatistics:
     """The current step."""
     base_version: int
     """Its base weight version."""
-
-
-@message("gyre.scheduling.SchedulerStatisticsAsked")
-class SchedulerStatisticsAsked:
-    """Anyone -> scheduler (ask): reply with `SchedulerStatistics`."""
 
 
 @message("gyre.scheduling.SchedulerStatistics")

@@ -44,6 +44,7 @@ from typing import Any
 
 import attrs
 
+from gyre.actors.errors import ActorError
 from gyre.actors.executions.process_groups import signal_process_group, stop_process_group
 from gyre.actors.executions.warm_launcher import (
     LaunchedProcess,
@@ -54,7 +55,7 @@ from gyre.actors.executions.warm_launcher import (
     watch_launcher,
 )
 from gyre.messages.execution_reports import ScoringEnded
-from gyre.messages.execution_stats import EvaluatorStatistics, StatisticsAsked
+from gyre.messages.execution_stats import EvaluatorStatistics
 from gyre.messages.executions import ExecutionFinished
 from gyre.messages.samples import ExecutionDropped, ExecutionScored
 from gyre.runtime import Actor, handler
@@ -98,7 +99,7 @@ class EvaluatorConfig:
     fresh process. An entry "module:function" also calls that warm-up once."""
 
 
-class ScorerOutputError(ValueError):
+class ScorerOutputError(ActorError, ValueError):
     """A scorer's stdout holds no usable reward."""
 
 
@@ -333,8 +334,7 @@ class Evaluator(Actor):
         await self.send(self.config.builder, out)
         self._pump()
 
-    @handler(StatisticsAsked)
-    def on_statistics(self, msg: StatisticsAsked) -> EvaluatorStatistics:
+    def statistics(self) -> EvaluatorStatistics:
         return EvaluatorStatistics(
             scored=self.scored,
             dropped=sum(self.dropped_by_kind.values()),

@@ -49,7 +49,7 @@ import attrs
 from gyre.actors.executions.process_groups import signal_process_group, stop_process_group
 from gyre.actors.executions.warm_launcher import LaunchedProcess, LauncherDied, WarmLauncher, preload_problem, watch_launcher
 from gyre.messages.execution_reports import AgentExited, AgentLaunched, LaunchFailed
-from gyre.messages.execution_stats import ExecutorStatistics, StatisticsAsked
+from gyre.messages.execution_stats import ExecutorStatistics
 from gyre.messages.executions import (
     ExecutionEnded,
     ExecutionFinished,
@@ -419,8 +419,7 @@ class Executor(Actor):
             del self.active_groups[execution.group_id]
         return execution
 
-    @handler(StatisticsAsked)
-    def on_statistics(self, msg: StatisticsAsked) -> ExecutorStatistics:
+    def statistics(self) -> ExecutorStatistics:
         c = self.counts
         return ExecutorStatistics(
             groups_started=c["groups_started"],

@@ -39,7 +39,7 @@ from typing import Iterator
 
 import attrs
 
-from gyre.messages.execution_stats import GroupRecord, StatisticsAsked, TaskSourceStatistics
+from gyre.messages.execution_stats import GroupRecord, TaskSourceStatistics
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
 from gyre.policies.task_sampling import EpochOrder, GroupOutcome, TaskSampling, checked_weights, family_of
@@ -226,8 +226,7 @@ class TaskSource(Actor):
         self.version = max(self.version, msg.version)
         self._fill()
 
-    @handler(StatisticsAsked)
-    def on_statistics(self, msg: StatisticsAsked) -> TaskSourceStatistics:
+    def statistics(self) -> TaskSourceStatistics:
         return TaskSourceStatistics(
             groups_started=self.started,
             groups_done=self.done,

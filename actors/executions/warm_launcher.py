@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import structlog
 
+from gyre.actors.errors import ActorError
 from gyre.actors.executions.warm_launcher_server import MAX_REQUEST_BYTES
 from gyre.runtime.validators import positive
 
@@ -55,15 +56,15 @@ _PRELOAD_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(
 """A dotted module name, optionally followed by ":function", a warm-up the server calls once after the import."""
 
 
-class LauncherDied(OSError):
+class LauncherDied(ActorError, OSError):
     """The server ended without being asked to: nothing more can be launched through it."""
 
 
-class LauncherClosed(OSError):
+class LauncherClosed(ActorError, OSError):
     """The launcher was closed (or never started): nothing more can be launched through it."""
 
 
-class LauncherStartFailed(RuntimeError):
+class LauncherStartFailed(ActorError, RuntimeError):
     """The server did not come up: a preload module failed to import, or the server crashed or hung at start."""
 
 

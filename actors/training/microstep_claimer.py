@@ -38,9 +38,10 @@ from typing import Any
 import attrs
 import structlog
 
+from gyre.actors.errors import ActorError
 from gyre.messages.cells import LoadReport, RoleChanged, TRAIN
 from gyre.messages.samples import SamplesLanded, TrainingSample
-from gyre.messages.scheduling import ClaimerStatistics, ClaimerStatisticsAsked, ClaimerTick, TrainingBacklog
+from gyre.messages.scheduling import ClaimerStatistics, ClaimerTick, TrainingBacklog
 from gyre.messages.training import (
     ClaimGranted,
     ClaimMicroStep,
@@ -55,11 +56,11 @@ from gyre.runtime import Actor, handler
 log = structlog.get_logger(__name__)
 
 
-class ClaimerConfigError(ValueError):
+class ClaimerConfigError(ActorError, ValueError):
     """A claimer config with impossible values."""
 
 
-class AccountingError(RuntimeError):
+class AccountingError(ActorError, RuntimeError):
     """The exactly-once ledger does not balance: a sample was lost or trained twice."""
 
 
@@ -601,6 +602,5 @@ class MicroStepClaimer(Actor):
         self.ledger.check_silence(self.clock.now())
         self._after()
 
-    @handler(ClaimerStatisticsAsked)
-    def on_statistics(self, msg: ClaimerStatisticsAsked) -> ClaimerStatistics:
+    def statistics(self) -> ClaimerStatistics:
         return self.ledger.statistics()

@@ -18,11 +18,11 @@ from typing import Any
 
 import attrs
 
+from gyre.actors.errors import ActorError
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, LoadReport, RoleChanged, SwitchRole
 from gyre.messages.proxy import CallsWaitingForCell
 from gyre.messages.scheduling import (
     SchedulerStatistics,
-    SchedulerStatisticsAsked,
     SchedulerTick,
     TrainingBacklog,
 )
@@ -39,7 +39,7 @@ from gyre.policies.scheduling import (
 from gyre.runtime import Actor, UnknownAddress, handler
 
 
-class SchedulerConfigError(ValueError):
+class SchedulerConfigError(ActorError, ValueError):
     """A scheduler config that cannot work."""
 
 
@@ -254,6 +254,3 @@ class Scheduler(Actor):
             cells={name: (SWITCHING if s.switching_to else s.role) for name, s in sorted(self.cells.items())},
         )
 
-    @handler(SchedulerStatisticsAsked)
-    def on_statistics(self, msg: SchedulerStatisticsAsked) -> SchedulerStatistics:
-        return self.statistics()

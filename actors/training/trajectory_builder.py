@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from gyre.messages.execution_stats import BuilderStatistics, StatisticsAsked
+from gyre.messages.execution_stats import BuilderStatistics
 from gyre.messages.executions import GroupDone
 from gyre.messages.groups import GroupStarted
 from gyre.messages.model_calls import ModelCallCompleted
@@ -325,8 +325,7 @@ class TrajectoryBuilder(Actor):
             group_id, trees, survivors, self.processor, num_dropped=num_dropped, eps=self.config.advantage_eps
         )
 
-    @handler(StatisticsAsked)
-    def on_statistics(self, msg: StatisticsAsked) -> BuilderStatistics:
+    def statistics(self) -> BuilderStatistics:
         c = self.counts
         return BuilderStatistics(
             groups_landed=c["groups_landed"],

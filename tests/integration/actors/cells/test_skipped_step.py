@@ -25,10 +25,9 @@ from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.trainer import TrainerConfig
 from gyre.messages.cell_internal import CellStatusQuery, WeightsStatusQuery
 from gyre.messages.cells import TRAIN
-from gyre.messages.execution_stats import StatisticsAsked
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.samples import SamplesLanded, TrainingSample
-from gyre.messages.scheduling import ClaimerStatisticsAsked
 from gyre.messages.training import StepApplied, WeightsPublished
 from gyre.runtime import Actor, Topology, handler
 from gyre.runtime.testing import run_actors
@@ -108,7 +107,7 @@ def test_a_skipped_step_ends_its_step_and_the_run_goes_on(tiny_model_dir):
         # Without the skipped-step semantics this waits for ever: the task source holds the second group.
         await h.wait_until(lambda: len(recorder.steps) == GROUPS, timeout_s=120, what="three steps over")
         source = await h.ask("task_source", StatisticsAsked())
-        claimer = await h.ask("claimer", ClaimerStatisticsAsked())
+        claimer = await h.ask("claimer", StatisticsAsked())
         broker = await h.ask("weight_broker", WeightsStatusQuery())
         core = await h.ask("core", CellStatusQuery(with_digest=False))
         params = h.actor("core").training.params.clone()

@@ -30,7 +30,7 @@ from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 from gyre.messages.cell_internal import CellStatusQuery, WeightsStatusQuery
 from gyre.messages.cells import ROLLOUT, RoleChanged, SwitchRole
 from gyre.messages.samples import SamplesLanded, TrainingSample
-from gyre.messages.scheduling import ClaimerStatisticsAsked
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.training import StepApplied, WeightsPublished
 from gyre.policies.loss import loss_from_samples, pack_samples
 from gyre.runtime import Actor, Topology, handler
@@ -159,7 +159,7 @@ def trained(tiny_model_dir, tmp_path_factory):
         result["core_params"] = h.actor("core").training.trainer.flat_params()
         result["status"] = {name: await h.ask(name, CellStatusQuery(with_digest=False))
                             for name in ("core", "satellite", "roller")}
-        result["claimer"] = await h.ask("claimer", ClaimerStatisticsAsked())
+        result["claimer"] = await h.ask("claimer", StatisticsAsked())
         result["broker"] = await h.ask("weight_broker", WeightsStatusQuery())
         result["events"] = list(recorder.events)
         return result

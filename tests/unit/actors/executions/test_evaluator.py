@@ -18,7 +18,7 @@ import pytest
 
 from gyre.actors.executions.evaluator import DROP_KINDS, Evaluator, EvaluatorConfig, ScorerOutputError, parse_scorer_output
 from gyre.actors.executions.executor import Executor, ExecutorConfig
-from gyre.messages.execution_stats import StatisticsAsked
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.executions import ExecutionFinished, IssueKey, KeyIssued, RevokeKey, StartGroup, TaskSpec
 from gyre.messages.samples import ExecutionDropped, ExecutionScored
 from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, handler, read_log

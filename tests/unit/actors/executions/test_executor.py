@@ -23,7 +23,8 @@ from gyre.actors.executions.executor import (
     safe_path_component,
     task_problem,
 )
-from gyre.messages.execution_stats import ExecutorStatistics, StatisticsAsked
+from gyre.messages.execution_stats import ExecutorStatistics
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.executions import (
     ExecutionFinished,
     ExecutionEnded,

@@ -11,7 +11,8 @@ import attrs
 import pytest
 
 from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig, groups_ahead_for_staleness
-from gyre.messages.execution_stats import StatisticsAsked, TaskSourceStatistics
+from gyre.messages.execution_stats import TaskSourceStatistics
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
 from gyre.policies.task_sampling import EpochOrder, SignalPerToken, SignalWeighted

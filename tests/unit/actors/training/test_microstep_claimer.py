@@ -17,7 +17,8 @@ from gyre.actors.training.microstep_claimer import (
 )
 from gyre.messages.cells import LoadReport, RoleChanged
 from gyre.messages.samples import SamplesLanded, TrainingSample
-from gyre.messages.scheduling import ClaimerStatistics, ClaimerStatisticsAsked, TrainingBacklog
+from gyre.messages.runtime_control import StatisticsAsked
+from gyre.messages.scheduling import ClaimerStatistics, TrainingBacklog
 from gyre.messages.training import (
     ClaimGranted,
     ClaimMicroStep,
@@ -408,7 +409,7 @@ class Driver(Actor):
         while (granted := await self.ask("claimer", ClaimMicroStep("driver", 0))).step_id != -1:
             self.tell("claimer", MicroStepDone("driver", granted.step_id, granted.microstep_index, "", 0, 0, 30, 0.0))
         self.publish(StepApplied(msg.step_id, 1, 0.0, 0.0, 120, msg.num_samples, 0))
-        stats = await self.ask("claimer", ClaimerStatisticsAsked())
+        stats = await self.ask("claimer", StatisticsAsked())
         self.stop_topology(f"trained {stats.samples_trained}")
 
 

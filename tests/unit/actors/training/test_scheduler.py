@@ -28,13 +28,12 @@ from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaim
 from gyre.actors.training.scheduler import Scheduler, SchedulerConfig
 from gyre.messages._define import message
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, CellDraining, LoadReport, RoleChanged, SwitchRole
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.messages.scheduling import (
     ClaimerStatistics,
-    ClaimerStatisticsAsked,
     SchedulerStatistics,
     TrainingBacklog,
-    SchedulerStatisticsAsked,
 )
 from gyre.messages.training import (
     ClaimGranted,
@@ -391,8 +390,8 @@ class SimCell(Actor):
 
     @handler(SimFinish)
     async def on_finish(self, msg: SimFinish) -> None:
-        await self.ask("claimer", ClaimerStatisticsAsked())  # the replies land in the event log
-        await self.ask("scheduler", SchedulerStatisticsAsked())
+        await self.ask("claimer", StatisticsAsked())  # the replies land in the event log
+        await self.ask("scheduler", StatisticsAsked())
         self.stop_topology(f"steps={self.next_step} last_step_s={self.last_step_s!r}")
 
 

@@ -11,7 +11,7 @@ import attrs
 import pytest
 
 from gyre.actors.training.trajectory_builder import TrajectoryBuilder, TrajectoryBuilderConfig, scored_success
-from gyre.messages.execution_stats import StatisticsAsked
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.executions import GroupDone
 from gyre.messages.groups import GroupStarted
 from gyre.messages.model_calls import ModelCallCompleted

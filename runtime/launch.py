@@ -4,8 +4,9 @@
 - `InProcessLauncher`: every actor on one node in this process, real time (tests, small tools).
 - `VirtualLauncher`: the deterministic runner: one process, virtual time, seeded delivery order; the same topology
   and seed give a byte-identical event log.
-- `LocalProcessLauncher`: one OS process per `process` group, ZeroMQ over ipc:// between them, a supervisor in
-  the launcher's own process; clean shutdown on Ctrl-C or SIGTERM, no orphans (children die with the parent).
+- `LocalProcessLauncher`: one OS process per `process` group, ZeroMQ over ipc:// (or tcp:// on 127.0.0.1) between
+  them, CURVE-authenticated with a fresh key pair per process, a supervisor in the launcher's own process; clean
+  shutdown on Ctrl-C or SIGTERM, no orphans (children die with the parent).
 A Ray launcher places the same process groups as Ray actors and fits the same interface.
 """
 
@@ -17,6 +18,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from pathlib import Path
 from typing import Protocol
@@ -27,13 +29,14 @@ import structlog
 from gyre.runtime.clock import RealClock, VirtualClock
 from gyre.runtime.codec import Codec
 from gyre.runtime.cpu_limits import RunCpuGroups
+from gyre.runtime.errors import ConfigError
 from gyre.runtime.event_log import EventLogWriter, merge_segments
 from gyre.runtime.node import Node, NodeConfig
 from gyre.runtime.run_secrets import install_run_secret, run_secret
 from gyre.runtime.supervisor import Supervisor, SupervisorConfig
 from gyre.runtime.topology import SUPERVISOR, ActorSpec, Directory, RestartPolicy, Topology, load_topology_file
 from gyre.runtime.virtual_loop import Quiescent, VirtualEventLoop
-from gyre.runtime.zmq_transport import ZmqTransport
+from gyre.runtime.zmq_transport import BusKeys, ZmqConfig, ZmqTransport, generate_bus_keys
 
 log = structlog.get_logger("gyre.launch")
 
@@ -156,10 +159,12 @@ def _die_with_parent() -> None:
 
 def _child_main(
     topology_file: str, argv: list[str], seed: int | None, process: str, endpoints: dict[str, str],
-    log_dir: str | None, node_config: NodeConfig, secret: bytes,
+    log_dir: str | None, node_config: NodeConfig, secret: bytes, bus_keys: BusKeys, zmq_config: ZmqConfig,
 ) -> None:
     _die_with_parent()
-    install_run_secret(secret)  # through the spawn pipe, never the environment (see runtime/run_secrets.py)
+    # The secret and this process's bus keys come through the spawn pipe, never the environment, argv or a config
+    # (see runtime/run_secrets.py and runtime/zmq_transport.py).
+    install_run_secret(secret)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us in order
     from gyre.runtime.logs import configure_logging
 
@@ -170,7 +175,7 @@ def _child_main(
     codec = Codec()
     placement = {spec.name: spec.process for spec in topology.specs}
     directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
-    transport = ZmqTransport(endpoints[process], endpoints)
+    transport = ZmqTransport(endpoints[process], endpoints, zmq_config, bus_keys)
     recorder = EventLogWriter(Path(log_dir) / f"{process}.glog") if log_dir else None
     node = Node(process, directory, clock=RealClock(), codec=codec, transport=transport, recorder=recorder,
                 config=node_config)
@@ -196,6 +201,29 @@ async def _flush_periodically(node: Node, every_s: float = 0.5) -> None:
             node.recorder.flush()
 
 
+def _free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now. Another process may take it before the child binds it:
+    that child then fails to start and the run ends with its exit status, never silently on another port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _bus_endpoints(scheme: str, run_dir: Path, groups: list[str]) -> dict[str, str]:
+    """Node name -> the endpoint it binds: ipc:// files in the run's 0700 folder, or loopback TCP ports."""
+    names = [*sorted(groups), LAUNCHER_NODE]
+    if scheme == "ipc":
+        files = {name: f"{index}.sock" for index, name in enumerate(sorted(groups))}
+        files[LAUNCHER_NODE] = "launcher.sock"
+        return {name: f"ipc://{run_dir}/{files[name]}" for name in names}
+    return {name: f"tcp://127.0.0.1:{_free_loopback_port()}" for name in names}
+
+
+def _check_bus(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if value not in ("ipc", "tcp"):
+        raise ConfigError(f"{attribute.name} must be 'ipc' or 'tcp', got {value!r}")
+
+
 @attrs.frozen
 class LocalProcessLauncher:
     """One OS process per process group of the topology; the topology file is re-imported in each child."""
@@ -204,6 +232,11 @@ class LocalProcessLauncher:
     argv: tuple[str, ...] = ()
     seed: int | None = None
     stop_timeout_s: float = 10.0
+    bus: str = attrs.field(default="ipc", validator=_check_bus)
+    """"ipc": sockets in a private folder; "tcp": loopback ports (what a run across machines uses, on one). CURVE
+    on both (tcp always; ipc unless `zmq_config.curve_on_ipc` is off)."""
+    zmq_config: ZmqConfig = ZmqConfig()
+    """Socket bounds and CURVE on ipc, the same in every process of the run."""
 
     def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
         cpu_groups = RunCpuGroups(topology.cpu_cores_by_process)
@@ -214,10 +247,12 @@ class LocalProcessLauncher:
             cpu_groups.remove()
 
     def _run(self, topology: Topology, options: RunOptions, cpu_groups: RunCpuGroups) -> RunResult:
-        run_dir = Path(tempfile.mkdtemp(prefix="gyre-run-"))
+        run_dir = Path(tempfile.mkdtemp(prefix="gyre-run-"))  # mode 0700: the ipc:// socket files are 0600 in it
         groups = topology.processes()
-        endpoints = {name: f"ipc://{run_dir}/{index}.sock" for index, name in enumerate(sorted(groups))}
-        endpoints[LAUNCHER_NODE] = f"ipc://{run_dir}/launcher.sock"
+        endpoints = _bus_endpoints(self.bus, run_dir, list(groups))
+        # One fresh pair per process, handed through the spawn pipe: a child holds only its own secret key, so a
+        # connection authenticated as node P is P (zmq_transport.py).
+        bus_keys = generate_bus_keys(endpoints)
         parts_dir = Path(options.log_path + ".parts") if options.log_path else None
         if parts_dir is not None:
             shutil.rmtree(parts_dir, ignore_errors=True)
@@ -227,7 +262,7 @@ class LocalProcessLauncher:
             name: context.Process(
                 target=_child_main,
                 args=(self.topology_file, list(self.argv), self.seed, name, endpoints,
-                      str(parts_dir) if parts_dir else None, options.node, run_secret()),
+                      str(parts_dir) if parts_dir else None, options.node, run_secret(), bus_keys[name], self.zmq_config),
                 name=f"gyre:{name}",
                 daemon=False,
             )
@@ -236,7 +271,7 @@ class LocalProcessLauncher:
         codec = Codec()
         placement = {spec.name: spec.process for spec in topology.specs}
         directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
-        transport = ZmqTransport(endpoints[LAUNCHER_NODE], endpoints)
+        transport = ZmqTransport(endpoints[LAUNCHER_NODE], endpoints, self.zmq_config, bus_keys[LAUNCHER_NODE])
         recorder = EventLogWriter(parts_dir / f"{LAUNCHER_NODE}.glog") if parts_dir else None
         node = Node(LAUNCHER_NODE, directory, clock=RealClock(), codec=codec, transport=transport,
                     recorder=recorder, config=options.node)

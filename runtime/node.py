@@ -61,9 +61,15 @@ class Transport(Protocol):
         """Queue the frames for `node` or raise Backpressure; never blocks."""
         ...
 
-    def start(self, on_frames: Callable[[list[bytes]], Awaitable[None] | None]) -> None:
-        """Hand every arriving frame set to `on_frames`; when it returns an awaitable (a full mailbox), stop reading
-        until that completes, so frames are neither dropped nor reordered."""
+    def start(
+        self,
+        on_frames: Callable[[list[bytes], str | None], Awaitable[None] | None],
+        on_refused: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """Hand every arriving frame set to `on_frames` with the node its connection is authenticated as (None when
+        the transport authenticates nothing); when it returns an awaitable (a full mailbox), stop reading until that
+        completes, so frames are neither dropped nor reordered. Call `on_refused(why, endpoint)` for each connection
+        the transport refused."""
         ...
 
     def close(self) -> None: ...
@@ -265,7 +271,7 @@ class Node:
         loop = asyncio.get_running_loop()
         self.stop_requested = loop.create_future()
         if self.transport is not None:
-            self.transport.start(self._on_frames)
+            self.transport.start(self._on_frames, self._on_refused)
         for slot in sorted(self.slots.values(), key=lambda s: s.index):
             await self._start_actor(slot)
 
@@ -515,11 +521,21 @@ class Node:
             else:
                 self._refuse(slot, envelope, msg)
 
-    def _on_frames(self, frames: list[bytes]) -> Awaitable[None] | None:
+    def _on_refused(self, why: str, endpoint: str) -> None:
+        """A connection the transport refused (no CURVE, a key outside the run): nothing of it reached an actor."""
+        self.statistics["refused_connections"] += 1
+        count = self.statistics["refused_connections"]
+        if count & (count - 1) == 0:  # 1, 2, 4, 8...: a peer retrying forever cannot flood the log
+            log.warning("bus_connection_refused", node=self.name, why=why, endpoint=endpoint, refused=count)
+
+    def _on_frames(self, frames: list[bytes], peer: str | None = None) -> Awaitable[None] | None:
         """A frame set from another node. Bad frames are logged and counted; an ask still gets an error reply.
 
-        Returns None when the message was taken, or an awaitable that completes once a full mailbox had room for
-        it: the transport reads nothing more until then, so the backpressure reaches ZeroMQ and the senders."""
+        `peer` is the node the connection is authenticated as (None without authentication): a frame whose
+        envelope names a sender that node does not host is forged (a member of the run posing as another) and is
+        counted and dropped before its body is read; a forged ask gets no reply, which would go to the claimed
+        sender. Returns None when the message was taken, or an awaitable that completes once a full mailbox had room
+        for it: the transport reads nothing more until then, so the backpressure reaches ZeroMQ and the senders."""
         self.statistics["received"] += 1
         if len(frames) != 2:
             self.statistics["bad_frames"] += 1
@@ -531,6 +547,13 @@ class Node:
         except CodecError as error:
             self.statistics["bad_frames"] += 1
             log.error("dropped_an_undecodable_header", node=self.name, error=str(error))
+            return None
+        if peer is not None and self.directory.actor_node.get(envelope.sender) != peer:
+            self.statistics["forged_frames"] += 1
+            count = self.statistics["forged_frames"]
+            if count & (count - 1) == 0:  # 1, 2, 4, 8...: bounded, like refused connections
+                log.error("dropped_a_frame_whose_sender_its_connection_does_not_host", node=self.name, peer=peer,
+                          sender=envelope.sender, forged=count)
             return None
         try:
             msg = self.codec.decode_body(type_name, version, body)

@@ -1,5 +1,6 @@
-"""A node behind ZeroMQ survives whatever arrives on its socket: garbage frames are counted and dropped, an ask it
-cannot read gets an error reply, and the node keeps serving. Nodes with different views of the registry (an
+"""A node behind ZeroMQ survives whatever a member of the run pushes to its socket: garbage frames are counted and
+dropped, an ask it cannot read gets an error reply, and the node keeps serving (processes outside the run get
+nothing through at all: test_bus_security.py). Nodes with different views of the registry (an
 unknown type, another schema version) answer with typed errors instead of misreading."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gyre.runtime import Actor, Codec, Envelope, Kind, RemoteError, Topology, ha
 from gyre.runtime.envelope import ID_STRIDE
 from gyre.runtime.testing import Harness, run_actors
 from gyre.runtime.topology import CLIENT_INDEX_BASE
+from gyre.runtime.zmq_transport import derived_bus_keys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,8 +49,10 @@ def _topology() -> Topology:
 
 
 def _garbage_frame_sets(codec: Codec) -> list[list[bytes]]:
-    """Frame sets a broken or hostile peer might push."""
-    good_header, good_body = codec.encode(Envelope(ID_STRIDE + 1, "x", "keeper", "", 0.0, 0, 0, Kind.TELL), Ball(1, 1))
+    """Frame sets a broken or hostile peer might push (as the launcher's node, which hosts the supervisor)."""
+    good_header, good_body = codec.encode(
+        Envelope(ID_STRIDE + 1, "supervisor", "keeper", "", 0.0, 0, 0, Kind.TELL), Ball(1, 1)
+    )
     fields = list(msgpack.unpackb(good_header))
     unknown_type = list(fields)
     unknown_type[9] = "gyre.nobody.Knows"
@@ -88,6 +92,12 @@ def test_garbage_on_the_socket_never_stops_the_node_and_unreadable_asks_get_an_e
         launcher_node = h.nodes["launcher"]
         socket = zmq.Context.instance().socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
+        # A broken member of the run, not an outsider: it holds the launcher node's keys (the harness derives every
+        # node's keys from this process's run secret).
+        keys = derived_bus_keys("launcher", h.nodes)
+        socket.setsockopt(zmq.CURVE_SERVERKEY, keys.public_keys["keeper"])
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.public_key)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, keys.secret_key)
         socket.connect(h.endpoint("keeper"))
         try:
             for frames in frame_sets:

@@ -1,14 +1,22 @@
-"""`gyre log show LOG` and `gyre log stats LOG`: read an event log."""
+"""`gyre log show LOG` and `gyre log stats LOG`: read an event log.
+
+Exit status: 0 when the log was read (a torn tail is reported on stderr and is no failure: a crash leaves one); 1
+with one line on stderr when it cannot be (missing, not a log, corrupt in its middle: the line names the byte).
+Output cut short by its reader (`gyre log show LOG | head`) ends the command quietly with status 0.
+"""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import os
 import sys
+from typing import Callable
 
 from gyre.runtime.codec import Codec
 from gyre.runtime.errors import CodecError
-from gyre.runtime.event_log import ReadReport, read_log
+from gyre.runtime.event_log import EventLogError, ReadReport, read_log
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,10 +27,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("--actor", action="append", default=[], help="only records sent or handled by this actor")
     show.add_argument("--type", dest="types", action="append", default=[], help="only this message type (suffix match)")
     show.add_argument("--limit", type=int, default=None, help="stop after this many records")
-    show.set_defaults(func=show_command)
+    show.set_defaults(func=_reading(show_command))
     stats = verbs.add_parser("stats", help="counts by actor and type, time span, rate")
     stats.add_argument("log")
-    stats.set_defaults(func=stats_command)
+    stats.set_defaults(func=_reading(stats_command))
+
+
+def _reading(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`command` with the log's errors as one line and exit status 1, and a closed pipe as a quiet end."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            status = command(args)
+            sys.stdout.flush()  # here, not at exit, so that a reader gone by now is caught below
+            return status
+        except BrokenPipeError:
+            _silence_stdout()
+            return 0
+        except (EventLogError, OSError) as error:
+            plain = isinstance(error, EventLogError) or not error.strerror
+            print(f"gyre log: {error if plain else f'{error.strerror}: {error.filename}'}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the reader is gone, and Python's flush at exit would raise BrokenPipeError again."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stdout (tests) has no descriptor to redirect
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _matches(record, actors: list[str], types: list[str]) -> bool:

@@ -3,8 +3,21 @@
 File layout: the magic line `GYRELOG1\\n`, then records. A record is `<u32 payload length><u32 crc32 of payload>`
 followed by the payload, which is `<f64 handled-at seconds><u32 header length>` + the wire header + the wire body (the
 same bytes the bus carried, so recording costs a buffered write and no re-encoding). The handled-at time is the
-receiver's clock when its handler took the message: replay sets the clock to it. A process killed mid-write leaves a torn last
-record: the reader detects it (short read or bad checksum at the tail), skips it, and says so.
+receiver's clock when its handler took the message: replay sets the clock to it.
+
+Reading rule (how a torn tail differs from corruption). A record is valid when its length is at least the 12-byte
+prefix and at most `MAX_RECORD_BYTES`, the payload fits in the file, its crc32 matches, and its header length and
+header fit the payload. The writer only appends, so a crash can leave only a prefix of the record stream,
+possibly followed by zeros (a file system that grew the file but never wrote the data; a zero length with a zero
+checksum is not an empty record, since crc32(b"") is 0 and no writer makes a payload under 12 bytes). So at the
+first offset where no valid record starts, the reader looks for a valid record at every later byte: if one is
+found, the log is corrupt in its middle and reading fails with `EventLogError` naming both offsets (never a
+silent loss of the records after it); if none is, the bytes from there to the end are a torn tail, skipped and
+counted in `ReadReport.torn_tail_bytes`. A record whose checksum matches but whose layout or header does not fit
+is corruption wherever it sits (a crash cannot make a matching checksum). A file cut inside its magic line is an
+empty log with a torn tail. What this format cannot see: a whole record cut out cleanly at record boundaries
+(records carry no sequence number); file systems lose tails and zero or garble blocks, they do not do that.
+The rule needs no format change, so every GYRELOG1 file ever written reads as before.
 
 In a multi-process run each process writes its own segment (`LOG.parts/NODE.glog`); the launcher merges them into
 LOG by time at the end, keeping every segment's own order (replay depends on each receiver's order, which a
@@ -15,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -29,6 +43,7 @@ from gyre.runtime.errors import CodecError, GyreError
 MAGIC = b"GYRELOG1\n"
 _RECORD = struct.Struct("<II")
 _PREFIX = struct.Struct("<dI")
+_LENGTH = struct.Struct("<I")
 #: A record larger than this is taken as corruption, not data (large payloads never travel on the bus).
 MAX_RECORD_BYTES = 256 * 1024 * 1024
 
@@ -101,42 +116,96 @@ class ReadReport:
     """What reading a log found besides its records."""
 
     torn_tail_bytes: int = 0
-    """Bytes at the end that did not form a whole, valid record (a crash mid-write); they were skipped."""
+    """Bytes at the end, summed over segments, where no valid record starts, neither there nor later (a crash
+    mid-write, or the zeros a file system leaves after one); they were skipped."""
 
 
 def _read_segment(path: Path, codec: Codec, report: ReadReport) -> Iterator[LogRecord]:
-    with open(path, "rb") as handle:
-        data = handle.read()
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except IsADirectoryError as error:
+        raise EventLogError(f"{path} is a directory, not an event log segment") from error
+    except OSError as error:
+        raise EventLogError(f"cannot read {path}: {error.strerror or error}") from error
     if not data.startswith(MAGIC):
+        if MAGIC.startswith(data):  # the writer died before its magic line reached the file: a log of no records
+            report.torn_tail_bytes += len(data)
+            return
         raise EventLogError(f"{path} is not a Gyre event log (bad magic)")
     offset = len(MAGIC)
     end = len(data)
     while offset < end:
-        if end - offset < _RECORD.size:
-            report.torn_tail_bytes += end - offset
-            return
-        length, crc = _RECORD.unpack_from(data, offset)
-        start = offset + _RECORD.size
-        if length > MAX_RECORD_BYTES:  # no writer makes such a record: corruption, not a crash mid-write
-            raise EventLogError(f"{path}: record at byte {offset} claims {length} bytes")
-        if start + length > end:  # the writer died before the whole payload reached the file
-            report.torn_tail_bytes += end - offset
-            return
-        payload = data[start : start + length]
-        if zlib.crc32(payload) != crc:
-            if start + length == end:
+        parsed = _parse_record(data, offset, end, codec)
+        if isinstance(parsed, str):
+            later = _next_valid_record(data, offset + 1, end, codec)
+            if later is None:
                 report.torn_tail_bytes += end - offset
                 return
-            raise EventLogError(f"{path}: checksum mismatch in the record at byte {offset}")
-        handled_s, header_len = _PREFIX.unpack_from(payload, 0)
-        header = payload[_PREFIX.size : _PREFIX.size + header_len]
-        body = payload[_PREFIX.size + header_len :]
-        try:
-            envelope, type_name, version = codec.decode_header(header)
-        except CodecError as error:
-            raise EventLogError(f"{path}: record at byte {offset} has a bad header: {error}") from error
-        yield LogRecord(envelope, handled_s, type_name, version, header, body)
-        offset = start + length
+            raise EventLogError(
+                f"{path}: {parsed} in the record at byte {offset}, but a valid record starts at byte {later}: the log "
+                f"is corrupt in its middle, not torn at its end"
+            )
+        record, after = parsed
+        if isinstance(record, str):
+            raise EventLogError(f"{path}: record at byte {offset} has a valid checksum but {record}")
+        yield record
+        offset = after
+
+
+def _parse_record(data: bytes, offset: int, end: int, codec: Codec) -> str | tuple[LogRecord | str, int]:
+    """The record at `offset` and the offset after it; a str where no valid record starts (why not); a (str,
+    offset) pair for a record whose checksum matches but whose insides do not fit (never a crash's doing)."""
+    if end - offset < _RECORD.size:
+        return f"{end - offset} bytes, too few for a record's length and checksum,"
+    length, crc = _RECORD.unpack_from(data, offset)
+    start = offset + _RECORD.size
+    if length < _PREFIX.size or length > MAX_RECORD_BYTES:
+        return f"the length field claims {length} bytes (a record holds {_PREFIX.size} to {MAX_RECORD_BYTES})"
+    if start + length > end:
+        return f"the length field claims {length} bytes, past the end of the file,"
+    after = start + length
+    if zlib.crc32(data[start:after]) != crc:
+        return "checksum mismatch"
+    handled_s, header_len = _PREFIX.unpack_from(data, start)
+    if header_len > length - _PREFIX.size:
+        return f"a header length of {header_len} bytes in a payload of {length}", after
+    header_end = start + _PREFIX.size + header_len
+    header = data[start + _PREFIX.size : header_end]
+    try:
+        envelope, type_name, version = codec.decode_header(header)
+    except CodecError as error:
+        return f"a bad header: {error}", after
+    return LogRecord(envelope, handled_s, type_name, version, header, data[header_end:after]), after
+
+
+#: A byte that is not zero: the scan for a later record skips runs of zeros (a zero-filled tail) in one step.
+_NONZERO = re.compile(rb"[^\x00]")
+
+
+def _next_valid_record(data: bytes, offset: int, end: int, codec: Codec) -> int | None:
+    """The first offset at or after `offset` where a whole valid record starts, None if there is none. Costs a few
+    operations per byte of the rest of the file (a MiB of random bytes: about 0.25 s), paid only where reading
+    stopped early; a checksum is computed only where a length fits, so random bytes rarely cost one."""
+    unpack_length = _LENGTH.unpack_from
+    smallest = _PREFIX.size
+    while end - offset >= _RECORD.size + smallest:
+        (length,) = unpack_length(data, offset)
+        if length == 0:
+            found = _NONZERO.search(data, offset)
+            if found is None:
+                return None
+            # a length's low bytes may be zero, so a record can start up to 3 bytes before the next non-zero byte
+            offset = max(offset + 1, found.start() - 3)
+            continue
+        if length < smallest or offset + _RECORD.size + length > end:  # the cheap test first: most bytes fail it
+            offset += 1
+            continue
+        parsed = _parse_record(data, offset, end, codec)
+        if not isinstance(parsed, str) and not isinstance(parsed[0], str):
+            return offset
+        offset += 1
+    return None
 
 
 def segment_paths(path: str | os.PathLike) -> list[Path]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import struct
+import zlib
 
 import pytest
 
@@ -167,3 +168,125 @@ def test_log_stats_counts_by_type_and_actor(conversation, capsys) -> None:
     assert "2  gyre.ping_pong.Ball" in by_type and "1  gyre.ping_pong.Score\n" in by_type
     handled = out.split("handled by:")[1].split("sent by:")[0]
     assert "2  pong" in handled and "2  ping" in handled
+
+
+# ---- finding 7: a short payload, a zero-filled tail, a bad length in the middle ------------------------------------
+def test_a_checksummed_payload_shorter_than_its_prefix_is_an_error_not_a_struct_error(tmp_path) -> None:
+    path = tmp_path / "a.glog"
+    _write(path, 3)
+    payload = b"\x01\x02\x03\x04"  # fewer bytes than the handled-at time and header length need
+    with open(path, "ab") as handle:
+        handle.write(struct.pack("<II", len(payload), zlib.crc32(payload)) + payload)
+    _write(tmp_path / "b.glog", 2)
+    with open(path, "ab") as handle:  # valid records after it: the short one sits in the middle
+        handle.write((tmp_path / "b.glog").read_bytes()[len(MAGIC):])
+    with pytest.raises(EventLogError, match="at byte"):
+        list(read_log(path))
+
+
+def test_a_record_whose_header_length_overruns_its_payload_is_an_error(tmp_path) -> None:
+    path = tmp_path / "a.glog"
+    offsets = _write(path, 3)
+    data = bytearray(path.read_bytes())
+    length = struct.unpack_from("<I", data, offsets[2])[0]
+    payload_at = offsets[2] + 8
+    struct.pack_into("<I", data, payload_at + 8, length)  # header length = the whole payload: no room for it
+    struct.pack_into("<I", data, offsets[2] + 4, zlib.crc32(bytes(data[payload_at : payload_at + length])))
+    path.write_bytes(bytes(data))
+    with pytest.raises(EventLogError, match=f"record at byte {offsets[2]} has a valid checksum but"):
+        list(read_log(path))
+
+
+@pytest.mark.parametrize("zeros", [1, 7, 8, 12, 64, 4096])
+def test_a_zero_filled_tail_is_torn_not_a_record(tmp_path, zeros) -> None:
+    """A file system that crashed after growing the file but before writing its data leaves zeros; crc32(b"") is
+    0, so a zero length with a zero checksum looks like an empty record unless lengths are checked."""
+    path = tmp_path / "a.glog"
+    offsets = _write(path, 3)
+    with open(path, "ab") as handle:
+        handle.write(bytes(zeros))
+    report = ReadReport()
+    assert [r.decode(CODEC).number for r in read_log(path, CODEC, report)] == [0, 1, 2]
+    assert report.torn_tail_bytes == zeros
+    data = path.read_bytes()
+    cut = offsets[2] + 15  # a record cut mid-payload, then zeros where the rest of its write should be
+    path.write_bytes(data[:cut] + bytes(zeros))
+    report = ReadReport()
+    assert [r.decode(CODEC).number for r in read_log(path, CODEC, report)] == [0, 1]
+    assert report.torn_tail_bytes == 15 + zeros
+
+
+def test_a_bad_length_in_the_middle_is_an_error_not_a_torn_tail(tmp_path) -> None:
+    """The finding: a length field corrupted in record 2 of 75 claimed more than the rest of the file, and the
+    reader called the other 73 records a torn tail."""
+    path = tmp_path / "a.glog"
+    offsets = _write(path, 75)
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, offsets[2], len(data))
+    path.write_bytes(bytes(data))
+    with pytest.raises(EventLogError, match=f"record at byte {offsets[2]}.*valid record starts at byte {offsets[3]}"):
+        list(read_log(path))
+    for wrong in (0, 3, 11, 40):  # too short for a record, or a length that lands inside the next one
+        struct.pack_into("<I", data, offsets[2], wrong)
+        path.write_bytes(bytes(data))
+        with pytest.raises(EventLogError, match=f"record at byte {offsets[2]}"):
+            list(read_log(path))
+
+
+def test_a_zeroed_block_in_the_middle_is_an_error(tmp_path) -> None:
+    path = tmp_path / "a.glog"
+    offsets = _write(path, 10)
+    data = bytearray(path.read_bytes())
+    data[offsets[3] : offsets[6]] = bytes(offsets[6] - offsets[3])
+    path.write_bytes(bytes(data))
+    with pytest.raises(EventLogError, match=f"record at byte {offsets[3]}.*valid record starts at byte {offsets[6]}"):
+        list(read_log(path))
+
+
+def test_a_file_cut_inside_its_magic_is_an_empty_torn_log(tmp_path) -> None:
+    path = tmp_path / "a.glog"
+    for cut in range(len(MAGIC)):
+        path.write_bytes(MAGIC[:cut])
+        report = ReadReport()
+        assert list(read_log(path, CODEC, report)) == []
+        assert report.torn_tail_bytes == cut
+
+
+def test_log_show_and_stats_report_a_bad_log_in_one_line_with_status_1(tmp_path, capsys) -> None:
+    path = tmp_path / "a.glog"
+    offsets = _write(path, 75)
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, offsets[2], len(data))
+    path.write_bytes(bytes(data))
+    for verb in ("show", "stats"):
+        assert _cli(["log", verb, str(path)]) == 1
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err.startswith(f"gyre log: {path}: ") and f"record at byte {offsets[2]}" in err and err.count("\n") == 1
+    (tmp_path / "not.glog").write_bytes(b"hello\n")
+    for argv, wanted in (
+        (["log", "show", str(tmp_path / "not.glog")], "bad magic"),
+        (["log", "stats", str(tmp_path / "missing.glog")], "no event log at"),
+        (["log", "show", str(tmp_path / "dir.glog.parts" / "x.glog")], "no event log at"),
+    ):
+        assert _cli(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("gyre log: ") and wanted in err and err.count("\n") == 1
+
+
+def test_log_show_into_a_pipe_closed_early_ends_quietly(tmp_path) -> None:
+    """The finding: `gyre log show LOG | head` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "long.glog"
+    _write(path, 5000)  # some 500 kB of lines: far more than a pipe holds, so writes go on after `head` has left
+    launcher = "import sys; from gyre.runtime.testing import gyre_cli; sys.exit(gyre_cli(sys.argv[1:]))"
+    shown = subprocess.Popen(
+        [sys.executable, "-c", launcher, "log", "show", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert b"Ball(number=0, spin=0)" in shown.stdout.readline()
+    shown.stdout.close()  # what `head -1` does after its line
+    err = shown.stderr.read().decode()
+    assert shown.wait(timeout=120) == 0, err
+    assert err == ""

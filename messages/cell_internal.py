@@ -6,6 +6,10 @@ lives (the version of the weights in the buffer, -1 while an optimizer step rewr
 a torn read from a clean one) and the buffer's layout (Megatron names, shapes and offsets, so a cell without a
 trainer can turn the flat buffer into a Hugging Face state dict for its engine). The core hands both to the
 broker once (`WeightSource`); cells ask the broker for the newest one when they pull (`WeightsQuery`).
+
+Also here: the statistics records of the cells' wing (`CellStatistics`, `WeightBrokerStatistics`,
+`KVMigratorStatistics`, each the answer to `StatisticsAsked`) and the ask for a cell's weights digest
+(`WeightsDigestAsked`), kept apart from the statistics because hashing the weights costs a pass over them.
 """
 
 from __future__ import annotations
@@ -45,14 +49,9 @@ class WeightsQuery:
     """The asking cell (for the broker's statistics)."""
 
 
-@message("gyre.cell_internal.WeightsStatusQuery")
-class WeightsStatusQuery:
-    """Anyone -> weight broker (ask): which cell holds which version. Answered with WeightsStatus."""
-
-
-@message("gyre.cell_internal.WeightsStatus")
-class WeightsStatus:
-    """The weight broker's statistics."""
+@message("gyre.cell_internal.WeightBrokerStatistics")
+class WeightBrokerStatistics:
+    """The weight broker's statistics (its answer to StatisticsAsked): which cell holds which version."""
 
     version: int
     """Newest published version (-1 before the core registered)."""
@@ -89,17 +88,9 @@ class SwitchFinished:
     """Sessions the KV migrator placed elsewhere (rollout -> train)."""
 
 
-@message("gyre.cell_internal.CellStatusQuery")
-class CellStatusQuery:
-    """Anyone -> cell (ask): what it is doing. Answered with CellStatus."""
-
-    with_digest: bool
-    """Also hash the weights the cell holds (costs a pass over them)."""
-
-
-@message("gyre.cell_internal.CellStatus")
-class CellStatus:
-    """A cell's statistics record."""
+@message("gyre.cell_internal.CellStatistics", version=2)
+class CellStatistics:
+    """A cell's statistics (its answer to StatisticsAsked): cheap, it reads counters only."""
 
     cell: str
     """Cell name."""
@@ -111,9 +102,6 @@ class CellStatus:
     """Inference server URL while it serves rollouts; "" otherwise."""
     weight_version: int
     """Version of the weights it serves or trains with (-1 while it holds none)."""
-    weights_sha256: str
-    """With with_digest: hex SHA-256 of the flat fp32 weights it holds (trainer) or last pulled (rollout); "" if
-    unknown (a rollout cell that loaded its weights from disk)."""
     microsteps_computed: int
     """Micro-steps it computed gradients for."""
     microsteps_released: int
@@ -128,3 +116,39 @@ class CellStatus:
     """Whether it holds a trainer now."""
     has_engine_memory: bool
     """Whether its engine holds weights and a KV pool now."""
+
+
+@message("gyre.cell_internal.WeightsDigestAsked")
+class WeightsDigestAsked:
+    """Anyone -> cell (ask): hash the weights you hold. Answered with WeightsDigest. Costs a pass over the weights
+    (and waits for the cell's compute in progress), so ask it when checking, not when polling."""
+
+
+@message("gyre.cell_internal.WeightsDigest")
+class WeightsDigest:
+    """A cell's answer to WeightsDigestAsked."""
+
+    cell: str
+    """Cell name."""
+    weight_version: int
+    """Version of the weights hashed (-1 when the cell holds none); without a digest, the version it serves or
+    trains with."""
+    sha256: str
+    """Hex SHA-256 of the flat fp32 weights it holds (its trainer's, when it has one) or its engine last pulled;
+    "" when unknown (a rollout cell that loaded its weights from disk)."""
+
+
+@message("gyre.cell_internal.KVMigratorStatistics")
+class KVMigratorStatistics:
+    """The KV migrator's statistics (its answer to StatisticsAsked)."""
+
+    migrations: int
+    """MigrateSessions asks answered so far."""
+    sessions_placed: int
+    """Sessions placed on another cell in all migrations so far."""
+    moved_tokens: int
+    """KV tokens moved through Mooncake in all migrations so far."""
+    partial_output_tokens: int
+    """Of the sessions placed, tokens of partial output (generations paused in place) asked to move with them."""
+    reprefill_sessions: int
+    """Sessions that fell back to re-prefill on their new cell, in all migrations so far."""

@@ -13,6 +13,16 @@ the trainer (they never step, so they never hold optimizer state).
 A switch runs as a background task (the mailbox stays free: a satellite must still receive GradientsTaken while it
 winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role and announces it.
 
+Who holds what. The cell owns all of its state (its role, the newest version it has heard of, the engine and trainer
+hosts, its counters) and orders every step: the switches, the claim loop (ClaimLoop.claim_once, over and over),
+the engine following new weights (EngineWeights.newest, then load), what follows an applied step. Its helpers
+(RolloutHost, EngineWeights in actors/cells/rollout_role.py; TrainerHost, CoreSteps, ClaimLoop in
+actors/cells/train_role.py; WeightPuller in actors/cells/weight_pull.py) never see the cell: they take explicit
+inputs and return results.
+
+Statistics: `StatisticsAsked` gets `CellStatistics` (counters only, cheap); `WeightsDigestAsked` gets the hash of
+the weights the cell holds (`WeightsDigest`), apart because it costs a pass over the weights.
+
 rollout -> train: refused (logged, the cell stays) when no other rollout cell is known to take the sessions, unless
 the switch says `migrate_sessions=False` (the colocate baseline: every cell leaves rollout at once; the sessions
 stay unplaced, their generations are aborted, and the proxy holds their calls until a cell rolls out again).
@@ -39,18 +49,20 @@ import attrs
 import torch
 
 from gyre.actors.cells.rollout_role import EngineWeights, PeerView, RecentSessions, RolloutHost
-from gyre.actors.cells.train_role import ClaimLoop, CoreSteps, TrainerHost
-from gyre.actors.cells.weight_broker import WeightPuller
+from gyre.actors.cells.train_role import ClaimLoop, ClaimSettings, CoreSteps, TrainerHost
+from gyre.actors.cells.weight_pull import WeightPuller, WeightsUnavailable
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.model_format import ModelSpec
 from gyre.engines.trainer import TrainerConfig, prepare_training_runtime
 from gyre.engines.transfer import TransferAgent, TransferConfig
 from gyre.messages.cell_internal import (
-    CellStatus,
-    CellStatusQuery,
+    CellStatistics,
     ReportTick,
     SwitchFinished,
+    WeightsDigest,
+    WeightsDigestAsked,
     WeightSource,
+    WeightsQuery,
 )
 from gyre.messages.cells import (
     ROLLOUT,
@@ -67,6 +79,7 @@ from gyre.messages.cells import (
 from gyre.messages.executions import ExecutionEnded
 from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
+from gyre.runtime.errors import ConfigError
 from gyre.runtime.validators import positive
 
 __all__ = ["Cell", "CellConfig"]
@@ -148,7 +161,7 @@ class CellConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.average_save_dir and self.trainer.average_decay <= 0:
-            raise ValueError("average_save_dir needs a trainer that keeps a weight average (trainer.average_decay > 0)")
+            raise ConfigError("average_save_dir needs a trainer that keeps a weight average (trainer.average_decay > 0)")
 
 
 class Cell(Actor):
@@ -169,17 +182,27 @@ class Cell(Actor):
         self.fence_scratch = torch.zeros(1, dtype=torch.int64)
         self.rollout: RolloutHost | None = None
         self.training: TrainerHost | None = None
-        self.claims = ClaimLoop(self)
-        self.core_steps = CoreSteps(self) if config.is_core else None
+        self.engine_weights: EngineWeights | None = None
+        """Made with the engine host, at the start."""
+        self.core_steps: CoreSteps | None = None
+        """The core's step bookkeeping, made with its trainer at the start (core_ready is set then)."""
         self.core_ready = asyncio.Event()
+        self.claims = ClaimLoop(
+            ClaimSettings(cell=self.name, is_core=config.is_core, claimer=config.claimer, core=config.core,
+                          claim_timeout_s=config.claim_timeout_s, claim_retry_s=config.claim_retry_s,
+                          grads_taken_timeout_s=config.grads_taken_timeout_s, clip_low=config.clip_low,
+                          clip_high=config.clip_high, chunk_padded_tokens=config.train_chunk_padded_tokens),
+            ask=self.ask, send=self.send, offload=self.offload, compute_lock=self.compute_lock, log=self.log,
+        )
+        self._claim_task: asyncio.Task | None = None
+        self._weights_task: asyncio.Task | None = None
         self.latest_version = 0
-        """Newest weight version this cell has heard of (WeightsPublished, StepReady)."""
+        """Newest weight version this cell has heard of (WeightsPublished, StepReady, its own pulls)."""
         self.pending_switch: SwitchRole | None = None
         self.switches = 0
         self.switches_refused = 0
-        self.puller = WeightPuller(self, config.broker, config.broker_timeout_s, config.pull_attempts,
-                                   config.pull_retry_s)
-        self.engine_weights = EngineWeights(self)
+        self.puller = WeightPuller(self._ask_weight_source, self.name, config.pull_attempts, config.pull_retry_s,
+                                   self.log)
         self.sessions = RecentSessions(config.session_ttl_s, config.max_sessions, self.clock.now)
         self.spawn(self.guarded(self._start_role(config.initial_role)), name=f"{self.name}.start")
         if config.prepare_trainer_at_start and not config.is_core:
@@ -241,6 +264,12 @@ class Cell(Actor):
 
     # ---- weights ------------------------------------------------------------------------------------------
 
+    async def _ask_weight_source(self) -> WeightSource:
+        return await self.ask(self.config.broker, WeightsQuery(self.name), timeout_s=self.config.broker_timeout_s)
+
+    def _heard_of(self, version: int) -> None:
+        self.latest_version = max(self.latest_version, version)
+
     def tell_broker(self, msg: Any) -> None:
         try:
             self.tell(self.config.broker, msg)
@@ -262,12 +291,83 @@ class Cell(Actor):
 
         source = await self.puller.pull(lambda: host.version, pull_into_trainer)
         if source is not None:
-            self.latest_version = max(self.latest_version, source.version)
+            self._heard_of(source.version)
             self.tell_broker(WeightsLoaded(self.name, source.version, self.clock.now() - started))
 
-    def on_core_weights_changed(self) -> None:
-        """Core: a step was applied; an engine it serves from follows."""
-        self.engine_weights.follow()
+    async def _newest_engine_weights(self) -> tuple[dict[str, torch.Tensor] | None, int]:
+        """EngineWeights.newest, noting a version pulled as heard of. Raises WeightsUnavailable."""
+        assert self.engine_weights is not None
+        weights, version = await self.engine_weights.newest()
+        if weights is not None:
+            self._heard_of(version)
+        return weights, version
+
+    def _follow_engine_weights(self) -> None:
+        """In the rollout role: start loading newer weights into the engine unless that is already under way."""
+        if self.role != ROLLOUT or (self._weights_task is not None and not self._weights_task.done()):
+            return
+        self._weights_task = self.spawn(self._load_newer_weights(), name=f"{self.name}.weights")
+
+    async def _settle_engine_weights(self) -> None:
+        """Wait for a load under way to end (a switch must not stop the engine under it)."""
+        if self._weights_task is not None and not self._weights_task.done():
+            await asyncio.shield(self._weights_task)
+
+    async def _load_newer_weights(self) -> None:
+        """Rollout role: pause in place, load, continue, until the engine holds the newest version heard of; in-flight
+        requests keep their tokens' versions. Stops as soon as the cell leaves the rollout role."""
+        while self.role == ROLLOUT and self.rollout is not None and self.rollout.serving:
+            current = self.rollout.weight_version
+            newest = self.training.version if self.config.is_core and self.training else self.latest_version
+            if newest <= current:
+                return
+            started = self.clock.now()
+            try:
+                weights, version = await self._newest_engine_weights()
+            except WeightsUnavailable as error:  # keep serving the weights it has; the next publication retries
+                self.log.error("engine_weights_not_updated", version=current, newest=newest, error=str(error))
+                return
+            if weights is None or version <= current or self.role != ROLLOUT:
+                return
+            await self.rollout.load_weights(weights, version)
+            seconds = self.clock.now() - started
+            self.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4))
+            self.tell_broker(WeightsLoaded(self.name, version, seconds))
+
+    # ---- training -----------------------------------------------------------------------------------------
+
+    def _start_claiming(self) -> None:
+        assert self._claim_task is None or self._claim_task.done(), "the claim loop is running"
+        self.claims.resume()
+        self._claim_task = self.spawn(self.guarded(self._claim_loop()), name=f"{self.name}.claims")
+
+    async def _claim_loop(self) -> None:
+        """The train role: a satellite catches its trainer up, then one claim is made, computed and reported; until
+        the claims are halted."""
+        while not self.claims.halting:
+            if not self.config.is_core:
+                await self.catch_up_trainer()
+            assert self.training is not None
+            await self.claims.claim_once(self.training, self.core_steps.tracker if self.core_steps else None)
+
+    async def _halt_claims(self) -> None:
+        """Stop claiming and wait for the loop to end (a micro-step in compute finishes and reports first)."""
+        self.claims.stop_claiming()
+        if self._claim_task is not None:
+            await asyncio.shield(self._claim_task)
+
+    async def _apply_ready_steps(self) -> None:
+        """Core: apply every complete step in order; publish each, then let the engine follow and checkpoint."""
+        config = self.config
+        steps = self.core_steps
+        assert steps is not None
+        while (applied := await steps.apply_next()) is not None:
+            self.publish(applied)
+            if applied.skipped:
+                continue
+            self._follow_engine_weights()
+            if config.checkpoint_dir and applied.version % config.checkpoint_every_steps == 0:
+                await steps.save_checkpoint(applied.version)
 
     # ---- roles --------------------------------------------------------------------------------------------
 
@@ -282,8 +382,15 @@ class Cell(Actor):
         if config.is_core:
             await self._build_trainer()
             assert self.training is not None
+            self.core_steps = CoreSteps(self.training, me=self.name, claimer=config.claimer,
+                                        checkpoint_dir=config.checkpoint_dir, compute_lock=self.compute_lock,
+                                        offload=self.offload, send=self.send, log=self.log)
             self.tell_broker(self.training.source(self.name))
             self.core_ready.set()
+        self.engine_weights = EngineWeights(
+            self.rollout, spec=self.spec, puller=self.puller, agent=self.agent, fence_scratch=self.fence_scratch,
+            compute_lock=self.compute_lock, offload=self.offload, trainer=self.training if config.is_core else None,
+        )
         url = ""
         if role == TRAIN:
             if self.training is None:
@@ -292,7 +399,7 @@ class Cell(Actor):
                 await self.catch_up_trainer(always_ask=True)
             version = self.training.version
         else:
-            weights, version = await self.engine_weights.newest()
+            weights, version = await self._newest_engine_weights()
             url = await self.rollout.start(weights, version)
             version = self.rollout.weight_version
             self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
@@ -325,7 +432,7 @@ class Cell(Actor):
         building = (asyncio.ensure_future(self._timed(phases, "trainer_built_s", self._build_trainer()))
                     if self.training is None else None)
         try:
-            await self.engine_weights.settle()
+            await self._settle_engine_weights()
             paused = await self._timed(phases, "paused_s", self.rollout.pause_in_place())
             in_flight = await self.rollout.live_sequences()
             migrated = (await self._timed(phases, "migrated_s", self._migrate(targets, in_flight))) if targets else 0
@@ -364,7 +471,7 @@ class Cell(Actor):
         phases: dict[str, float] = {}
         preparing = asyncio.ensure_future(self._timed(phases, "engine_memory_s", self.rollout.prepare()))
         try:
-            await self._timed(phases, "claims_halted_s", self.claims.halt())
+            await self._timed(phases, "claims_halted_s", self._halt_claims())
             if not self.config.is_core and self.training is not None:
                 if not await self.claims.wait_grads_taken():
                     self.log.error("gradients_not_taken_before_release")
@@ -373,7 +480,7 @@ class Cell(Actor):
                 phases["trainer_released_s"] = self.clock.now() - released
         finally:
             await preparing
-        weights, version = await self._timed(phases, "weights_s", self.engine_weights.newest())
+        weights, version = await self._timed(phases, "weights_s", self._newest_engine_weights())
         await self._timed(phases, "server_s", self.rollout.start(weights, version))
         version = self.rollout.weight_version
         self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))
@@ -452,9 +559,9 @@ class Cell(Actor):
         self.log.info("role_changed", role=msg.role, previous=msg.previous_role, switch_s=round(msg.switch_s, 4),
                       url=msg.engine_url, weight_version=msg.weight_version)
         if msg.role == TRAIN:
-            self.claims.start()
+            self._start_claiming()
         else:
-            self.engine_weights.follow()
+            self._follow_engine_weights()
         await self._publish_load()
         pending, self.pending_switch = self.pending_switch, None
         if pending is not None and pending.role != self.role:
@@ -488,45 +595,52 @@ class Cell(Actor):
 
     @handler(WeightsPublished)
     def on_weights_published(self, msg: WeightsPublished) -> None:
-        self.latest_version = max(self.latest_version, msg.version)
+        self._heard_of(msg.version)
         if not self.config.is_core:
-            self.engine_weights.follow()
+            self._follow_engine_weights()
 
     @handler(StepReady)
     async def on_step_ready(self, msg: StepReady) -> None:
-        self.latest_version = max(self.latest_version, msg.base_version)
-        if self.core_steps is not None:
+        self._heard_of(msg.base_version)
+        if self.config.is_core:
             await self.core_ready.wait()
-            await self.core_steps.on_ready(msg)
+            assert self.core_steps is not None
+            if self.core_steps.on_ready(msg):
+                await self._apply_ready_steps()
 
     @handler(MicroStepDone)
     async def on_microstep_done(self, msg: MicroStepDone) -> None:
-        if self.core_steps is None:
+        if not self.config.is_core:
             self.log.error("microstep_done_sent_to_satellite", from_cell=msg.cell, step_id=msg.step_id)
             return
         await self.core_ready.wait()
-        await self.core_steps.on_done(msg)
+        assert self.core_steps is not None
+        if await self.core_steps.on_done(msg):
+            await self._apply_ready_steps()
 
     @handler(GradientsTaken)
     def on_gradients_taken(self, msg: GradientsTaken) -> None:
         self.claims.on_gradients_taken(msg)
 
-    @handler(CellStatusQuery)
-    async def on_status(self, msg: CellStatusQuery) -> CellStatus:
-        digest = ""
-        if msg.with_digest:
-            if self.training is not None:
-                async with self.compute_lock:
-                    digest = await self.offload(self.training.digest)
-            elif self.rollout is not None and self.rollout.pulled_version == self.rollout.weight_version:
-                digest = await self.offload(self.rollout.pulled_digest)
-        return CellStatus(
+    @handler(WeightsDigestAsked)
+    async def on_weights_digest_asked(self, msg: WeightsDigestAsked) -> WeightsDigest:
+        if self.training is not None:
+            async with self.compute_lock:  # no step or pull changes the weights while they are hashed
+                version = self.training.version
+                digest = await self.offload(self.training.digest)
+            return WeightsDigest(self.name, version, digest)
+        rollout = self.rollout
+        if rollout is not None and rollout.pulled_version >= 0 and rollout.pulled_version == rollout.weight_version:
+            return WeightsDigest(self.name, rollout.pulled_version, await self.offload(rollout.pulled_digest))
+        return WeightsDigest(self.name, self._weight_version(), "")
+
+    def statistics(self) -> CellStatistics:
+        return CellStatistics(
             cell=self.name,
             role=self.role,
             is_core=self.config.is_core,
             engine_url=self.engine_url,
             weight_version=self._weight_version(),
-            weights_sha256=digest,
             microsteps_computed=self.claims.computed,
             microsteps_released=self.claims.released,
             steps_applied=self.core_steps.steps_applied if self.core_steps else 0,

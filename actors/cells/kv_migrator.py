@@ -19,6 +19,8 @@ again on its next call: slower, never wrong. Such sessions are counted as `repre
 Sessions move a few at a time (`max_concurrent`): each transfer is bounded by the engines' own queues, and the
 target keeps serving while it imports. MigrateSessions asks are handled one at a time (the actor's mailbox), so two
 cells switching together migrate one after the other.
+
+`statistics()` (the answer to StatisticsAsked) sums every migration so far: `KVMigratorStatistics`.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ import attrs
 import structlog
 
 from gyre.engines.sglang_client import CapabilityMissing, ClientConfig, SGLangClient, SGLangError
+from gyre.messages.cell_internal import KVMigratorStatistics
 from gyre.messages.cells import MigrateSessions, SessionPlaced, SessionsMigrated
 from gyre.messages.proxy import SessionPrefixes, SessionsOnCell
 from gyre.runtime import Actor, handler
+from gyre.runtime.errors import ConfigError
+from gyre.runtime.validators import count, positive
 
 __all__ = ["KVMigratorConfig", "KVMigrator", "assign_sessions", "extend_with_in_flight"]
 
@@ -47,18 +52,19 @@ class KVMigratorConfig:
 
     proxy: str = "proxy"
     """Name of the proxy actor (asked SessionsOnCell)."""
-    max_concurrent: int = 4
+    max_concurrent: int = attrs.field(default=4, validator=count)
     """Sessions in transfer at once."""
-    proxy_timeout_s: float = 30.0
+    proxy_timeout_s: float = attrs.field(default=30.0, validator=positive)
     """How long to wait for the proxy's answer."""
     client: ClientConfig = ClientConfig(control_timeout_s=120.0)
     """Deadlines of the engine clients (export/import are control calls)."""
-    max_clients: int = 64
-    """Engine clients kept (one per engine URL; least recently used closed first)."""
+    max_clients: int = attrs.field(default=64, validator=count)
+    """Engine clients kept (one per engine URL; least recently used closed first). At least 2: a migration uses
+    the source's client and a target's at once."""
 
     def __attrs_post_init__(self) -> None:
-        if self.max_concurrent < 1 or self.max_clients < 2:
-            raise ValueError("max_concurrent must be >= 1 and max_clients >= 2")
+        if self.max_clients < 2:
+            raise ConfigError(f"max_clients must be >= 2 (a source and a target), got {self.max_clients}")
 
 
 def assign_sessions(prefix_tokens: Mapping[str, int], targets: Sequence[str]) -> dict[str, str]:
@@ -116,6 +122,8 @@ class KVMigrator(Actor):
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4 * self.config.max_concurrent))
         self.clients: OrderedDict[str, SGLangClient] = OrderedDict()
         self.migrations = 0
+        self.sessions_placed = 0
+        self.reprefill_sessions = 0
         self.moved_tokens = 0
         """KV tokens moved in all migrations so far."""
         self.partial_output_tokens = 0
@@ -123,6 +131,15 @@ class KVMigrator(Actor):
 
     async def on_stop(self) -> None:
         await self.http.close()
+
+    def statistics(self) -> KVMigratorStatistics:
+        return KVMigratorStatistics(
+            migrations=self.migrations,
+            sessions_placed=self.sessions_placed,
+            moved_tokens=self.moved_tokens,
+            partial_output_tokens=self.partial_output_tokens,
+            reprefill_sessions=self.reprefill_sessions,
+        )
 
     def _client(self, url: str) -> SGLangClient:
         client = self.clients.get(url)
@@ -165,6 +182,8 @@ class KVMigrator(Actor):
         reprefill = sum(1 for o in outcomes if o.reprefill) + (len(prefixes) - len(placement))
         seconds = self.clock.now() - started
         self.migrations += 1
+        self.sessions_placed += len(placement)
+        self.reprefill_sessions += reprefill
         self.moved_tokens += moved
         self.partial_output_tokens += partial
         self.log.info(

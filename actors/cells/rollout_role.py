@@ -13,9 +13,10 @@ computed so far), then `shutdown`: abort what is still in flight (the proxy resu
 cell that took the session, which holds its KV by then), stop the server while aborting any late arrival, release
 the memory.
 
-Also here: `EngineWeights` keeps the engine on the newest weights (at a start or switch, and after every
-publication while serving), and `PeerView` is what a cell knows of the other cells, so that a draining cell knows
-who can take its sessions.
+Also here: `EngineWeights` fetches the newest weights for the engine (the cell loads them at a start or switch, and
+after every publication while serving), `RecentSessions` is the cell's estimate of its live sessions, and `PeerView`
+is what a cell knows of the other cells, so that a draining cell knows who can take its sessions. None of them sees
+the cell: they take explicit inputs and return results; the cell owns the state and orders the steps.
 """
 
 from __future__ import annotations
@@ -24,29 +25,25 @@ import asyncio
 import hashlib
 import json
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import structlog
 import torch
 from aiohttp import web
 
-from gyre.actors.cells.weight_broker import WeightsUnavailable, flat_to_hf, pull_weights
+from gyre.actors.cells.train_role import Offload, TrainerHost
+from gyre.actors.cells.weight_pull import WeightLayoutError, WeightPuller, flat_to_hf, pull_weights
 from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig, EngineStats
 from gyre.engines.engine_server import build_engine_app
+from gyre.engines.model_format import ModelSpec
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.cells import ROLLOUT, CellDraining, LoadReport, RoleChanged
-from gyre.messages.training import WeightsLoaded
-
-if TYPE_CHECKING:
-    from gyre.actors.cells.cell import Cell
 
 __all__ = ["EngineWeights", "PeerView", "RecentSessions", "RolloutHost"]
 
 log = structlog.get_logger(__name__)
-
-Offload = Callable[..., Awaitable[Any]]
 
 
 class RecentSessions:
@@ -287,7 +284,7 @@ class RolloutHost:
     def pull_buffer(self, nbytes: int) -> torch.Tensor:
         """The registered staging buffer for a pull of `nbytes` (fp32), made (or remade) to fit."""
         if nbytes % 4:
-            raise ValueError(f"a flat fp32 weight buffer cannot be {nbytes} bytes")
+            raise WeightLayoutError(f"a flat fp32 weight buffer cannot be {nbytes} bytes")
         if self.pulled is None or self.pulled.numel() * 4 != nbytes:
             self.drop_pull_buffer()
             buffer = torch.zeros(nbytes // 4, dtype=torch.float32)
@@ -308,72 +305,50 @@ class RolloutHost:
 
 
 class EngineWeights:
-    """Keeps a cell's engine on the newest weights: at a start or switch (`newest`) and, in the rollout role, after
-    every publication (`follow`): pause in place, load, continue; in-flight requests keep their tokens' versions.
+    """The newest weights for a cell's engine, as a Hugging Face state dict (`newest`): what the engine loads at a
+    start or switch and, in the rollout role, after every publication (the cell runs that loop and loads).
 
-    The core loads straight from its own trainer. A satellite pulls the flat buffer from the core into the engine's
-    registered staging buffer (a clean copy, see actors/cells/weight_broker.py) and converts it to Hugging Face names.
+    The core reads them straight from its own trainer (`trainer`, under the compute lock). A satellite pulls the
+    flat buffer from the core into the engine's registered staging buffer (a clean copy, see
+    actors/cells/weight_pull.py) and converts it to Hugging Face names. Explicit inputs, no cell: what a pulled
+    version means for the cell (the newest it has heard of) is the cell's business, with the version returned.
     """
 
-    def __init__(self, cell: Cell) -> None:
-        self.cell = cell
-        self._task: asyncio.Task | None = None
+    def __init__(
+        self, rollout: RolloutHost, *, spec: ModelSpec, puller: WeightPuller, agent: Any, fence_scratch: torch.Tensor,
+        compute_lock: asyncio.Lock, offload: Offload, trainer: TrainerHost | None = None,
+    ) -> None:
+        self.rollout = rollout
+        self.spec = spec
+        self.puller = puller
+        self.agent = agent
+        self.fence_scratch = fence_scratch
+        """The cell's registered int64 scratch word the fence is read into."""
+        self.compute_lock = compute_lock
+        self.offload = offload
+        self.trainer = trainer
+        """The core's trainer host (the core always has one); None on a satellite."""
 
     async def newest(self) -> tuple[dict[str, torch.Tensor] | None, int]:
         """The newest weights as an HF state dict and their version; (None, version held) when there is nothing
         newer than what the engine holds. Raises WeightsUnavailable."""
-        cell = self.cell
-        rollout = cell.rollout
-        assert rollout is not None
-        if cell.config.is_core:
-            assert cell.training is not None
-            async with cell.compute_lock:
-                weights = await cell.offload(cell.training.trainer.hf_state_dict)
-                return weights, cell.training.version
+        rollout = self.rollout
+        if self.trainer is not None:
+            async with self.compute_lock:
+                weights = await self.offload(self.trainer.trainer.hf_state_dict)
+                return weights, self.trainer.version
 
         async def pull_into_staging(source: WeightSource) -> None:
             buffer = rollout.pull_buffer(source.nbytes)
             rollout.pulled_version = -1
-            await cell.offload(pull_weights, cell.agent, source, buffer, cell.fence_scratch)
+            await self.offload(pull_weights, self.agent, source, buffer, self.fence_scratch)
             rollout.pulled_version = source.version
 
-        source = await cell.puller.pull(lambda: rollout.weight_version, pull_into_staging)
+        source = await self.puller.pull(lambda: rollout.weight_version, pull_into_staging)
         if source is None:
             return None, rollout.weight_version
-        cell.latest_version = max(cell.latest_version, source.version)
         assert rollout.pulled is not None
-        return await cell.offload(flat_to_hf, rollout.pulled, source, cell.spec), source.version
-
-    def follow(self) -> None:
-        """In the rollout role: start loading newer weights unless that is already under way."""
-        if self.cell.role != ROLLOUT or (self._task is not None and not self._task.done()):
-            return
-        self._task = self.cell.spawn(self._follow(), name=f"{self.cell.name}.weights")
-
-    async def settle(self) -> None:
-        """Wait for a load under way to end (a switch must not stop the engine under it)."""
-        if self._task is not None and not self._task.done():
-            await asyncio.shield(self._task)
-
-    async def _follow(self) -> None:
-        cell = self.cell
-        while cell.role == ROLLOUT and cell.rollout is not None and cell.rollout.serving:
-            current = cell.rollout.weight_version
-            newest = cell.training.version if cell.config.is_core and cell.training else cell.latest_version
-            if newest <= current:
-                return
-            started = cell.clock.now()
-            try:
-                weights, version = await self.newest()
-            except WeightsUnavailable as error:  # keep serving the weights it has; the next publication retries
-                cell.log.error("engine_weights_not_updated", version=current, newest=newest, error=str(error))
-                return
-            if weights is None or version <= current or cell.role != ROLLOUT:
-                return
-            await cell.rollout.load_weights(weights, version)
-            seconds = cell.clock.now() - started
-            cell.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4))
-            cell.tell_broker(WeightsLoaded(cell.name, version, seconds))
+        return await self.offload(flat_to_hf, rollout.pulled, source, self.spec), source.version
 
 
 @attrs.define

@@ -15,7 +15,7 @@ Gradient exchange, end to end:
   were on their way) is dropped, and a micro-step the core computes itself is reserved before its compute starts,
   because its gradients land in the trainer as they are computed and could not be taken out again;
 - when the claimer's `StepReady` has fixed the step's size and all its micro-steps are in, the core runs the
-  optimizer step (fence -1 while it writes, see actors/cells/weight_broker.py) and publishes `StepApplied`; the broker
+  optimizer step (fence -1 while it writes, see actors/cells/weight_pull.py) and publishes `StepApplied`; the broker
   announces the new weights;
 - a step whose summed gradients are not finite is skipped by the trainer (weights and version unchanged). It is still
   announced, as `StepApplied(skipped=True)` with the unchanged version: the step is over and its samples are used
@@ -24,6 +24,12 @@ Gradient exchange, end to end:
   identical weights as new and make every rollout engine reload them.
 A cell can only claim micro-steps whose base version equals its weights (the claimer enforces it), so the core's
 gradient buffer never mixes two steps.
+
+Who does what: `TrainerHost`, `CoreSteps` and `ClaimLoop` never see the cell. They take explicit inputs (values,
+`ClaimSettings`, the cell's compute lock, `offload`/`send`/`ask` callables, the trainer host) and return results;
+the cell (actors/cells/cell.py) owns all state and sequences: it runs the claim loop, publishes each StepApplied
+`CoreSteps.apply_next` returns, and decides what follows a step (its engine's weights, a checkpoint).
+`StepTracker` is the core's ledger of micro-steps, with no I/O.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
 import torch
 
-from gyre.actors.cells.weight_broker import pull_weights, source_from_layout
+from gyre.actors.cells.weight_pull import pull_weights, source_from_layout
+from gyre.actors.errors import ActorError
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.samples import TrainingSample
@@ -58,10 +65,20 @@ from gyre.policies.loss import (
 )
 from gyre.runtime import GyreError
 
-if TYPE_CHECKING:
-    from gyre.actors.cells.cell import Cell
+__all__ = ["Ask", "ClaimLoop", "ClaimSettings", "CoreSteps", "GradientBufferError", "Offload", "Send",
+           "StepProgress", "StepTracker", "TrainerHost"]
 
-__all__ = ["ClaimLoop", "CoreSteps", "StepProgress", "StepTracker", "TrainerHost"]
+Offload = Callable[..., Awaitable[Any]]
+"""Run a blocking call off the event loop: `await offload(fn, *args)` (the actor's `offload`)."""
+Send = Callable[[str, Any], Awaitable[None]]
+"""Send a message to an actor, waiting while its queue is full (the actor's `send`)."""
+Ask = Callable[..., Awaitable[Any]]
+"""Ask an actor and wait for the reply: `await ask(to, msg, timeout_s=...)` (the actor's `ask`)."""
+
+
+
+class GradientBufferError(ActorError, ValueError):
+    """A satellite's gradient buffer is not the size of this model's (another model, or a corrupt report)."""
 
 
 class TrainerHost:
@@ -141,11 +158,12 @@ class TrainerHost:
         self._register(self.grads_out)
 
     def take_grads(self, peer: str, addr: int, nbytes: int) -> int:
-        """Core: pull a satellite's flat gradients and add them to the step's. Raises TransferError, ValueError."""
+        """Core: pull a satellite's flat gradients and add them to the step's. Raises TransferError,
+        GradientBufferError."""
         assert self.grads_in is not None, "only the core takes gradients"
         expected = self.grads_in.numel() * self.grads_in.element_size()
         if nbytes != expected:
-            raise ValueError(f"gradient buffer of {nbytes} bytes from {peer}; this model's is {expected}")
+            raise GradientBufferError(f"gradient buffer of {nbytes} bytes from {peer}; this model's is {expected}")
         moved = self.agent.pull_tensor(peer, addr, self.grads_in)
         self.trainer.add_flat_grads(self.grads_in)
         return moved
@@ -279,127 +297,177 @@ class StepTracker:
 
 
 class CoreSteps:
-    """The core's side of gradient exchange: take gradients in, apply complete steps, announce them."""
+    """The core's side of gradient exchange: take gradients in, apply complete steps in order.
 
-    def __init__(self, cell: Cell) -> None:
-        self.cell = cell
+    Explicit inputs, no cell: the core's trainer host, the names it talks to, the cell's compute lock, and how to
+    offload blocking work and send a message. It sends what the exchange itself needs (GradientsTaken to a
+    satellite, ReleaseMicroStep or the MicroStepDone itself to the claimer) and returns what the cell acts on:
+    whether a micro-step counted in (then the cell applies what is complete), and each applied step's StepApplied
+    (the cell publishes it and decides what follows: the engine's weights, a checkpoint).
+    """
+
+    def __init__(
+        self, host: TrainerHost, *, me: str, claimer: str, checkpoint_dir: str, compute_lock: asyncio.Lock,
+        offload: Offload, send: Send, log: Any,
+    ) -> None:
+        self.host = host
+        self.me = me
+        """The core's own name: a MicroStepDone from it is the core's own compute (its gradients are in already)."""
+        self.claimer = claimer
+        self.checkpoint_dir = checkpoint_dir
+        self.compute_lock = compute_lock
+        self.offload = offload
+        self.send = send
+        self.log = log
         self.tracker = StepTracker()
         self.steps_applied = 0
         self.steps_skipped = 0
 
-    async def on_done(self, msg: MicroStepDone) -> None:
-        cell, config = self.cell, self.cell.config
-        host = cell.training
-        assert host is not None
-        if not self.tracker.accept(msg, own=msg.cell == cell.name):
-            cell.log.warning("microstep_done_ignored", from_cell=msg.cell, step_id=msg.step_id,
+    async def on_done(self, msg: MicroStepDone) -> bool:
+        """Count a micro-step in: pull a satellite's gradients and add them, tell the claimer and the satellite.
+        True when it counted (a step may be complete now); False for a duplicate or stale report, or gradients
+        that could not be pulled (the micro-step then goes back to the claimer)."""
+        host = self.host
+        if not self.tracker.accept(msg, own=msg.cell == self.me):
+            self.log.warning("microstep_done_ignored", from_cell=msg.cell, step_id=msg.step_id,
                              index=msg.microstep_index, applied_through=self.tracker.applied_through)
             if msg.grad_peer:
-                await cell.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
-            return
+                await self.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
+            return False
         if msg.grad_peer:
             try:
-                async with cell.compute_lock:
-                    await cell.offload(host.take_grads, msg.grad_peer, msg.grad_addr, msg.grad_nbytes)
+                async with self.compute_lock:
+                    await self.offload(host.take_grads, msg.grad_peer, msg.grad_addr, msg.grad_nbytes)
             except (ValueError, RuntimeError) as error:  # TransferError is a RuntimeError
                 self.tracker.forget(msg.step_id, msg.microstep_index)
-                cell.log.error("gradients_lost_requeued", from_cell=msg.cell, step_id=msg.step_id,
+                self.log.error("gradients_lost_requeued", from_cell=msg.cell, step_id=msg.step_id,
                                index=msg.microstep_index, error=str(error))
-                await cell.send(config.claimer, ReleaseMicroStep(msg.cell, msg.step_id, msg.microstep_index))
-                return
+                await self.send(self.claimer, ReleaseMicroStep(msg.cell, msg.step_id, msg.microstep_index))
+                return False
         # The claimer hears first, the satellite second: a satellite that switches away after GradientsTaken then
         # announces it only after the claimer already counted its last micro-step (no needless re-queue).
-        await cell.send(config.claimer, msg)
+        await self.send(self.claimer, msg)
         if msg.grad_peer:
-            await cell.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
-        await self.apply_ready()
+            await self.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
+        return True
 
-    async def on_ready(self, msg: StepReady) -> None:
-        if self.tracker.on_ready(msg):
-            await self.apply_ready()
+    def on_ready(self, msg: StepReady) -> bool:
+        """Record a step's size. True when it is news (a step may be complete now); False for a step applied."""
+        return self.tracker.on_ready(msg)
 
-    async def apply_ready(self) -> None:
-        cell = self.cell
-        host = cell.training
-        assert host is not None
-        while (progress := self.tracker.next_complete()) is not None:
-            async with cell.compute_lock:
-                result = await cell.offload(host.apply_step)
-            self.tracker.mark_applied(progress.step_id)
-            self.steps_applied += 1
-            skipped = bool(result.get("skipped"))
-            reports = list(progress.done.values())
-            ready = progress.ready
-            assert ready is not None
-            applied = StepApplied(
-                step_id=progress.step_id,
-                version=host.version,
-                loss=sum(r.loss for r in reports) / max(1, len(reports)),
-                grad_norm=float(result["grad_norm"]),
-                num_tokens=sum(r.num_tokens for r in reports),
-                num_samples=ready.num_samples,
-                stale_samples_dropped=0,  # the claimer refuses stale samples; the core never sees them
-                skipped=skipped,
-            )
-            if skipped:
-                self.steps_skipped += 1
-                cell.log.warning("optimizer_step_skipped", step_id=progress.step_id, grad_norm=result["grad_norm"],
-                                 version=applied.version)
-            cell.log.info("step_applied", step_id=applied.step_id, version=applied.version, loss=applied.loss,
-                          grad_norm=applied.grad_norm, microsteps=len(reports), skipped=skipped)
-            cell.publish(applied)
-            if not skipped:
-                cell.on_core_weights_changed()
-                if cell.config.checkpoint_dir and applied.version % cell.config.checkpoint_every_steps == 0:
-                    await self.save_checkpoint(applied.version)
+    async def apply_next(self) -> StepApplied | None:
+        """Apply the lowest open step if all its micro-steps are in (steps apply in order) and return its
+        StepApplied, for the cell to publish; None when no step is complete."""
+        progress = self.tracker.next_complete()
+        if progress is None:
+            return None
+        host = self.host
+        async with self.compute_lock:
+            result = await self.offload(host.apply_step)
+        self.tracker.mark_applied(progress.step_id)
+        self.steps_applied += 1
+        skipped = bool(result.get("skipped"))
+        reports = list(progress.done.values())
+        ready = progress.ready
+        assert ready is not None
+        applied = StepApplied(
+            step_id=progress.step_id,
+            version=host.version,
+            loss=sum(r.loss for r in reports) / max(1, len(reports)),
+            grad_norm=float(result["grad_norm"]),
+            num_tokens=sum(r.num_tokens for r in reports),
+            num_samples=ready.num_samples,
+            stale_samples_dropped=0,  # the claimer refuses stale samples; the core never sees them
+            skipped=skipped,
+        )
+        if skipped:
+            self.steps_skipped += 1
+            self.log.warning("optimizer_step_skipped", step_id=progress.step_id, grad_norm=result["grad_norm"],
+                             version=applied.version)
+        self.log.info("step_applied", step_id=applied.step_id, version=applied.version, loss=applied.loss,
+                      grad_norm=applied.grad_norm, microsteps=len(reports), skipped=skipped)
+        return applied
 
-    async def save_checkpoint(self, version: int) -> None:
+    async def save_checkpoint(self, version: int) -> bool:
         """The weights of `version` to `<checkpoint_dir>/v<version>`; a failure (a full disk) is logged, not raised:
-        a lost checkpoint must not stop the run."""
-        cell = self.cell
-        host = cell.training
-        assert host is not None
-        path = Path(cell.config.checkpoint_dir) / f"v{version:05d}"
+        a lost checkpoint must not stop the run. Returns whether it was saved."""
+        path = Path(self.checkpoint_dir) / f"v{version:05d}"
         try:
-            async with cell.compute_lock:  # no step changes the weights while they are copied out
-                await cell.offload(host.trainer.save_hf, path)
+            async with self.compute_lock:  # no step changes the weights while they are copied out
+                await self.offload(self.host.trainer.save_hf, path)
         except OSError as error:
-            cell.log.error("checkpoint_failed", path=str(path), version=version, error=str(error))
-            return
-        cell.log.info("checkpoint_saved", path=str(path), version=version)
+            self.log.error("checkpoint_failed", path=str(path), version=version, error=str(error))
+            return False
+        self.log.info("checkpoint_saved", path=str(path), version=version)
+        return True
+
+
+@attrs.frozen
+class ClaimSettings:
+    """What claiming needs to know of its cell (the cell builds it from its config)."""
+
+    cell: str
+    """The claiming cell's name."""
+    is_core: bool
+    """The core reports to itself and its gradients stay in its trainer; a satellite sends them to `core`."""
+    claimer: str
+    """Actor name of the micro-step claimer."""
+    core: str
+    """Actor name of the core cell."""
+    claim_timeout_s: float
+    """How long a ClaimMicroStep waits for the claimer."""
+    claim_retry_s: float
+    """Pause before claiming again after a failed claim."""
+    grads_taken_timeout_s: float
+    """How long a satellite waits for GradientsTaken before giving its send buffer up."""
+    clip_low: float
+    """GSPO lower clip range."""
+    clip_high: float
+    """GSPO upper clip range."""
+    chunk_padded_tokens: int
+    """Most padded tokens per compute chunk of a micro-step."""
 
 
 class ClaimLoop:
-    """The train role's loop: claim a micro-step, compute it, hand its gradients on; until told to halt.
+    """The body of the train role's loop: claim a micro-step, compute it, hand its gradients on (`claim_once`).
+    The cell runs it over and over (a satellite first catches its trainer up) until it asks the loop to halt.
 
     Halting lets a micro-step whose compute started finish and report (it is one forward/backward); a grant that
-    arrives after the halt was asked for is handed back with ReleaseMicroStep, untouched.
+    arrives after the halt was asked for is handed back with ReleaseMicroStep, untouched. A satellite's send buffer
+    is reused only after the core's GradientsTaken for what it last sent.
+
+    Explicit inputs, no cell: its settings, how to ask, send and offload, the cell's compute lock; each claim gets
+    the trainer host to compute with, and on the core the StepTracker to reserve its own micro-steps in.
     """
 
-    def __init__(self, cell: Cell) -> None:
-        self.cell = cell
+    def __init__(
+        self, settings: ClaimSettings, *, ask: Ask, send: Send, offload: Offload, compute_lock: asyncio.Lock,
+        log: Any,
+    ) -> None:
+        self.settings = settings
+        self.ask = ask
+        self.send = send
+        self.offload = offload
+        self.compute_lock = compute_lock
+        self.log = log
         self._halt = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self.computed = 0
         self.released = 0
         self._outstanding: tuple[int, int] | None = None
         self._grads_free = asyncio.Event()
         self._grads_free.set()
 
-    def start(self) -> None:
-        assert self._task is None or self._task.done(), "the claim loop is running"
+    def resume(self) -> None:
+        """Claim again (the cell entered the train role)."""
         self._halt.clear()
-        self._task = self.cell.spawn(self.cell.guarded(self._run()), name=f"{self.cell.name}.claims")
+
+    def stop_claiming(self) -> None:
+        """No new claim; a grant that comes after this goes back. The cell then waits for its loop to end."""
+        self._halt.set()
 
     @property
-    def running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    async def halt(self) -> None:
-        """Stop claiming and wait for the loop to end (a micro-step in compute finishes and reports first)."""
-        self._halt.set()
-        if self._task is not None:
-            await asyncio.shield(self._task)
+    def halting(self) -> bool:
+        return self._halt.is_set()
 
     def on_gradients_taken(self, msg: GradientsTaken) -> None:
         if self._outstanding == (msg.step_id, msg.microstep_index):
@@ -409,7 +477,7 @@ class ClaimLoop:
     async def wait_grads_taken(self) -> bool:
         """Satellite: wait until the core took the last gradients sent (bounded). False on timeout."""
         try:
-            await asyncio.wait_for(self._grads_free.wait(), self.cell.config.grads_taken_timeout_s)
+            await asyncio.wait_for(self._grads_free.wait(), self.settings.grads_taken_timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
@@ -420,73 +488,67 @@ class ClaimLoop:
         except asyncio.TimeoutError:
             pass
 
-    async def _run(self) -> None:
-        cell, config = self.cell, self.cell.config
-        while not self._halt.is_set():
-            if not config.is_core:
-                await cell.catch_up_trainer()
-            host = cell.training
-            assert host is not None
-            try:
-                grant: ClaimGranted = await cell.ask(
-                    config.claimer, ClaimMicroStep(cell.name, host.version), timeout_s=config.claim_timeout_s
-                )
-            except GyreError as error:  # claimer slow, restarting or absent: try again later
-                cell.log.warning("claim_failed", error=str(error))
-                await self._pause(config.claim_retry_s)
-                continue
-            if grant.step_id < 0:
-                await self._pause(grant.retry_after_s if grant.retry_after_s > 0 else config.claim_retry_s)
-                continue
-            if self._halt.is_set() or not grant.samples:
-                self.released += 1
-                if not grant.samples:
-                    cell.log.error("empty_microstep_released", step_id=grant.step_id, index=grant.microstep_index)
-                await cell.send(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
-                continue
-            await self._compute_and_report(grant)
+    async def claim_once(self, host: TrainerHost, tracker: StepTracker | None) -> None:
+        """One claim with `host`'s weight version: compute what is granted and report it, hand back what cannot be
+        trained, or pause when there is nothing (or the claimer does not answer)."""
+        settings = self.settings
+        try:
+            grant: ClaimGranted = await self.ask(
+                settings.claimer, ClaimMicroStep(settings.cell, host.version), timeout_s=settings.claim_timeout_s
+            )
+        except GyreError as error:  # claimer slow, restarting or absent: try again later
+            self.log.warning("claim_failed", error=str(error))
+            await self._pause(settings.claim_retry_s)
+            return
+        if grant.step_id < 0:
+            await self._pause(grant.retry_after_s if grant.retry_after_s > 0 else settings.claim_retry_s)
+            return
+        if self._halt.is_set() or not grant.samples:
+            self.released += 1
+            if not grant.samples:
+                self.log.error("empty_microstep_released", step_id=grant.step_id, index=grant.microstep_index)
+            await self.send(settings.claimer, ReleaseMicroStep(settings.cell, grant.step_id, grant.microstep_index))
+            return
+        await self._compute_and_report(grant, host, tracker)
 
-    async def _compute_and_report(self, grant: ClaimGranted) -> None:
-        cell, config = self.cell, self.cell.config
-        host = cell.training
-        assert host is not None
-        core_steps = cell.core_steps
-        if core_steps is not None and not core_steps.tracker.reserve(grant.step_id, grant.microstep_index):
+    async def _compute_and_report(self, grant: ClaimGranted, host: TrainerHost, tracker: StepTracker | None) -> None:
+        settings = self.settings
+        if tracker is not None and not tracker.reserve(grant.step_id, grant.microstep_index):
             # A satellite's gradients for it reached the core already (the claimer re-queued it in between).
-            cell.log.info("microstep_already_in", step_id=grant.step_id, index=grant.microstep_index)
+            self.log.info("microstep_already_in", step_id=grant.step_id, index=grant.microstep_index)
             return
         try:
-            async with cell.compute_lock:
-                metrics = await cell.offload(host.compute, grant.samples, grant.num_executions_in_step,
-                                             config.clip_low, config.clip_high, config.train_chunk_padded_tokens)
+            async with self.compute_lock:
+                metrics = await self.offload(host.compute, grant.samples, grant.num_executions_in_step,
+                                             settings.clip_low, settings.clip_high, settings.chunk_padded_tokens)
         except ValueError as error:  # bad samples (LossInputError, TrainerError): hand it back, say loudly why
-            if core_steps is not None:
-                core_steps.tracker.unreserve(grant.step_id, grant.microstep_index)
+            if tracker is not None:
+                tracker.unreserve(grant.step_id, grant.microstep_index)
             self.released += 1
-            cell.log.error("microstep_failed_released", step_id=grant.step_id, index=grant.microstep_index,
+            self.log.error("microstep_failed_released", step_id=grant.step_id, index=grant.microstep_index,
                            error=str(error))
-            if not config.is_core:
+            if not settings.is_core:
                 host.trainer.zero_grads()
-            await cell.send(config.claimer, ReleaseMicroStep(cell.name, grant.step_id, grant.microstep_index))
+            await self.send(settings.claimer, ReleaseMicroStep(settings.cell, grant.step_id, grant.microstep_index))
             return
         self.computed += 1
         tokens, loss = int(metrics["num_tokens"]), float(metrics["loss"])
         # How far the trained policy is from the behaviour policy, per micro-step: a clip fraction near 1 says
         # the clip range is too tight for this staleness and learning rate (GSPO clips the sequence ratio).
-        cell.log.info("microstep_computed", step_id=grant.step_id, index=grant.microstep_index, tokens=tokens,
+        self.log.info("microstep_computed", step_id=grant.step_id, index=grant.microstep_index, tokens=tokens,
                       loss=loss, clip_fraction=round(float(metrics.get("clip_fraction", 0.0)), 4),
                       seq_log_ratio_abs_max=float(metrics.get("seq_log_ratio_abs_max", 0.0)))
-        if config.is_core:
-            await cell.send(cell.name, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, "", 0, 0, tokens,
-                                                     loss))
+        if settings.is_core:
+            await self.send(settings.cell, MicroStepDone(settings.cell, grant.step_id, grant.microstep_index, "", 0, 0,
+                                                         tokens, loss))
             return
         if not await self.wait_grads_taken():
-            cell.log.error("gradients_never_taken", outstanding=self._outstanding)
-            async with cell.compute_lock:
-                await cell.offload(host.renew_grads_out)
-        async with cell.compute_lock:
-            addr, nbytes = await cell.offload(host.export_grads)
+            self.log.error("gradients_never_taken", outstanding=self._outstanding)
+            async with self.compute_lock:
+                await self.offload(host.renew_grads_out)
+        async with self.compute_lock:
+            addr, nbytes = await self.offload(host.export_grads)
         self._outstanding = (grant.step_id, grant.microstep_index)
         self._grads_free.clear()
-        await cell.send(config.core, MicroStepDone(cell.name, grant.step_id, grant.microstep_index, host.agent.peer,
-                                                   addr, nbytes, tokens, loss))
+        await self.send(settings.core, MicroStepDone(settings.cell, grant.step_id, grant.microstep_index,
+                                                     host.agent.peer, addr, nbytes, tokens, loss))

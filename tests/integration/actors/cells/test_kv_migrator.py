@@ -29,6 +29,7 @@ from gyre.engines.sglang_client import SGLangClient
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, MigrateSessions, RoleChanged, SessionsMigrated
 from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, InProcessLauncher, RunOptions, Topology, handler
 
 MAX_CONTEXT_TOKENS = 2048
@@ -224,6 +225,7 @@ async def migration_against_reprefill(driver: Driver) -> dict[str, Any]:
         async with http.get(driver.config.cells["cell-a"] + "/get_load") as resp:
             exports_left = (await resp.json())["exports"]
     return {
+        "migrator": await driver.ask("kv_migrator", StatisticsAsked()),
         "migrated": migrated,
         "migrated_calls": (migrated_first, migrated_second),
         "plain_calls": (plain_first, plain_second),
@@ -250,6 +252,9 @@ def test_migrated_session_finds_its_prefix_cached_on_the_new_cell(engines, tiny_
     assert migrated.moved_tokens == (prefix - 1) // BLOCK_TOKENS * BLOCK_TOKENS
     assert second.cached_tokens >= 0.9 * prefix
     assert out["exports_left"] == 0  # every export was released
+    totals = out["migrator"]  # one migration asked (the second switch re-prefills): its figures are the totals
+    assert (totals.migrations, totals.sessions_placed, totals.reprefill_sessions) == (1, 1, 0)
+    assert totals.moved_tokens == migrated.moved_tokens and totals.partial_output_tokens == 0  # nothing in flight
 
     plain_first, plain_second = out["plain_calls"]
     assert plain_first.cell == "cell-a" and plain_second.cell == "cell-b"

@@ -23,7 +23,6 @@ from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig, gro
 from gyre.actors.cells.weight_broker import WeightBroker
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.trainer import TrainerConfig
-from gyre.messages.cell_internal import CellStatusQuery, WeightsStatusQuery
 from gyre.messages.cells import TRAIN
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
@@ -108,8 +107,8 @@ def test_a_skipped_step_ends_its_step_and_the_run_goes_on(tiny_model_dir):
         await h.wait_until(lambda: len(recorder.steps) == GROUPS, timeout_s=120, what="three steps over")
         source = await h.ask("task_source", StatisticsAsked())
         claimer = await h.ask("claimer", StatisticsAsked())
-        broker = await h.ask("weight_broker", WeightsStatusQuery())
-        core = await h.ask("core", CellStatusQuery(with_digest=False))
+        broker = await h.ask("weight_broker", StatisticsAsked())
+        core = await h.ask("core", StatisticsAsked())
         params = h.actor("core").training.params.clone()
         return source, claimer, broker, core, params, list(recorder.steps), list(recorder.published)
 

@@ -27,7 +27,7 @@ from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.model_format import load_hf_state_dict
 from gyre.engines.sglang_client import SGLangClient
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
-from gyre.messages.cell_internal import CellStatusQuery, WeightsStatusQuery
+from gyre.messages.cell_internal import WeightsDigestAsked
 from gyre.messages.cells import ROLLOUT, RoleChanged, SwitchRole
 from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.messages.runtime_control import StatisticsAsked
@@ -114,7 +114,7 @@ async def roller_loaded(h, version: int, timeout_s: float = 60.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while loop.time() < deadline:
-        if (await h.ask("weight_broker", WeightsStatusQuery())).cell_versions.get("roller") == version:
+        if (await h.ask("weight_broker", StatisticsAsked())).cell_versions.get("roller") == version:
             return
         await asyncio.sleep(0.05)
 
@@ -141,10 +141,9 @@ def trained(tiny_model_dir, tmp_path_factory):
 
             await roller_loaded(h, step + 1)
             result["versions"].append(await generate_versions(roller_url))
-            core = await h.ask("core", CellStatusQuery(with_digest=True))
-            roller = await h.ask("roller", CellStatusQuery(with_digest=True))
-            result["digests"].append((core.weights_sha256, roller.weights_sha256, core.weight_version,
-                                      roller.weight_version))
+            core = await h.ask("core", WeightsDigestAsked())
+            roller = await h.ask("roller", WeightsDigestAsked())
+            result["digests"].append((core.sha256, roller.sha256, core.weight_version, roller.weight_version))
         # Step 2: the satellite leaves for rollout while the step is under way (holding a claim if it got one).
         h.tell("claimer", groups[2])
         ledger = h.actor("claimer").ledger
@@ -157,10 +156,10 @@ def trained(tiny_model_dir, tmp_path_factory):
                            what="satellite serving")
         await roller_loaded(h, 3)
         result["core_params"] = h.actor("core").training.trainer.flat_params()
-        result["status"] = {name: await h.ask(name, CellStatusQuery(with_digest=False))
+        result["status"] = {name: await h.ask(name, StatisticsAsked())
                             for name in ("core", "satellite", "roller")}
         result["claimer"] = await h.ask("claimer", StatisticsAsked())
-        result["broker"] = await h.ask("weight_broker", WeightsStatusQuery())
+        result["broker"] = await h.ask("weight_broker", StatisticsAsked())
         result["events"] = list(recorder.events)
         return result
 

@@ -15,20 +15,14 @@ import torch
 from gyre.actors.cells.cell import Cell, CellConfig
 from gyre.actors.cells.rollout_role import PeerView, RecentSessions
 from gyre.actors.cells.train_role import CoreSteps, StepTracker, TrainerHost
-from gyre.actors.cells.weight_broker import (
-    NO_SOURCE,
-    StaleWeights,
-    WeightBroker,
-    WeightBrokerConfig,
-    flat_to_hf,
-    pull_weights,
-    source_from_layout,
-)
+from gyre.actors.cells.weight_broker import NO_SOURCE, WeightBroker, WeightBrokerConfig
+from gyre.actors.cells.weight_pull import StaleWeights, flat_to_hf, pull_weights, source_from_layout
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.trainer import ParamSlot, TrainerConfig
 from gyre.engines.transfer import TransferAgent
-from gyre.messages.cell_internal import CellStatusQuery, WeightsQuery, WeightsStatusQuery
+from gyre.messages.cell_internal import WeightsQuery
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, CellDraining, LoadReport, RoleChanged, SwitchRole
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.samples import TrainingSample
 from gyre.messages.training import (
     ClaimGranted,
@@ -89,31 +83,34 @@ def test_config_refuses_bad_values(tiny_model_dir):
 
 
 class _CheckpointingCore:
-    """What CoreSteps.save_checkpoint uses of a core cell: its config, trainer host, lock, offload and log."""
+    """What CoreSteps.save_checkpoint is given by a core cell: a trainer host, the lock, offload and a log."""
 
     def __init__(self, model_dir, checkpoint_dir) -> None:
         from gyre.engines.trainer import MegatronTrainer
 
-        self.config = CellConfig(model_dir=str(model_dir), is_core=True, checkpoint_dir=str(checkpoint_dir))
-        self.training = types.SimpleNamespace(trainer=MegatronTrainer(model_dir))
-        self.compute_lock = asyncio.Lock()
         self.logged: list[tuple[str, dict]] = []
-        self.log = types.SimpleNamespace(info=lambda event, **kw: self.logged.append((event, kw)),
-                                   error=lambda event, **kw: self.logged.append((event, kw)))
+        log = types.SimpleNamespace(info=lambda event, **kw: self.logged.append((event, kw)),
+                                    error=lambda event, **kw: self.logged.append((event, kw)))
+        self.steps = CoreSteps(types.SimpleNamespace(trainer=MegatronTrainer(model_dir)), me="core",
+                               claimer="claimer", checkpoint_dir=str(checkpoint_dir), compute_lock=asyncio.Lock(),
+                               offload=self.offload, send=self.send, log=log)
 
     async def offload(self, fn, *args):
         return await asyncio.to_thread(fn, *args)
 
+    async def send(self, to, msg):
+        raise AssertionError(f"a checkpoint sends nothing, yet {msg!r} went to {to}")
+
 
 def test_a_checkpoint_is_a_model_directory_and_a_failed_one_is_logged(tiny_model_dir, tmp_path):
     core = _CheckpointingCore(tiny_model_dir, tmp_path / "checkpoints")
-    asyncio.run(CoreSteps(core).save_checkpoint(7))
+    asyncio.run(core.steps.save_checkpoint(7))
     assert (tmp_path / "checkpoints" / "v00007" / "model.safetensors").is_file()
     assert core.logged[-1][0] == "checkpoint_saved"
     # A checkpoint directory that cannot be made (a file is in the way) is logged; training is not stopped.
     (tmp_path / "blocked").write_text("not a directory")
     core = _CheckpointingCore(tiny_model_dir, tmp_path / "blocked")
-    asyncio.run(CoreSteps(core).save_checkpoint(8))
+    asyncio.run(core.steps.save_checkpoint(8))
     event, fields = core.logged[-1]
     assert event == "checkpoint_failed" and fields["version"] == 8 and fields["error"]
 
@@ -259,7 +256,7 @@ def test_broker_publishes_each_version_and_keeps_who_loaded_what():
             h.tell("weight_broker", WeightsLoaded(cell, version, 0.5))
         await h.wait_until(lambda: len(h.actor("listener").published) == 3, what="three publications")
         return before, await h.ask("weight_broker", WeightsQuery("x")), await h.ask("weight_broker",
-                                                                                    WeightsStatusQuery())
+                                                                                    StatisticsAsked())
 
     run = run_actors(topology, driver, transport="virtual")
     before, after, status = run.value
@@ -278,7 +275,7 @@ def test_broker_without_source_publishes_nothing():
     async def driver(h):
         h.publish(StepApplied(0, 1, 0.1, 1.0, 10, 2, 0))
         await asyncio.sleep(1.0)
-        return await h.ask("weight_broker", WeightsStatusQuery())
+        return await h.ask("weight_broker", StatisticsAsked())
 
     run = run_actors(topology, driver, transport="virtual")
     assert run.value.published == 0 and run.value.version == -1
@@ -466,11 +463,11 @@ def test_cell_hands_back_what_it_cannot_train_and_refuses_switches_it_cannot_mak
         await h.wait_until(lambda: cell.switches_refused == 1, what="deferred switch refused")
         h.tell("sat", SwitchRole("sat", TRAIN, "test: no other rollout cell"))
         await h.wait_until(lambda: cell.switches_refused == 2, what="switch refused")
-        refused = await h.ask("sat", CellStatusQuery(with_digest=False))
+        refused = await h.ask("sat", StatisticsAsked())
         # The colocate baseline's switch leaves the sessions where they are: no rollout cell is needed to take them.
         h.tell("sat", SwitchRole("sat", TRAIN, "test: colocate", migrate_sessions=False))
         await h.wait_until(lambda: cell.role == TRAIN, timeout_s=60, what="stranding switch into training")
-        return refused, await h.ask("sat", CellStatusQuery(with_digest=False)), list(claimer.released)
+        return refused, await h.ask("sat", StatisticsAsked()), list(claimer.released)
 
     run = run_actors(topology, driver, timeout_s=240)
     status, stranded, released = run.value

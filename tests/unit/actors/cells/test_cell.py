@@ -13,14 +13,24 @@ import pytest
 import torch
 
 from gyre.actors.cells.cell import Cell, CellConfig
+from gyre.actors.cells.kv_migrator import KVMigratorConfig
 from gyre.actors.cells.rollout_role import PeerView, RecentSessions
-from gyre.actors.cells.train_role import CoreSteps, StepTracker, TrainerHost
+from gyre.actors.cells.train_role import CoreSteps, GradientBufferError, StepTracker, TrainerHost
 from gyre.actors.cells.weight_broker import NO_SOURCE, WeightBroker, WeightBrokerConfig
-from gyre.actors.cells.weight_pull import StaleWeights, flat_to_hf, pull_weights, source_from_layout
+from gyre.actors.cells.weight_pull import (
+    StaleWeights,
+    WeightLayoutError,
+    WeightPuller,
+    WeightsUnavailable,
+    flat_to_hf,
+    pull_weights,
+    source_from_layout,
+)
+from gyre.actors.errors import ActorError
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.trainer import ParamSlot, TrainerConfig
 from gyre.engines.transfer import TransferAgent
-from gyre.messages.cell_internal import WeightsQuery
+from gyre.messages.cell_internal import WeightsDigest, WeightsDigestAsked, WeightsQuery
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, CellDraining, LoadReport, RoleChanged, SwitchRole
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.samples import TrainingSample
@@ -35,7 +45,8 @@ from gyre.messages.training import (
     WeightsPublished,
 )
 from gyre.policies.loss import loss_from_samples, pack_samples
-from gyre.runtime import Actor, Topology, handler
+from gyre.runtime import Actor, Topology, UnknownAddress, handler
+from gyre.runtime.errors import ConfigError
 from gyre.runtime.testing import run_actors
 
 VOCAB = 2041
@@ -80,6 +91,19 @@ def test_config_refuses_bad_values(tiny_model_dir):
         CellConfig(model_dir=str(tiny_model_dir), checkpoint_every_steps=0)
     with pytest.raises(ValueError, match="average_decay"):  # nothing to save without an average
         CellConfig(model_dir=str(tiny_model_dir), is_core=True, average_save_dir="/tmp/average")
+    with pytest.raises(ConfigError):
+        WeightBrokerConfig(max_cells=0)
+    with pytest.raises(ConfigError, match="max_clients"):  # a migration holds a source's client and a target's
+        KVMigratorConfig(max_clients=1)
+    with pytest.raises(ConfigError):
+        KVMigratorConfig(max_concurrent=0)
+
+
+def test_the_wings_errors_are_actor_errors_and_keep_their_builtins():
+    assert issubclass(StaleWeights, ActorError)
+    assert issubclass(WeightsUnavailable, ActorError) and issubclass(WeightsUnavailable, RuntimeError)
+    assert issubclass(WeightLayoutError, ActorError) and issubclass(WeightLayoutError, ValueError)
+    assert issubclass(GradientBufferError, ActorError) and issubclass(GradientBufferError, ValueError)
 
 
 class _CheckpointingCore:
@@ -281,6 +305,48 @@ def test_broker_without_source_publishes_nothing():
     assert run.value.published == 0 and run.value.version == -1
 
 
+# ---- the puller's retries (the broker and the copy scripted: they are its outer edges) -----------------------------
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattr__(self, level):
+        return lambda event, **fields: self.events.append(event)
+
+
+def test_the_puller_retries_a_stale_copy_and_gives_up_boundedly():
+    newest = [attrs.evolve(SOURCE, version=2)]
+    copies: list[int] = []
+
+    async def ask_source():
+        return newest[0]
+
+    async def pull_into(source):
+        copies.append(source.version)
+        if len(copies) == 1:
+            raise StaleWeights(source.version, -1)  # a step was writing: ask again, pull again
+
+    log = _Log()
+    puller = WeightPuller(ask_source, "sat", attempts=3, retry_s=0.001, log=log)
+    assert asyncio.run(puller.pull(lambda: 0, pull_into)) == newest[0]
+    assert copies == [2, 2] and log.events == ["weights_stale_retry"]
+    assert asyncio.run(puller.pull(lambda: 2, pull_into)) is None  # nothing newer than what it holds
+    assert copies == [2, 2]
+
+    async def always_stale(source):
+        raise StaleWeights(source.version, source.version + 1)
+
+    with pytest.raises(WeightsUnavailable, match="sat: no clean weight pull in 3 attempts"):
+        asyncio.run(puller.pull(lambda: -1, always_stale))
+
+    async def no_broker():
+        raise UnknownAddress("weight_broker")
+
+    assert asyncio.run(WeightPuller(no_broker, "sat", 3, 0.001, log).pull(lambda: -1, always_stale)) is None
+
+
 # ---- the fenced pull (real Mooncake, two agents) -------------------------------------------------------------------
 
 
@@ -464,13 +530,18 @@ def test_cell_hands_back_what_it_cannot_train_and_refuses_switches_it_cannot_mak
         h.tell("sat", SwitchRole("sat", TRAIN, "test: no other rollout cell"))
         await h.wait_until(lambda: cell.switches_refused == 2, what="switch refused")
         refused = await h.ask("sat", StatisticsAsked())
+        digests = [await h.ask("sat", WeightsDigestAsked())]
         # The colocate baseline's switch leaves the sessions where they are: no rollout cell is needed to take them.
         h.tell("sat", SwitchRole("sat", TRAIN, "test: colocate", migrate_sessions=False))
         await h.wait_until(lambda: cell.role == TRAIN, timeout_s=60, what="stranding switch into training")
-        return refused, await h.ask("sat", StatisticsAsked()), list(claimer.released)
+        digests.append(await h.ask("sat", WeightsDigestAsked()))
+        return refused, await h.ask("sat", StatisticsAsked()), list(claimer.released), digests
 
     run = run_actors(topology, driver, timeout_s=240)
-    status, stranded, released = run.value
+    status, stranded, released, digests = run.value
+    # No broker: the engine serves the model directory's weights (nothing pulled to hash), the trainer its own.
+    assert digests[0] == WeightsDigest("sat", 0, "")
+    assert digests[1].weight_version == 0 and len(digests[1].sha256) == 64
     assert [(r.cell, r.step_id, r.microstep_index) for r in released] == [("sat", 0, 0), ("sat", 0, 1)]
     assert status.role == ROLLOUT and status.switches == 1 and status.switches_refused == 2
     assert status.microsteps_computed == 0 and status.microsteps_released == 2

@@ -44,16 +44,20 @@ class StopTopology:
     """Process exit status of the launcher: 0 for a normal end."""
 
 
-@message("gyre.runtime.ActorStarted")
+@message("gyre.runtime.ActorStarted", version=2)
 class ActorStarted:
-    """Written to the event log when an actor (re)starts: what replay needs to rebuild it."""
+    """Written to the event log when an actor (re)starts: what replay needs to rebuild it. Version 2 added
+    `source_sha256`; replay reads version 1 records from their fields, with no hash."""
 
     actor: str
     """Name of the actor."""
     class_path: str
     """"module:QualName" of the actor class."""
     source_path: str
-    """File that defines the class (topology files are not importable by module name)."""
+    """File that defines the class (topology files are not importable by module name); "" for gyre's own classes."""
+    source_sha256: str
+    """Hex SHA-256 of that file's content when the run started ("" with no file): replay loads the file only if it
+    still matches, or if the user names it."""
     config_blob: bytes
     """The actor's attrs config, encoded by the runtime's config codec."""
     seed: int

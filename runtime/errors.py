@@ -59,3 +59,7 @@ class ConfigError(GyreError, ValueError):
 
 class TopologyError(GyreError):
     """A topology is malformed: duplicate names, a config of the wrong class, an unknown policy."""
+
+
+class ReplayError(GyreError):
+    """A log cannot drive a replay of that actor: not in the log, its code untrusted or gone, the log unreadable."""

@@ -30,7 +30,7 @@ from gyre.messages.runtime_control import ActorFailed, ActorStarted, AskFailed, 
 from gyre.runtime.actor import Actor
 from gyre.runtime.clock import Clock
 from gyre.runtime.codec import Codec
-from gyre.runtime.config_codec import _source_file, encode_config
+from gyre.runtime.config_codec import class_source, encode_config
 from gyre.runtime.envelope import ID_STRIDE, Envelope, Kind
 from gyre.runtime.errors import (
     ActorDead,
@@ -293,10 +293,12 @@ class Node:
     def _record_start(self, slot: ActorSlot) -> None:
         if self.recorder is None:
             return
+        source_path, source_sha256 = class_source(slot.spec.actor_cls)
         started = ActorStarted(
             actor=slot.name,
             class_path=slot.spec.class_path,
-            source_path=_source_file(slot.spec.actor_cls),
+            source_path=source_path,
+            source_sha256=source_sha256,
             config_blob=encode_config(slot.config),
             seed=slot.seed,
             index=slot.index,

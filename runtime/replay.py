@@ -9,22 +9,31 @@ receiver (or topic), same type, same body bytes. Time stamps are not compared.
 
 Replay is exact for deterministic runs (`gyre run --virtual`). In a real-time run, a handler that reads the clock
 after awaiting compute saw a later time than replay gives it; outputs that depend on that can differ.
+
+A log is data: the classes it names (the actor's and its config's) load only through `config_codec.load_class`,
+that is from gyre itself, from files the caller names (`code_paths`, `gyre replay --code PATH`) and from files under
+the current directory whose SHA-256 matches the one the run recorded; the actor class must be a `gyre.runtime.Actor`.
+A log from before ActorStarted version 2 records no hashes: its start records are read from their version-1 fields,
+so its gyre actors replay as before, and one defined in a topology file replays when that file is named with --code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 
 from gyre.messages.runtime_control import ActorStarted
+from gyre.runtime.actor import Actor
 from gyre.runtime.clock import VirtualClock
 from gyre.runtime.codec import Codec
-from gyre.runtime.config_codec import decode_config, load_class
+from gyre.runtime.config_codec import CodeTrust, decode_config, load_class
 from gyre.runtime.envelope import Envelope, Kind
-from gyre.runtime.event_log import LogRecord, ReadReport, read_log
+from gyre.runtime.errors import CodecError, ReplayError
+from gyre.runtime.event_log import EventLogError, LogRecord, ReadReport, read_log
 from gyre.runtime.node import Node, NodeConfig
 from gyre.runtime.topology import ActorSpec, Directory, RestartPolicy
 from gyre.runtime.virtual_loop import Quiescent, VirtualEventLoop
@@ -33,8 +42,31 @@ _REPLAY_NODE = "replay"
 _ELSEWHERE = "elsewhere"
 
 
-class ReplayError(Exception):
-    """The log cannot drive a replay of that actor (not in the log, class not importable, ...)."""
+@attrs.frozen(slots=True)
+class _ActorStartedV1:
+    """ActorStarted as logs before version 2 hold it (no source hash); decoded by a codec of its own."""
+
+    actor: str
+    class_path: str
+    source_path: str
+    config_blob: bytes
+    seed: int
+    index: int
+    subscriptions: tuple[str, ...]
+    incarnation: int
+
+
+_ActorStartedV1.__gyre_type__ = ActorStarted.__gyre_type__  # type: ignore[attr-defined]
+_ActorStartedV1.__gyre_version__ = 1  # type: ignore[attr-defined]
+_V1_CODEC = Codec([_ActorStartedV1])
+
+
+def _start_record(record: LogRecord, codec: Codec) -> ActorStarted:
+    if record.version == 1:
+        old = _V1_CODEC.decode_body(record.type_name, 1, record.body)
+        return ActorStarted(old.actor, old.class_path, old.source_path, "", old.config_blob, old.seed, old.index,
+                            old.subscriptions, old.incarnation)
+    return record.decode(codec)
 
 
 @attrs.frozen
@@ -73,34 +105,46 @@ def _output(codec: Codec, envelope: Envelope, type_name: str, body: bytes, msg: 
     return Output(envelope.msg_id, envelope.kind.name, to, type_name, body, repr(msg))
 
 
-def replay_actor(log_path: str | Path, actor: str, codec: Codec | None = None) -> ReplayResult:
+def replay_actor(
+    log_path: str | Path, actor: str, codec: Codec | None = None, code_paths: Iterable[str | os.PathLike] = (),
+) -> ReplayResult:
+    """Replay `actor` from the log at `log_path`; `code_paths` are files or folders whose code the caller trusts
+    as it is now (see the module docstring for what loads without them)."""
     codec = codec or Codec()
+    trust = CodeTrust(tuple(code_paths))
     report = ReadReport()
-    records = list(read_log(log_path, codec, report))
+    try:
+        records = list(read_log(log_path, codec, report))
+    except (EventLogError, OSError) as error:
+        raise ReplayError(f"cannot read the log: {error}") from error
     start: ActorStarted | None = None
     start_s = 0.0
+    started_type = codec.type_name_of(ActorStarted)
     for record in records:
-        if record.type_name == codec.type_name_of(ActorStarted) and record.envelope.receiver == actor:
-            started = record.decode(codec)
+        if record.type_name == started_type and record.envelope.receiver == actor:
+            try:
+                started = _start_record(record, codec)
+            except CodecError as error:
+                raise ReplayError(f"the start record of {actor} cannot be read: {error}") from error
             if started.incarnation == 0:
                 start, start_s = started, record.handled_s
                 break
     if start is None:
         raise ReplayError(f"the log has no start record for an actor named {actor!r}")
     try:
-        actor_cls = load_class(start.class_path, start.source_path)
-        config = decode_config(start.config_blob)
-    except Exception as error:
-        raise ReplayError(f"cannot rebuild {actor}: {type(error).__name__}: {error}") from error
+        actor_cls = load_class(start.class_path, start.source_path, start.source_sha256, trust)
+        config = decode_config(start.config_blob, trust)
+    except CodecError as error:
+        raise ReplayError(f"cannot rebuild {actor}: {error}") from error
+    if not issubclass(actor_cls, Actor):
+        raise ReplayError(f"cannot rebuild {actor}: {start.class_path} is not an actor class")
 
-    inbox = [
-        r for r in records
-        if r.envelope.receiver == actor and r.type_name != codec.type_name_of(ActorStarted)
-    ]
+    # decoded before the run, so that a bad record stops replay before any actor code runs
+    inbox = [(r, _decoded(r, codec)) for r in records if r.envelope.receiver == actor and r.type_name != started_type]
     expected: dict[int, Output] = {}
     for record in records:
         if record.envelope.sender == actor and record.envelope.msg_id not in expected:
-            msg = record.decode(codec)
+            msg = _decoded(record, codec)
             expected[record.envelope.msg_id] = _output(codec, record.envelope, record.type_name, record.body, msg)
 
     got = _run(actor, actor_cls, config, start, start_s, inbox, records, codec)
@@ -122,8 +166,8 @@ def replay_actor(log_path: str | Path, actor: str, codec: Codec | None = None) -
 
 
 def _run(
-    actor: str, actor_cls: type, config: Any, start: ActorStarted, start_s: float, inbox: list[LogRecord],
-    records: list[LogRecord], codec: Codec,
+    actor: str, actor_cls: type, config: Any, start: ActorStarted, start_s: float,
+    inbox: list[tuple[LogRecord, Any]], records: list[LogRecord], codec: Codec,
 ) -> list[Output]:
     names = {r.envelope.sender for r in records} | {r.envelope.receiver for r in records}
     actor_node = {name: _ELSEWHERE for name in names if name}
@@ -142,12 +186,11 @@ def _run(
     async def feed() -> None:
         await node.start()
         loop = asyncio.get_running_loop()
-        for record in inbox:
+        for record, msg in inbox:
             delay = record.handled_s - clock.now()
             if delay > 0:
                 await asyncio.sleep(delay)
             clock.set(record.handled_s)
-            msg = record.decode(codec)
             node._deliver_local_nowait(record.envelope, msg)  # noqa: SLF001
             await _settle(loop)
         await _settle(loop)
@@ -171,6 +214,15 @@ def _run(
             continue
         outputs.append(_output(codec, envelope, codec.type_name_of(type(msg)), codec.encode_body(msg), msg))
     return outputs
+
+
+def _decoded(record: LogRecord, codec: Codec) -> Any:
+    try:
+        return record.decode(codec)
+    except CodecError as error:
+        envelope = record.envelope
+        raise ReplayError(f"a {record.type_name} record from {envelope.sender} to {envelope.receiver} (id "
+                          f"{envelope.msg_id}) cannot be decoded: {error}") from error
 
 
 def _with_client(directory: Directory) -> Directory:

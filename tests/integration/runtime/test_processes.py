@@ -219,13 +219,14 @@ def test_seeded_virtual_runs_are_byte_identical(tmp_path) -> None:
     assert logs["a"].read_bytes() != logs["c"].read_bytes()  # the seed reaches the actors' generators
 
 
-def test_replay_reports_a_changed_handler_at_the_first_differing_message(tmp_path, capsys) -> None:
+def test_replay_reports_a_changed_handler_at_the_first_differing_message(tmp_path, capsys, monkeypatch) -> None:
     topology_file = tmp_path / "pp_changed.py"
     original = PING_PONG.read_text()
     topology_file.write_text(original)
     log = tmp_path / "v.glog"
     assert _cli(["run", str(topology_file), "--virtual", "--seed", "1", "--log", str(log)]) == 0
     module_name = "gyre_topology_pp_changed"
+    monkeypatch.chdir(tmp_path)  # the topology file sits under the current directory, unchanged: it loads as it is
     for actor in ("ping", "pong"):
         assert _cli(["replay", str(log), "--actor", actor]) == 0
     capsys.readouterr()
@@ -233,7 +234,10 @@ def test_replay_reports_a_changed_handler_at_the_first_differing_message(tmp_pat
     # The config is part of the log: another default for PongConfig.spin does not change the replay.
     topology_file.write_text(original.replace("    spin: int = 1\n", "    spin: int = 5\n"))
     sys.modules.pop(module_name, None)
-    assert _cli(["replay", str(log), "--actor", "pong"]) == 0
+    assert _cli(["replay", str(log), "--actor", "pong"]) == 2  # changed since the run: only --code loads it
+    assert f"pass --code {topology_file}" in capsys.readouterr().err
+    assert module_name not in sys.modules
+    assert _cli(["replay", str(log), "--actor", "pong", "--code", str(topology_file)]) == 0
     capsys.readouterr()
 
     # A handler that answers ball 7 differently is caught at pong's 8th output (5 balls, a score reply, 2 balls).
@@ -246,11 +250,11 @@ def test_replay_reports_a_changed_handler_at_the_first_differing_message(tmp_pat
     codec = Codec()
     sent = {r.decode(codec).number: r.decode(codec).spin for r in read_log(log)
             if r.type_name == Ball.__gyre_type__ and r.envelope.sender == "pong"}
-    assert _cli(["replay", str(log), "--actor", "pong"]) == 1
+    assert _cli(["replay", str(log), "--actor", "pong", "--code", str(topology_file)]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "DIFFERENT at output #7 of pong:"
     assert out[1].strip() == f"expected (log):  TELL to ping: Ball(number=7, spin={sent[7]})"
     assert out[2].strip() == f"got (replay):    TELL to ping: Ball(number=7, spin={sent[7] + 1})"
-    assert _cli(["replay", str(log), "--actor", "ping"]) == 0  # ping is replayed on the recorded balls
+    assert _cli(["replay", str(log), "--actor", "ping", "--code", str(topology_file)]) == 0  # on the recorded balls
     sys.modules.pop(module_name, None)
     assert _cli(["replay", str(log), "--actor", "nobody"]) == 2

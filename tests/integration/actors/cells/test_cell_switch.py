@@ -36,11 +36,11 @@ from gyre.engines.chat_template import ChatTemplate
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.sglang_client import SGLangClient
 from gyre.engines.trainer import TrainerConfig
-from gyre.messages.cell_internal import CellStatusQuery
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleChanged, SessionPlaced, SwitchRole
 from gyre.messages.executions import ExecutionEnded, IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import ProxyStatusAsked
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, Topology, handler
 from gyre.runtime.testing import run_actors
 
@@ -143,12 +143,12 @@ def switched(tiny_model_dir):
             h.tell(source, SwitchRole(source, TRAIN, "test"))
             await h.wait_until(lambda: len(recorder.of(RoleChanged, cell=source)) > before,
                                timeout_s=120, what="switch to train")
-            training = await h.ask(source, CellStatusQuery(with_digest=False))
+            training = await h.ask(source, StatisticsAsked())
             replies = await asyncio.gather(*calls)
             h.tell(source, SwitchRole(source, ROLLOUT, "test"))
             await h.wait_until(lambda: len(recorder.of(RoleChanged, cell=source)) > before + 1,
                                timeout_s=120, what="switch back")
-            back = await h.ask(source, CellStatusQuery(with_digest=False))
+            back = await h.ask(source, StatisticsAsked())
             async with SGLangClient(back.engine_url) as client:
                 served = await client.generate([5, 6, 7], {"max_new_tokens": 2, "temperature": 0.0})
             for messages, reply in zip(conversations, replies):
@@ -180,7 +180,7 @@ def switched(tiny_model_dir):
         switched_calls = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
         proxy_status = await h.ask("proxy", ProxyStatusAsked())
         # The unswitched run: every call's exact prompt ids and seed again, straight to an engine nothing disturbs.
-        url = (await h.ask("cell-a", CellStatusQuery(with_digest=False))).engine_url
+        url = (await h.ask("cell-a", StatisticsAsked())).engine_url
         references = {}
         async with SGLangClient(url) as client:
             for call in switched_calls:

@@ -27,14 +27,8 @@ from typing import Any, Callable
 import attrs
 import structlog
 
-from gyre.actors.serving.http_app import (
-    PROXY_SERVICE,
-    BackendRequest,
-    BackendResult,
-    GenerateBackend,
-    ProxyHttpConfig,
-    build_proxy_app,
-)
+from gyre.actors.serving.backends import BackendRequest, BackendResult, GenerateBackend
+from gyre.actors.serving.http_app import PROXY_SERVICE, ProxyHttpConfig, build_proxy_app
 from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
 
 __all__ = ["ProxyBenchConfig", "ProxyBenchResult", "ScriptedBackend", "run_proxy_bench", "register"]

@@ -46,7 +46,7 @@ from gyre.engines.trainer import TrainerConfig
 from gyre.messages.cells import ROLLOUT, TRAIN, RoleChanged, SwitchRole
 from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.proxy import ProxyStatusAsked
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, Topology, handler
 
 __all__ = ["SwitchBenchConfig", "SwitchBenchResult", "SwitchRunFigures", "main", "register", "run_switch_bench"]
@@ -321,7 +321,7 @@ async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool) -> SwitchRunF
         await asyncio.gather(*agents, return_exceptions=True)
         for client in clients:
             await client.close()
-    status = await h.ask("proxy", ProxyStatusAsked())
+    status = await h.ask("proxy", StatisticsAsked())
     calls = [call for s in sessions for call in s.calls]
     # Agents see every failure (no SDK retries); the proxy's own count is the check.
     lost = max(sum(1 for call in calls if not call.ok), status.calls_failed + status.calls_rejected)

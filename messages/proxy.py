@@ -1,4 +1,5 @@
-"""Questions other actors ask the proxy about the sessions it routes (the KV migrator, benchmarks, reports)."""
+"""What the proxy is asked about the sessions it routes (the KV migrator), what it answers StatisticsAsked with, and
+what it publishes about calls that wait for a cell."""
 
 from __future__ import annotations
 
@@ -27,14 +28,13 @@ class SessionPrefixes:
     """Session key -> token ids of its latest prompt + output there (only the prompt while a call is in flight)."""
 
 
-@message("gyre.proxy.ProxyStatusAsked")
-class ProxyStatusAsked:
-    """Anyone -> proxy (ask): its counters and where it serves."""
+@message("gyre.proxy.ProxyStatistics", version=2)
+class ProxyStatistics:
+    """Proxy's answer to StatisticsAsked (gyre.messages.runtime_control): its counters and where it serves.
 
-
-@message("gyre.proxy.ProxyStatus")
-class ProxyStatus:
-    """Proxy's reply to ProxyStatusAsked."""
+    Version 2: was ProxyStatus (the reply to the retired ProxyStatusAsked); adds calls_disconnected, emit_failures,
+    in_flight_peak and the resumed generations' token counts.
+    """
 
     base_url: str
     """Where agents reach it (http://host:port; the OpenAI SDK's base URL adds /v1)."""
@@ -44,10 +44,20 @@ class ProxyStatus:
     """Calls answered with a 4xx."""
     calls_failed: int
     """Calls answered with a 5xx (503s that the SDKs retry included)."""
+    calls_disconnected: int
+    """Streamed calls whose client left before the generation finished (aborted, neither recorded nor emitted)."""
+    emit_failures: int
+    """ModelCallCompleted records the proxy failed to hand on (each one logged)."""
     in_flight: int
-    """Calls being generated now."""
+    """Model calls being handled now (from the body read to the answer's last byte)."""
+    in_flight_peak: int
+    """The most model calls handled at once since the proxy started."""
     resumed_generations: int
     """Generations aborted on one cell and continued (prompt + partial output) on another or the same cell."""
+    resumed_prompt_tokens: int
+    """Prompt tokens (prompt + partial output) of resubmitted generations that came back."""
+    resumed_cached_tokens: int
+    """Of those, tokens the new cell served from its cache (the migrated KV, when the migration moved it)."""
     waits_for_cell: int
     """Calls that had to wait for a rollout cell or for a migrating session's placement."""
     sessions: int

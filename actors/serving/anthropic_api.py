@@ -1,4 +1,5 @@
-"""Anthropic messages: request validation into Gyre's neutral call form, and answers in Anthropic's shapes.
+"""Anthropic messages: the body into Gyre's neutral call form (sessions.ChatRequest), the call through the session's
+`CallRunner`, and the outcome in Anthropic's shapes (`answer`; `count_tokens_answer` for /v1/messages/count_tokens).
 
 Translation to the template's OpenAI-style messages:
 - `system` (a string or text blocks) becomes the system text.
@@ -15,22 +16,39 @@ Translation to the template's OpenAI-style messages:
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Mapping, Sequence
 
-from gyre.actors.serving.openai_api import (
-    ApiError,
-    ChatOutcome,
-    ChatRequest,
+from gyre.actors.serving._api_common import (
+    Answer,
     bool_field,
+    failed,
     int_field,
     model_field,
     number_field,
+    refused,
     require_object,
+    sse,
     stop_field,
 )
+from gyre.actors.serving.sessions import (
+    ApiError,
+    CallContext,
+    CallRunner,
+    ChatOutcome,
+    ChatRequest,
+    ExecutionSession,
+    IdFormat,
+    StreamEnd,
+    StreamStart,
+)
+from gyre.actors.serving.streaming import Delta, TextDelta
 from gyre.engines.tool_calls import ToolCall
 
 __all__ = [
+    "IDS",
+    "answer",
+    "count_tokens_answer",
     "parse_messages_request",
     "parse_count_tokens_request",
     "message_body",
@@ -38,6 +56,90 @@ __all__ = [
     "MessageStream",
     "error_body",
 ]
+
+IDS = IdFormat(response="msg_{tag}_{index}", call_prefix="toolu_{tag}_{index}_")
+"""Anthropic's id shapes: msg_... answers, toolu_... tool uses."""
+
+
+# -- the call ----------------------------------------------------------------------------------------------------
+
+
+async def answer(body: Any, context: CallContext, runner: CallRunner) -> AsyncIterator[bytes | Answer]:
+    """A POST /v1/messages body (decoded JSON) -> its answer: parse, one call through `runner`, shape.
+
+    Yields the response (see `_api_common.Answer`): one Answer for a plain call; for a streamed one, the SSE bytes
+    of each output chunk and then an Answer that says how it ended. message_start goes out with the first delta,
+    so a call refused before any output still gets its usual error status."""
+    started = False
+    try:
+        chat = parse_messages_request(body)
+        if not chat.stream:
+            yield Answer(200, message_body(await runner.complete(chat, context, IDS)))
+            return
+        shapes: MessageStream | None = None
+        prefix = ""
+        async with aclosing(runner.stream(chat, context, IDS)) as turn:
+            async for item in turn:
+                if isinstance(item, StreamStart):
+                    shapes = MessageStream(item.response_id, chat.model, item.prompt_tokens)
+                    prefix = item.call_id_prefix
+                    continue
+                assert shapes is not None, "a stream starts with StreamStart"
+                if isinstance(item, StreamEnd):
+                    events = _delta_events(shapes, item.deltas, prefix) + shapes.end(item.outcome)
+                    head = [] if started else shapes.start()
+                    started = True
+                    yield _sse_events(head + events)
+                    yield Answer(200)
+                    return
+                events = _delta_events(shapes, item, prefix)
+                if events and not started:
+                    started = True
+                    events = shapes.start() + events
+                yield _sse_events(events)
+    except ApiError as error:
+        if not started:
+            yield refused(error, error_body(error))
+            return
+        yield sse(error_body(error), event="error")  # after the header: an error event, which the SDKs raise
+        yield Answer(error.status, error=error)
+    except Exception as error:
+        refusal, cause = failed(error)
+        if not started:
+            yield Answer(500, error_body(refusal), error=refusal, cause=cause)
+            return
+        yield sse(error_body(refusal), event="error")
+        yield Answer(500, error=refusal, cause=cause)
+
+
+async def count_tokens_answer(body: Any, session: ExecutionSession, runner: CallRunner) -> Answer:
+    """A POST /v1/messages/count_tokens body -> {"input_tokens": n}, the prompt tokens the call would send."""
+    try:
+        chat = parse_count_tokens_request(body)
+        return Answer(200, {"input_tokens": await runner.count_tokens(chat, session)})
+    except ApiError as error:
+        return refused(error, error_body(error))
+    except Exception as error:
+        refusal, cause = failed(error)
+        return Answer(500, error_body(refusal), error=refusal, cause=cause)
+
+
+def _sse_events(events: list["Event"]) -> bytes:
+    return b"".join(sse(data, event=name) for name, data in events)
+
+
+def _delta_events(shapes: "MessageStream", deltas: Sequence[Delta], call_id_prefix: str) -> list["Event"]:
+    """Events for content and tool-use deltas; tool-use ids are the answer's (the same as non-streamed)."""
+    events: list[Event] = []
+    for delta in deltas:
+        if isinstance(delta, TextDelta):
+            events += shapes.text(delta.text)
+        else:
+            events += shapes.tool_call(delta.index, delta.call, f"{call_id_prefix}{delta.index}")
+    return events
+
+
+# -- requests --------------------------------------------------------------------------------------------------
 
 
 def _system_text(raw: Any) -> str | None:

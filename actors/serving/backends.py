@@ -1,43 +1,119 @@
-"""GenerateBackends: the proxy's way to a rollout engine, over HTTP (SGLang or Gyre's engine server) or in-process.
+"""The backend protocol (what the proxy asks of a rollout engine, and what comes back) and its implementations.
 
-`SGLangBackend` drives one or more `SGLangClient`s, one per cell; `EmbeddedBackend` drives an in-process
-`AsyncEngine` (what `gyre serve` and the tests use). Both speak the same `GenerateBackend` protocol, so the proxy
-cannot tell them apart.
+The protocol: a `BackendRequest` goes in, a `BackendResult` comes out; `BackendRejected` says the request is wrong
+(the proxy answers 400), `BackendUnavailable` that no engine can serve it now (503, which the SDKs retry). A
+`GenerateBackend` has `generate`; a `StreamingBackend` also has `generate_streaming`, which hands output ids to an
+`OnOutput` as the engine produces them and returns the result `generate` would return.
 
-Both also stream (`generate_streaming`, for calls made with `stream: true`): output ids reach the proxy as the engine
-produces them, and the result is the one `generate` would return. Over HTTP, `stream_generate` reads SGLang's
-streamed /generate (`data: {...}` chunks, then `data: [DONE]`); it accepts chunks whose output_ids and log-probs
-are cumulative (SGLang's default and Gyre's engine server) or only the new ones (SGLang's
---incremental-streaming-output): `meta_info.completion_tokens` says how many ids exist, so the new ones are that
-many minus those already seen, taken from the end of the chunk's lists.
+Implementations: `SGLangBackend` drives one or more `SGLangClient`s, one per cell; `EmbeddedBackend` drives an
+in-process `AsyncEngine` (what `gyre serve` and the tests use); the bus-hosted proxy uses `RoutedBackend`
+(routing.py), which reaches its cells' engines through `engine_generate` here. The proxy cannot tell them apart.
 
-Routing here is deliberately minimal (sticky by session key, new sessions to the cell with the fewest calls in
-flight, a bounded map): the bus-hosted proxy replaces it with the swappable routing policy. Engine errors are
-mapped to the proxy's two kinds: the request is wrong (`BackendRejected`, 400) or no engine can serve it now
-(`BackendUnavailable`, 503 and the SDKs retry).
+Over HTTP, `stream_generate` reads SGLang's streamed /generate (`data: {...}` chunks, then `data: [DONE]`); it
+accepts chunks whose output_ids and log-probs are cumulative (SGLang's default and Gyre's engine server) or only the
+new ones (SGLang's --incremental-streaming-output): `meta_info.completion_tokens` says how many ids exist, so the new
+ones are that many minus those already seen, taken from the end of the chunk's lists.
+
+`SGLangBackend`'s routing is deliberately minimal (sticky by session key, new sessions to the cell with the fewest
+calls in flight, a bounded map): the bus-hosted proxy replaces it with the swappable routing policy.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import aclosing
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence
 
 import attrs
 import structlog
 
-from gyre.actors.serving.http_app import BackendRejected, BackendRequest, BackendResult, BackendUnavailable, OnOutput
+from gyre.actors.errors import ActorError
+from gyre.engines.errors import EngineClosed, EngineFailed, EngineOverloaded, RequestError
 
 __all__ = [
+    "BackendRequest",
+    "BackendResult",
+    "BackendRejected",
+    "BackendUnavailable",
+    "GenerateBackend",
+    "StreamingBackend",
+    "OnOutput",
     "SGLangBackend",
     "EmbeddedBackend",
     "StreamProgress",
+    "engine_generate",
     "sampling_params_from_dict",
     "result_from_sglang",
     "stream_generate",
 ]
 
 log = structlog.get_logger(__name__)
+
+
+# -- the protocol ------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BackendRequest:
+    """One generation the proxy asks of a rollout engine."""
+
+    rid: str
+    """Request id, unique per call ("<execution_id>/<call_index>"), for aborts."""
+    execution_id: str
+    """The execution whose call this is."""
+    session_key: str
+    """Sticky-routing key: calls with the same key share a prefix and should go to the same cell."""
+    prompt_ids: tuple[int, ...]
+    """The rendered prompt."""
+    sampling_params: dict[str, Any]
+    """SGLang's sampling_params form: max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids,
+    sampling_seed."""
+
+
+@attrs.frozen
+class BackendResult:
+    """What one generation produced."""
+
+    output_ids: tuple[int, ...]
+    """The generated ids, in order."""
+    output_logprobs: tuple[float, ...]
+    """The behaviour log-prob of each output id."""
+    output_versions: tuple[int, ...]
+    """The weight version that produced each output id."""
+    finish_reason: str
+    """"stop", "length" or "abort"."""
+    cached_tokens: int
+    """Prompt tokens the engine found in its prefix cache."""
+    cell: str
+    """The cell whose engine generated (the last one, for a resumed generation)."""
+    matched_stop: int | str | None = None
+    """The stop token id or stop string that ended the output, when the engine says."""
+
+
+class BackendRejected(ActorError, ValueError):
+    """The engine refused the request as invalid (the proxy answers 400)."""
+
+
+class BackendUnavailable(ActorError, RuntimeError):
+    """No engine can take the request now (the proxy answers 503; the SDKs retry)."""
+
+
+class GenerateBackend(Protocol):
+    async def generate(self, request: BackendRequest) -> BackendResult: ...
+
+
+OnOutput = Callable[[tuple[int, ...]], Awaitable[None]]
+"""Receives output ids as they are generated: each id once, in order, across resubmissions of the call."""
+
+
+class StreamingBackend(GenerateBackend, Protocol):
+    async def generate_streaming(self, request: BackendRequest, on_output: OnOutput) -> BackendResult:
+        """Like `generate` (the same result), calling `on_output` with new ids as they come. An exception raised by
+        `on_output` aborts the generation and propagates."""
+        ...
+
+
+# -- engines over HTTP (SGLang's API) ----------------------------------------------------------------------------
 
 # SGLang's sampling_params keys that the embedded engine understands, and its SamplingParams field for each.
 _EMBEDDED_FIELDS = {
@@ -174,6 +250,26 @@ async def stream_generate(
     return {"text": final.get("text", ""), "output_ids": list(progress.output_ids), "meta_info": meta}
 
 
+async def engine_generate(
+    client: Any,
+    cell: str,
+    prompt_ids: Sequence[int],
+    sampling_params: Mapping[str, Any],
+    rid: str,
+    on_output: OnOutput | None = None,
+    progress: StreamProgress | None = None,
+) -> BackendResult:
+    """One generation on an SGLangClient, streamed to `on_output` (recording what was delivered in `progress`) when
+    given, as a BackendResult. The client's errors (gyre.engines.sglang_client) propagate: what they mean depends
+    on the caller (SGLangBackend maps them to the protocol's two kinds; RoutedBackend retries some elsewhere)."""
+    if on_output is None:
+        response = await client.generate(prompt_ids, sampling_params, rid=rid, return_logprob=True)
+    else:
+        assert progress is not None, "a streamed generation records its progress"
+        response = await stream_generate(client, prompt_ids, sampling_params, rid, on_output, progress)
+    return result_from_sglang(response, cell)
+
+
 @attrs.define
 class _Cell:
     name: str
@@ -203,28 +299,28 @@ class SGLangBackend:
         return cell
 
     async def generate(self, request: BackendRequest) -> BackendResult:
-        return await self._on_cell(request, lambda cell: cell.client.generate(
-            request.prompt_ids, request.sampling_params, rid=request.rid, return_logprob=True))
+        return await self._on_cell(request, None)
 
     async def generate_streaming(self, request: BackendRequest, on_output: OnOutput) -> BackendResult:
-        return await self._on_cell(request, lambda cell: stream_generate(
-            cell.client, request.prompt_ids, request.sampling_params, request.rid, on_output, StreamProgress()))
+        return await self._on_cell(request, on_output)
 
-    async def _on_cell(self, request: BackendRequest, call: Any) -> BackendResult:
-        """Run `call(cell)` on the session's cell, counting it in flight and mapping client errors to the proxy's."""
+    async def _on_cell(self, request: BackendRequest, on_output: OnOutput | None) -> BackendResult:
+        """Generate on the session's cell, counting it in flight and mapping client errors to the protocol's."""
         from gyre.engines.sglang_client import RequestRejected, SGLangError
 
         cell = self._route(request.session_key)
         cell.in_flight += 1
+        progress = StreamProgress() if on_output is not None else None
         try:
-            response = await call(cell)
+            return await engine_generate(
+                cell.client, cell.name, request.prompt_ids, request.sampling_params, request.rid, on_output, progress
+            )
         except RequestRejected as error:
             raise BackendRejected(error.message) from None
         except SGLangError as error:
             raise BackendUnavailable(f"cell {cell.name}: {error}") from None
         finally:
             cell.in_flight -= 1
-        return result_from_sglang(response, cell.name)
 
 
 def sampling_params_from_dict(params: Mapping[str, Any]) -> Any:
@@ -253,22 +349,16 @@ class EmbeddedBackend:
         self.cell = cell
 
     async def generate(self, request: BackendRequest) -> BackendResult:
-        from gyre.engines.async_engine import EngineClosed, EngineFailed
-        from gyre.engines.embedded_engine import EngineError, EngineOverloaded
-
         params = sampling_params_from_dict(request.sampling_params)
         try:
             out = await self.engine.generate(request.rid, list(request.prompt_ids), params)
         except (EngineOverloaded, EngineFailed, EngineClosed) as error:
             raise BackendUnavailable(f"cell {self.cell}: {error}") from None
-        except EngineError as error:
+        except RequestError as error:
             raise BackendRejected(str(error)) from None
         return self._result(out)
 
     async def generate_streaming(self, request: BackendRequest, on_output: OnOutput) -> BackendResult:
-        from gyre.engines.async_engine import EngineClosed, EngineFailed
-        from gyre.engines.embedded_engine import EngineError, EngineOverloaded
-
         params = sampling_params_from_dict(request.sampling_params)
         sent: list[int] = []
         out = None
@@ -284,7 +374,7 @@ class EmbeddedBackend:
                         break
         except (EngineOverloaded, EngineFailed, EngineClosed) as error:
             raise BackendUnavailable(f"cell {self.cell}: {error}") from None
-        except EngineError as error:
+        except RequestError as error:
             raise BackendRejected(str(error)) from None
         if out is None:
             raise BackendUnavailable(f"cell {self.cell}: the engine's stream ended without a result")

@@ -1,7 +1,8 @@
-"""OpenAI chat completions: request validation into Gyre's neutral call form, and answers in OpenAI's shapes.
+"""OpenAI chat completions: the body into Gyre's neutral call form (sessions.ChatRequest), the call through the
+session's `CallRunner`, and the outcome in OpenAI's shapes (`answer`).
 
-The neutral form (`ChatRequest`, `ChatOutcome`, `ApiError`) lives here because the chat template speaks
-OpenAI-style messages: the Anthropic translation produces the same form.
+The neutral form speaks OpenAI-style messages because the chat template does; the Anthropic translation produces
+the same form.
 
 What we enforce, and what we only accept:
 - `tool_choice: "none"` removes the tools (they are not rendered, and the output is not parsed for tool calls).
@@ -17,174 +18,110 @@ What we enforce, and what we only accept:
 
 from __future__ import annotations
 
-import json
-from typing import Any, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Mapping, Sequence
 
-import attrs
-
+from gyre.actors.serving._api_common import (
+    Answer,
+    bool_field,
+    failed,
+    int_field,
+    json_object_text,
+    model_field,
+    number_field,
+    refused,
+    require_object,
+    sse,
+    stop_field,
+)
+from gyre.actors.serving.sessions import (
+    ApiError,
+    CallContext,
+    CallRunner,
+    ChatOutcome,
+    ChatRequest,
+    IdFormat,
+    StreamEnd,
+    StreamStart,
+)
+from gyre.actors.serving.streaming import Delta, TextDelta
 from gyre.engines.tool_calls import ToolCall
 
 __all__ = [
-    "ApiError",
-    "ChatRequest",
-    "ChatOutcome",
+    "IDS",
+    "answer",
     "parse_chat_request",
     "completion_body",
     "completion_chunks",
     "CompletionStream",
     "models_body",
     "error_body",
-    "sse",
 ]
 
-MAX_STOP_SEQUENCES = 16
+IDS = IdFormat(response="chatcmpl-{tag}-{index}", call_prefix="call_{tag}_{index}_")
+"""OpenAI's id shapes: chatcmpl-... answers, call_... tool calls."""
 
 
-class ApiError(Exception):
-    """A request the proxy refuses; each API renders it in its own error shape.
-
-    `kind` is one of: invalid_request (400), context_length (400), authentication (401), not_found (404),
-    too_large (413), overloaded (503), server (500).
-    """
-
-    STATUS = {
-        "invalid_request": 400,
-        "context_length": 400,
-        "authentication": 401,
-        "not_found": 404,
-        "too_large": 413,
-        "overloaded": 503,
-        "server": 500,
-    }
-
-    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
-        assert kind in self.STATUS, kind
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.param = param
-
-    @property
-    def status(self) -> int:
-        return self.STATUS[self.kind]
+# -- the call ----------------------------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class ChatRequest:
-    """One chat call, whatever API it came through; messages and tools in the OpenAI-style form of the template."""
+async def answer(body: Any, context: CallContext, runner: CallRunner) -> AsyncIterator[bytes | Answer]:
+    """A POST /v1/chat/completions body (decoded JSON) -> its answer: parse, one call through `runner`, shape.
 
-    model: str
-    system_text: str | None
-    """The leading system (or developer) message's text; None when there is none."""
-    messages: tuple[dict[str, Any], ...]
-    """The other messages: role user/assistant/tool/system, content str (or None), tool_calls, tool_call_id."""
-    tools: tuple[dict[str, Any], ...] | None
-    """Function tools as {"type": "function", "function": {...}}; None when absent or removed by tool_choice."""
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
-    top_k: int | None
-    stop: tuple[str, ...]
-    seed: int | None
-    stream: bool
-    include_usage: bool = False
-    """OpenAI stream_options.include_usage: a last chunk with usage and no choices."""
-    logprobs: bool = False
-
-
-@attrs.frozen
-class ChatOutcome:
-    """What the proxy answers, whatever API it answers in."""
-
-    response_id: str
-    model: str
-    created_s: int
-    content: str
-    tool_calls: tuple[ToolCall, ...]
-    tool_call_ids: tuple[str, ...]
-    finish: str
-    """"stop", "length", "tool_calls" or "stop_sequence" (a requested stop string matched)."""
-    matched_stop: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    token_logprobs: tuple[tuple[str, float], ...] | None = None
-    """(token text, log-prob) per output token when the call asked for logprobs."""
-
-
-# -- validation helpers (shared with the Anthropic module) -------------------------------------------------------
-
-
-def require_object(body: Any) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise ApiError("invalid_request", "the request body must be a JSON object")
-    return body
-
-
-def number_field(body: Mapping[str, Any], name: str, low: float, high: float, low_open: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError("invalid_request", f"{name} must be a number", name)
-    if value > high or value < low or (low_open and value == low):
-        bound = "(" if low_open else "["
-        raise ApiError("invalid_request", f"{name} must be in {bound}{low}, {high}], got {value}", name)
-    return float(value)
-
-
-def int_field(body: Mapping[str, Any], name: str, low: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError("invalid_request", f"{name} must be an integer", name)
-    if value < low:
-        raise ApiError("invalid_request", f"{name} must be at least {low}, got {value}", name)
-    return value
-
-
-def bool_field(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ApiError("invalid_request", f"{name} must be a boolean", name)
-    return value
-
-
-def model_field(body: Mapping[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError("invalid_request", "model must be a non-empty string", "model")
-    return model
-
-
-def stop_field(value: Any, name: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise ApiError("invalid_request", f"{name} must be a non-empty string or a list of them", name)
-    if len(value) > MAX_STOP_SEQUENCES:
-        raise ApiError("invalid_request", f"{name} holds more than {MAX_STOP_SEQUENCES} sequences", name)
-    return tuple(value)
-
-
-def json_object_text(arguments: Any, where: str) -> str:
-    """Tool-call arguments as JSON object text (what the template renders verbatim)."""
-    if isinstance(arguments, Mapping):
-        return json.dumps(arguments, ensure_ascii=False)
-    if not isinstance(arguments, str):
-        raise ApiError("invalid_request", f"{where} must be a JSON string", where)
+    Yields the response (see `_api_common.Answer`): one Answer for a plain call; for a streamed one, the SSE bytes
+    of each output chunk and then an Answer that says how it ended. The role chunk goes out with the first delta,
+    so a call refused before any output still gets its usual error status."""
+    started = False
     try:
-        value = json.loads(arguments)
-    except ValueError:
-        raise ApiError("invalid_request", f"{where} is not valid JSON", where) from None
-    if not isinstance(value, dict):
-        raise ApiError("invalid_request", f"{where} must encode a JSON object", where)
-    return arguments
+        chat = parse_chat_request(body)
+        if not chat.stream:
+            yield Answer(200, completion_body(await runner.complete(chat, context, IDS)))
+            return
+        shapes: CompletionStream | None = None
+        prefix = ""
+        async with aclosing(runner.stream(chat, context, IDS)) as turn:
+            async for item in turn:
+                if isinstance(item, StreamStart):
+                    shapes = CompletionStream(item.response_id, chat.model, int(context.started_s), chat.include_usage)
+                    prefix = item.call_id_prefix
+                    continue
+                assert shapes is not None, "a stream starts with StreamStart"
+                if isinstance(item, StreamEnd):
+                    chunks = _delta_chunks(shapes, item.deltas, prefix) + shapes.end(item.outcome)
+                    head = [] if started else shapes.start()
+                    started = True
+                    yield b"".join(sse(chunk) for chunk in head + chunks) + sse("[DONE]")
+                    yield Answer(200)
+                    return
+                chunks = _delta_chunks(shapes, item, prefix)
+                if chunks and not started:
+                    started = True
+                    chunks = shapes.start() + chunks
+                yield b"".join(sse(chunk) for chunk in chunks)
+    except ApiError as error:
+        if not started:
+            yield refused(error, error_body(error))
+            return
+        yield sse(error_body(error))  # after the header: an error event, which the SDKs raise
+        yield Answer(error.status, error=error)
+    except Exception as error:
+        refusal, cause = failed(error)
+        if not started:
+            yield Answer(500, error_body(refusal), error=refusal, cause=cause)
+            return
+        yield sse(error_body(refusal))
+        yield Answer(500, error=refusal, cause=cause)
+
+
+def _delta_chunks(shapes: "CompletionStream", deltas: Sequence[Delta], call_id_prefix: str) -> list[dict[str, Any]]:
+    """Chunks for content and tool-call deltas; call ids are the answer's (the same as non-streamed)."""
+    chunks: list[dict[str, Any]] = []
+    for delta in deltas:
+        if isinstance(delta, TextDelta):
+            chunks += shapes.text(delta.text)
+        else:
+            chunks += shapes.tool_call(delta.index, delta.call, f"{call_id_prefix}{delta.index}")
+    return chunks
 
 
 # -- requests --------------------------------------------------------------------------------------------------
@@ -506,10 +443,3 @@ def error_body(error: ApiError) -> dict[str, Any]:
             "code": _CODES.get(error.kind),
         }
     }
-
-
-def sse(data: Any, event: str | None = None) -> bytes:
-    """One server-sent event: optional `event:` line, one `data:` line of compact JSON (or a literal string)."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    prefix = f"event: {event}\n" if event else ""
-    return f"{prefix}data: {text}\n\n".encode("utf-8")

@@ -1,4 +1,10 @@
-"""Per-execution state of the proxy: API keys, call counters, and the ids of the turns the model generated.
+"""Per-execution state of the proxy, and the model call itself: render, generate, decode, record, emit.
+
+A call reaches this module as Gyre's neutral form (`ChatRequest`, whatever API it came through) and leaves it as a
+`ChatOutcome` that the API module shapes; a refusal is an `ApiError` that the API module renders in its own shape.
+`CallRunner` does the work in between: the prompt ids (`ExecutionSession.render`), one generation through the
+backend (routing.py / backends.py), the decoded text split into content and tool calls, the turn recorded for id
+reuse, and the `ModelCallCompleted` record handed to the proxy.
 
 Token-in/token-out hinges on one rule: an assistant message that this execution's model generated earlier is
 rendered with the exact ids the model produced, never by re-tokenising its text (text -> ids is not the inverse of
@@ -17,6 +23,12 @@ whose messages start with those renders only the messages after the common prefi
 an assistant message resolves (a new or evicted turn with the same key) cuts the memo before the first message with
 that key, so the result always equals a rendering from scratch.
 
+Streaming: `CallRunner.stream` runs the generation as its own task, which hands output ids to a bounded channel
+instead of calling anything above it; the stream's reader takes them out one chunk at a time and gets the deltas
+that `streaming.TurnStreamer` settles. The ids, log-probs, recorded turn and ModelCallCompleted are exactly those of
+a non-streamed call. When the reader leaves (the agent closed the connection), the generation's next output raises
+`ClientGone`, which aborts it; such a call is neither recorded nor emitted, unless its generation had completed.
+
 Isolation: every piece of state hangs off one `ExecutionSession`, reachable only through that execution's API key;
 no lookup crosses executions. Everything is bounded: the number of executions, the stored turns and the cached
 message renderings per execution (least recently used go first).
@@ -24,21 +36,48 @@ message renderings per execution (least recently used go first).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import inspect
 import json
 import secrets
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from itertools import chain
-from typing import Any, Hashable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping, Protocol, Sequence
 
 import attrs
 import structlog
 
-from gyre.engines.tool_calls import canonical_arguments_json
+from gyre.actors.errors import ActorError
+from gyre.actors.serving.backends import (
+    BackendRejected,
+    BackendRequest,
+    BackendResult,
+    BackendUnavailable,
+    GenerateBackend,
+    OnOutput,
+)
+from gyre.actors.serving.streaming import Delta, TurnStreamer
+from gyre.engines.temperature import logprob_temperature
+from gyre.engines.tool_calls import ParsedOutput, ToolCall, canonical_arguments_json, parse_tool_calls
+from gyre.messages.model_calls import ModelCallCompleted
 
 __all__ = [
+    "ApiError",
+    "ChatRequest",
+    "ChatOutcome",
+    "CallContext",
+    "IdFormat",
+    "StreamStart",
+    "StreamEnd",
+    "ClientGone",
+    "CallRunner",
+    "OnCallCompleted",
+    "StreamItem",
+    "final_text",
+    "short_error",
     "ProxySessionsConfig",
     "ProxySessions",
     "ExecutionSession",
@@ -50,6 +89,176 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+
+# -- the neutral call form ---------------------------------------------------------------------------------------
+
+
+class ApiError(ActorError):
+    """A request the proxy refuses; each API renders it in its own error shape.
+
+    `kind` is one of: invalid_request (400), context_length (400), authentication (401), not_found (404),
+    timeout (408), too_large (413), overloaded (503), server (500).
+    """
+
+    STATUS = {
+        "invalid_request": 400,
+        "context_length": 400,
+        "authentication": 401,
+        "not_found": 404,
+        "timeout": 408,
+        "too_large": 413,
+        "overloaded": 503,
+        "server": 500,
+    }
+
+    def __init__(self, kind: str, message: str, param: str | None = None) -> None:
+        assert kind in self.STATUS, kind
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+    @property
+    def status(self) -> int:
+        return self.STATUS[self.kind]
+
+
+class ClientGone(ActorError, ConnectionResetError):
+    """The agent closed a streamed call's connection: the generation is aborted and the call dropped."""
+
+
+@attrs.frozen
+class ChatRequest:
+    """One chat call, whatever API it came through; messages and tools in the OpenAI-style form of the template."""
+
+    model: str
+    """The model the call names (one of the served names, else 404)."""
+    system_text: str | None
+    """The leading system (or developer) message's text; None when there is none."""
+    messages: tuple[dict[str, Any], ...]
+    """The other messages: role user/assistant/tool/system, content str (or None), tool_calls, tool_call_id."""
+    tools: tuple[dict[str, Any], ...] | None
+    """Function tools as {"type": "function", "function": {...}}; None when absent or removed by tool_choice."""
+    max_tokens: int | None
+    """Output budget; None takes the proxy's default."""
+    temperature: float | None
+    """Sampling temperature; None is 1."""
+    top_p: float | None
+    """Nucleus sampling mass; None is 1."""
+    top_k: int | None
+    """Top-k sampling; None is off."""
+    stop: tuple[str, ...]
+    """Stop strings (the answer's content ends before the first one matched)."""
+    seed: int | None
+    """Sampling seed; None derives one from the call's rid."""
+    stream: bool
+    """Answer with server-sent events while the turn is generated."""
+    include_usage: bool = False
+    """OpenAI stream_options.include_usage: a last chunk with usage and no choices."""
+    logprobs: bool = False
+    """Return each output token's log-prob."""
+
+
+@attrs.frozen
+class ChatOutcome:
+    """What the proxy answers, whatever API it answers in."""
+
+    response_id: str
+    """The answer's id (chatcmpl-... or msg_...)."""
+    model: str
+    """The model the call named."""
+    created_s: int
+    """Runtime-clock time the answer was made."""
+    content: str
+    """The answer's text, without tool-call blocks and cut before a matched stop string."""
+    tool_calls: tuple[ToolCall, ...]
+    """The well-formed tool calls the model wrote, in order."""
+    tool_call_ids: tuple[str, ...]
+    """An id per tool call."""
+    finish: str
+    """"stop", "length", "tool_calls" or "stop_sequence" (a requested stop string matched)."""
+    matched_stop: str | None
+    """The stop string that matched, if one did."""
+    prompt_tokens: int
+    """Prompt ids sent to the engine."""
+    completion_tokens: int
+    """Output ids generated."""
+    cached_tokens: int
+    """Prompt tokens the engine found in its prefix cache."""
+    token_logprobs: tuple[tuple[str, float], ...] | None = None
+    """(token text, log-prob) per output token when the call asked for logprobs."""
+
+
+@attrs.frozen
+class IdFormat:
+    """How an API names its answers and tool calls; `tag` is a digest of the execution id, `index` the call's."""
+
+    response: str
+    """Format of the answer's id, e.g. "chatcmpl-{tag}-{index}"."""
+    call_prefix: str
+    """Format of the tool-call ids' prefix (the call's position follows), e.g. "call_{tag}_{index}_"."""
+
+
+@attrs.frozen
+class CallContext:
+    """What the HTTP layer knows of a call before its body is parsed: whose it is, from which agent, since when."""
+
+    session: "ExecutionSession"
+    """The session of the key the call presented."""
+    agent_id: str
+    """The X-Gyre-Agent label ("" when absent)."""
+    call_kind: str
+    """The X-Gyre-Call label: "turn", "summary" or ""."""
+    started_s: float
+    """Runtime-clock time the call arrived."""
+
+
+@attrs.frozen
+class StreamStart:
+    """First item of a streamed call, once its prompt is rendered and accepted: what the answer's head needs."""
+
+    response_id: str
+    """The answer's id."""
+    call_id_prefix: str
+    """Tool-call ids are this prefix + the call's position."""
+    prompt_tokens: int
+    """Prompt ids sent to the engine."""
+
+
+@attrs.frozen
+class StreamEnd:
+    """Last item of a streamed call: the deltas still to send and the outcome (recorded and emitted by then)."""
+
+    deltas: tuple[Delta, ...]
+    """What the final text settles beyond the deltas already given."""
+    outcome: ChatOutcome
+    """The answer, as a non-streamed call would have given it."""
+
+
+def final_text(
+    template: Any, result: BackendResult, stop: tuple[str, ...], parse_tools: bool
+) -> tuple[str, ParsedOutput | None, str | None]:
+    """A finished turn's output ids -> (text after the stop-string cut, its tool-call split when the call offered
+    tools, the matched stop string). The answer's content is the split's content, or the text without tools."""
+    ids = list(result.output_ids)
+    if ids and ids[-1] in template.stop_token_ids:
+        ids.pop()
+    text = template.decode(ids)
+    matched: str | None = None
+    if result.finish_reason == "stop" and stop:
+        # A stop string ends the text before it (OpenAI and Anthropic both leave it out); the ids keep it, since
+        # the policy did emit those tokens.
+        candidates = [result.matched_stop] if isinstance(result.matched_stop, str) else list(stop)
+        found = [(text.find(s), s) for s in candidates if s in stop and s in text]
+        if found:
+            position, matched = min(found)
+            text = text[:position]
+    return text, (parse_tool_calls(text) if parse_tools else None), matched
+
+
+# -- per-execution state -----------------------------------------------------------------------------------------
+
 
 
 class TemplateLike(Protocol):
@@ -70,7 +279,7 @@ class TemplateLike(Protocol):
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str: ...
 
 
-class SessionsFull(RuntimeError):
+class SessionsFull(ActorError, RuntimeError):
     """No room for another execution: the executor must end some before issuing more keys."""
 
 
@@ -423,3 +632,332 @@ class ProxySessions:
 
     def __len__(self) -> int:
         return len(self._by_execution)
+
+
+# -- the call ----------------------------------------------------------------------------------------------------
+
+OnCallCompleted = Callable[[ModelCallCompleted], "Awaitable[None] | None"]
+"""Takes each finished call's record (the proxy actor sends it to itself, `gyre serve` logs it); plain or async."""
+
+StreamItem = StreamStart | list[Delta] | StreamEnd
+"""What `CallRunner.stream` yields: a StreamStart, then the deltas of each output chunk (often none), then a
+StreamEnd."""
+
+
+def short_error(error: BaseException) -> str:
+    """An unexpected error in one line for a log: its type, its message cut to 200 characters, and where it was
+    raised (file:line in function). Never a traceback: a RecursionError's would be a thousand frames, and a console
+    renderer that prints locals would print the request (megabytes) in every one of them."""
+    message = str(error)
+    if len(message) > 200:
+        message = message[:200] + "..."
+    where = ""
+    tb = error.__traceback__
+    if tb is not None:
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        code = tb.tb_frame.f_code
+        where = f" ({code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno} in {code.co_name})"
+    return f"{type(error).__name__}: {message}{where}"
+
+
+def _short_digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+@attrs.frozen
+class _PreparedCall:
+    """A rendered and accepted call, ready for the backend."""
+
+    chat: ChatRequest
+    context: CallContext
+    rendered: RenderedPrompt
+    call_index: int
+    backend_request: BackendRequest
+    response_id: str
+    call_id_prefix: str
+
+
+class _OutputChannel:
+    """Output ids from a streamed call's generation task to its reader. At most `max_chunks` wait in it: a reader
+    slower than the engine makes the generation wait (the engine's stream is read no further, so TCP pushes back)
+    instead of piling ids up in memory. Once the reader has left (`close`), `put` raises ClientGone."""
+
+    def __init__(self, max_chunks: int) -> None:
+        self._chunks: deque[tuple[int, ...]] = deque()
+        self._max_chunks = max_chunks
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._closed = False
+
+    async def put(self, ids: tuple[int, ...]) -> None:
+        """The generation's OnOutput."""
+        while len(self._chunks) >= self._max_chunks and not self._closed:
+            self._writable.clear()
+            await self._writable.wait()
+        if self._closed:
+            raise ClientGone("the client closed the stream")
+        self._chunks.append(ids)
+        self._readable.set()
+
+    def wake(self, _: Any = None) -> None:
+        """The generation ended (a done-callback of its task): the reader must look."""
+        self._readable.set()
+
+    async def get(self, generation: asyncio.Future) -> tuple[int, ...] | None:
+        """The next chunk, or None once `generation` has ended and every chunk was taken."""
+        while not self._chunks:
+            if generation.done():
+                return None
+            self._readable.clear()
+            await self._readable.wait()
+        self._writable.set()
+        return self._chunks.popleft()
+
+    def close(self) -> None:
+        """The reader left: drop what waits, and make the generation's next output raise ClientGone."""
+        self._closed = True
+        self._chunks.clear()
+        self._writable.set()
+
+
+class CallRunner:
+    """Runs model calls: render the prompt in the caller's session, generate once through the backend, decode and
+    split tool calls, record the turn, hand on its ModelCallCompleted. One per application, shared by every
+    execution (the state is in the sessions).
+
+    `model_names` are the served model ids; `max_context_tokens` bounds prompt + output (a prompt that leaves no
+    room gets 400, an output budget that does not fit is lowered); `default_max_tokens` is the budget of a call that
+    names none; `stream_buffer_chunks` bounds the output chunks a streamed call holds for a slow reader.
+    """
+
+    def __init__(
+        self,
+        template: TemplateLike,
+        backend: GenerateBackend,
+        on_call_completed: OnCallCompleted,
+        clock: Callable[[], float],
+        *,
+        model_names: tuple[str, ...],
+        max_context_tokens: int,
+        default_max_tokens: int,
+        stream_buffer_chunks: int = 64,
+    ) -> None:
+        self.template = template
+        self.backend = backend
+        self.on_call_completed = on_call_completed
+        self.clock = clock
+        self.model_names = model_names
+        self.max_context_tokens = max_context_tokens
+        self.default_max_tokens = default_max_tokens
+        self.stream_buffer_chunks = stream_buffer_chunks
+        self.emit_failures = 0
+        """ModelCallCompleted records that `on_call_completed` failed to take (each one logged)."""
+
+    # -- entry points --------------------------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            served = ", ".join(self.model_names)
+            raise ApiError("not_found", f"model {model!r} does not exist; served: {served}", "model")
+
+    async def count_tokens(self, chat: ChatRequest, session: ExecutionSession) -> int:
+        """The prompt tokens `chat` would be sent with (nothing generated, nothing recorded)."""
+        self.check_model(chat.model)
+        return len(self._render(session, chat).prompt_ids)
+
+    async def complete(self, chat: ChatRequest, context: CallContext, ids: IdFormat) -> ChatOutcome:
+        """Generate one turn, record it, emit its ModelCallCompleted; return what to answer."""
+        call = self._prepare(chat, context, ids)
+        result = await self._generate(call, None)
+        outcome, _, _ = await self._finish(call, result)
+        return outcome
+
+    async def stream(self, chat: ChatRequest, context: CallContext, ids: IdFormat) -> AsyncIterator[StreamItem]:
+        """The same call, streamed: a StreamStart, the deltas of each output chunk, a StreamEnd (see the module
+        doc). Refusals and failures raise, as from `complete`. Close it (aclose) when the reader leaves."""
+        call = self._prepare(chat, context, ids)
+        yield StreamStart(call.response_id, call.call_id_prefix, len(call.rendered.prompt_ids))
+        streamer = TurnStreamer(
+            self.template.decode, self.template.stop_token_ids, chat.stop, parse_tools=bool(chat.tools)
+        )
+        channel = _OutputChannel(self.stream_buffer_chunks)
+        generation = asyncio.ensure_future(self._generate(call, channel.put))
+        generation.add_done_callback(channel.wake)
+        finishing = False
+        try:
+            while (chunk := await channel.get(generation)) is not None:
+                yield streamer.feed(chunk)
+            result = generation.result()  # the generation's refusal or failure is the call's
+            finishing = True
+            outcome, text, parsed = await self._finish(call, result)
+            yield StreamEnd(tuple(streamer.finish(text, parsed)), outcome)
+        except asyncio.CancelledError:
+            generation.cancel()
+            raise
+        finally:
+            if not finishing:
+                # The reader left (or this stream failed) before the end: the generation stops at its next output;
+                # one that had completed all the same is recorded and emitted, as the module doc says.
+                channel.close()
+                try:
+                    result = await generation
+                except BaseException:  # ClientGone, cancelled, or its own refusal or failure: nothing to record
+                    pass
+                else:
+                    await self._finish(call, result)
+
+    # -- the steps -----------------------------------------------------------------------------------------------
+
+    def _render(self, session: ExecutionSession, chat: ChatRequest) -> RenderedPrompt:
+        try:
+            rendered = session.render(chat.messages, chat.tools, chat.system_text)
+        except ValueError as error:  # the template's ChatTemplateError, or bad tool-call arguments
+            raise ApiError("invalid_request", f"cannot render the conversation: {error}", "messages") from None
+        return rendered
+
+    def _prepare(self, chat: ChatRequest, context: CallContext, ids: IdFormat) -> _PreparedCall:
+        """Everything that can refuse the call before generation: the model, the rendering, the context length."""
+        self.check_model(chat.model)
+        session = context.session
+        rendered = self._render(session, chat)
+        prompt_ids = rendered.prompt_ids
+        if len(prompt_ids) >= self.max_context_tokens:
+            raise ApiError(
+                "context_length",
+                f"the prompt has {len(prompt_ids)} tokens; this model's context holds {self.max_context_tokens} "
+                "(prompt + output)",
+                "messages",
+            )
+        call_index = session.next_call_index()
+        tag = _short_digest(session.execution_id)
+        return _PreparedCall(
+            chat=chat,
+            context=context,
+            rendered=rendered,
+            call_index=call_index,
+            backend_request=BackendRequest(
+                rid=f"{session.execution_id}/{call_index}",
+                execution_id=session.execution_id,
+                session_key=f"{session.execution_id}/{context.agent_id}",
+                prompt_ids=prompt_ids,
+                sampling_params=self._sampling_params(chat, len(prompt_ids)),
+            ),
+            response_id=ids.response.format(tag=tag, index=call_index),
+            call_id_prefix=ids.call_prefix.format(tag=tag, index=call_index),
+        )
+
+    def _sampling_params(self, chat: ChatRequest, prompt_tokens: int) -> dict[str, Any]:
+        room = self.max_context_tokens - prompt_tokens
+        wanted = chat.max_tokens if chat.max_tokens is not None else self.default_max_tokens
+        params: dict[str, Any] = {
+            "max_new_tokens": min(wanted, room),
+            "temperature": 1.0 if chat.temperature is None else chat.temperature,
+            "top_p": 1.0 if chat.top_p is None else chat.top_p,
+            "stop_token_ids": list(self.template.stop_token_ids),
+        }
+        if chat.top_k is not None:
+            params["top_k"] = chat.top_k
+        if chat.stop:
+            params["stop"] = list(chat.stop)
+        if chat.seed is not None:
+            params["sampling_seed"] = chat.seed
+        return params
+
+    async def _generate(self, call: _PreparedCall, on_output: OnOutput | None) -> BackendResult:
+        """One generation through the backend, streamed to `on_output` when given (a backend without
+        `generate_streaming` passes the whole output on at the end)."""
+        streaming = getattr(self.backend, "generate_streaming", None) if on_output is not None else None
+        try:
+            if streaming is not None:
+                result = await streaming(call.backend_request, on_output)
+            else:
+                result = await self.backend.generate(call.backend_request)
+        except BackendRejected as error:
+            raise ApiError("invalid_request", f"the engine refused the request: {error}") from None
+        except BackendUnavailable as error:
+            raise ApiError("overloaded", f"no engine is available: {error}") from None
+        if result.finish_reason == "abort":
+            # The agent never sees an aborted turn, so it is neither recorded nor emitted; the SDK retries the 503.
+            raise ApiError("overloaded", "the generation was aborted (engine paused or drained); retry")
+        if not (len(result.output_ids) == len(result.output_logprobs) == len(result.output_versions)):
+            raise RuntimeError(
+                f"backend returned {len(result.output_ids)} ids, {len(result.output_logprobs)} log-probs and "
+                f"{len(result.output_versions)} versions"
+            )
+        if on_output is not None and streaming is None and result.output_ids:
+            await on_output(tuple(result.output_ids))
+        return result
+
+    async def _finish(self, call: _PreparedCall, result: BackendResult) -> tuple[ChatOutcome, str, ParsedOutput | None]:
+        """Decode, record the turn, emit ModelCallCompleted; the answer, the final text and its tool-call split."""
+        chat, session = call.chat, call.context.session
+        text, parsed, matched = final_text(self.template, result, chat.stop, bool(chat.tools))
+        content, calls = (parsed.content, parsed.tool_calls) if parsed is not None else (text, ())
+        if matched is not None:
+            finish = "stop_sequence"
+        elif result.finish_reason == "length":
+            finish = "length"
+        elif calls:
+            finish = "tool_calls"
+        else:
+            finish = "stop"
+        session.record_turn(
+            turn_key(content, [(c.name, c.arguments_json) for c in calls]),
+            call.rendered.prompt_digest,
+            result.output_ids,
+        )
+        token_logprobs = None
+        if chat.logprobs:
+            token_logprobs = tuple(
+                (self.template.decode([token]), float(lp))
+                for token, lp in zip(result.output_ids, result.output_logprobs)
+            )
+        finished_s = self.clock()
+        prompt_ids = call.rendered.prompt_ids
+        await self._emit(
+            ModelCallCompleted(
+                execution_id=session.execution_id,
+                group_id=session.group_id,
+                call_index=call.call_index,
+                agent_id=call.context.agent_id,
+                call_kind=call.context.call_kind,
+                prompt_ids=prompt_ids,
+                output_ids=tuple(result.output_ids),
+                output_logprobs=tuple(float(x) for x in result.output_logprobs),
+                output_versions=tuple(int(v) for v in result.output_versions),
+                finish_reason=result.finish_reason,
+                cached_tokens=int(result.cached_tokens),
+                cell=result.cell,
+                started_s=call.context.started_s,
+                finished_s=finished_s,
+                sampling_temperature=logprob_temperature(float(call.backend_request.sampling_params["temperature"])),
+            )
+        )
+        outcome = ChatOutcome(
+            response_id=call.response_id,
+            model=chat.model,
+            created_s=int(finished_s),
+            content=content,
+            tool_calls=calls,
+            tool_call_ids=tuple(f"{call.call_id_prefix}{i}" for i in range(len(calls))),
+            finish=finish,
+            matched_stop=matched,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(result.output_ids),
+            cached_tokens=int(result.cached_tokens),
+            token_logprobs=token_logprobs,
+        )
+        return outcome, text, parsed
+
+    async def _emit(self, message: ModelCallCompleted) -> None:
+        try:
+            outcome = self.on_call_completed(message)
+            if inspect.isawaitable(outcome):
+                await outcome
+        except Exception as error:
+            # The agent still gets its answer; the lost record is counted and logged, never silent.
+            self.emit_failures += 1
+            log.error("model_call_emit_failed", execution_id=message.execution_id, call_index=message.call_index,
+                      error=short_error(error))

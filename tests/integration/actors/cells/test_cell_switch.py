@@ -39,7 +39,7 @@ from gyre.engines.trainer import TrainerConfig
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleChanged, SessionPlaced, SwitchRole
 from gyre.messages.executions import ExecutionEnded, IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.proxy import ProxyStatusAsked
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, Topology, handler
 from gyre.runtime.testing import run_actors
@@ -178,7 +178,7 @@ def switched(tiny_model_dir):
         await h.wait_until(lambda: recorder.loads[other].live_sessions == 0, timeout_s=30,
                            what="live sessions after ExecutionEnded")
         switched_calls = [m for m in recorder.of(ModelCallCompleted) if m.execution_id.startswith("exec-")]
-        proxy_status = await h.ask("proxy", ProxyStatusAsked())
+        proxy_status = await h.ask("proxy", StatisticsAsked())
         # The unswitched run: every call's exact prompt ids and seed again, straight to an engine nothing disturbs.
         url = (await h.ask("cell-a", StatisticsAsked())).engine_url
         references = {}
@@ -299,7 +299,7 @@ def test_a_colocated_switch_holds_the_calls_until_a_cell_rolls_out_again(tiny_mo
         # recorder: wait for the announcements rather than read them the moment the replies are in.
         await h.wait_until(lambda: len(completed()) >= len(calls), timeout_s=30, what="ModelCallCompleted of both")
         done = completed()
-        proxy_status = await h.ask("proxy", ProxyStatusAsked())
+        proxy_status = await h.ask("proxy", StatisticsAsked())
         back_url = changed[-1].engine_url
         references = {}
         async with SGLangClient(back_url) as client:

@@ -29,7 +29,8 @@ from gyre.engines.sglang_client import SGLangClient
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, MigrateSessions, RoleChanged, SessionsMigrated
 from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.proxy import ProxyStatus, ProxyStatusAsked
+from gyre.messages.proxy import ProxyStatistics
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, InProcessLauncher, RunOptions, Topology, handler
 
 MAX_CONTEXT_TOKENS = 2048
@@ -207,7 +208,7 @@ async def switch_under_a_live_call(driver: Driver) -> dict[str, Any]:
         record = await driver.next_call()
         cached_b_after = (await load(url_b))["cached_tokens_total"]
         await post(url_a, "/continue_generation", {})
-    status: ProxyStatus = await driver.ask("proxy", ProxyStatusAsked())
+    status: ProxyStatistics = await driver.ask("proxy", StatisticsAsked())
     # The unswitched run: the same prompt, greedy, on one engine from start to end.
     async with SGLangClient(url_b) as engine:
         params = {"max_new_tokens": MAX_TOKENS, "temperature": 0.0, "stop_token_ids": list(driver.config.stop_token_ids)}

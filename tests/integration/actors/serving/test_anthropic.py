@@ -17,8 +17,8 @@ import anthropic
 import pytest
 import torch
 
-from gyre.actors.serving.backends import EmbeddedBackend
-from gyre.actors.serving.http_app import BackendRequest, BackendResult, ProxyHttpConfig, ServedApp, build_proxy_app
+from gyre.actors.serving.backends import BackendRequest, BackendResult, EmbeddedBackend
+from gyre.actors.serving.http_app import ProxyHttpConfig, ServedApp, build_proxy_app
 from gyre.actors.serving.sessions import ProxySessions
 from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.chat_template import ChatTemplate

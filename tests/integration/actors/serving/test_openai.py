@@ -20,15 +20,8 @@ import openai
 import pytest
 import torch
 
-from gyre.actors.serving.backends import EmbeddedBackend
-from gyre.actors.serving.http_app import (
-    PROXY_SERVICE,
-    BackendRequest,
-    BackendResult,
-    ProxyHttpConfig,
-    ServedApp,
-    build_proxy_app,
-)
+from gyre.actors.serving.backends import BackendRequest, BackendResult, EmbeddedBackend
+from gyre.actors.serving.http_app import PROXY_SERVICE, ProxyHttpConfig, ServedApp, build_proxy_app
 from gyre.actors.serving.sessions import ProxySessions
 from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.chat_template import ChatTemplate

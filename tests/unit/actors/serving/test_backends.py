@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gyre.actors.serving.backends import result_from_sglang, sampling_params_from_dict
-from gyre.actors.serving.http_app import BackendRejected, BackendUnavailable
+from gyre.actors.serving.backends import BackendRejected, BackendUnavailable
 
 
 def test_sglang_answer_with_per_token_versions() -> None:

@@ -9,6 +9,7 @@ the in-process launcher; the driver runs the scenario and stores what it saw.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import subprocess
@@ -22,19 +23,27 @@ import attrs
 import openai
 import pytest
 
-from gyre.actors.serving.proxy import Proxy, ProxyConfig, RoutingConfig
+from gyre.actors.serving.proxy import Proxy, ProxyConfig
+from gyre.actors.serving.routing import RoutingConfig
 from gyre.actors.serving.http_app import ProxyHttpConfig
 from gyre.engines.sglang_client import SGLangClient
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleChanged, SessionPlaced
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.proxy import CallsWaitingForCell, ProxyStatus, ProxyStatusAsked, SessionPrefixes, SessionsOnCell
+from gyre.messages.proxy import CallsWaitingForCell, ProxyStatistics, SessionPrefixes, SessionsOnCell
+from gyre.messages.runtime_control import StatisticsAsked
 from gyre.policies.routing import StickyLeastLoaded
 from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, handler, read_log
 from gyre.runtime.config_codec import decode_config
+from gyre.runtime.run_secrets import run_token
 
 MAX_CONTEXT_TOKENS = 2048
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud ember field".split()
+
+
+def engine_auth() -> dict[str, str]:
+    """The header the engine servers of this module check (see `engines`)."""
+    return {"Authorization": f"Bearer {run_token('engine')}"}
 
 
 def free_port() -> int:
@@ -57,6 +66,9 @@ def engines(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
                  "--max-context", str(MAX_CONTEXT_TOKENS)],
                 stdout=open(logs / f"{name}.log", "w"),
                 stderr=subprocess.STDOUT,
+                # The servers check this process's engine token, which the proxy (run in this process) and the
+                # reference clients send by default, as a cell's in-run server would.
+                env=dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine")),
             )
         )
         urls[name] = f"http://127.0.0.1:{port}"
@@ -143,8 +155,8 @@ class Driver(Actor):
         client = openai.AsyncOpenAI(base_url=key.openai_base_url, api_key=key.api_key, max_retries=0, timeout=300)
         return key, client
 
-    async def status(self) -> ProxyStatus:
-        return await self.ask("proxy", ProxyStatusAsked())
+    async def status(self) -> ProxyStatistics:
+        return await self.ask("proxy", StatisticsAsked())
 
 
 def scenario(fn: Scenario) -> Scenario:
@@ -390,7 +402,7 @@ async def abort_on_a_live_cell_resumes_there(driver: Driver) -> dict[str, Any]:
     driver.announce("cell-a")
     _, client = await driver.agent("exec-r")
     messages = [{"role": "user", "content": "count with me: one two three"}]
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=engine_auth()) as http:
 
         async def generated() -> int:
             async with http.get(url + "/get_load") as resp:
@@ -443,7 +455,7 @@ async def streamed_abort_resumes_without_resending(driver: Driver) -> dict[str, 
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
 
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=engine_auth()) as http:
         pending = asyncio.ensure_future(consume())
         while len(pieces) < 5 and not pending.done():
             await asyncio.sleep(0.005)

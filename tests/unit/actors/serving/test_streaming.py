@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gyre.actors.serving.http_app import BackendResult, final_text
+from gyre.actors.serving.backends import BackendResult
+from gyre.actors.serving.sessions import final_text
 from gyre.actors.serving.streaming import TextDelta, ToolCallDelta, TurnStreamer
 from gyre.engines.chat_template import ChatTemplate
 from gyre.engines.tokenizer import write_tokenizer_files

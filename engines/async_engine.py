@@ -22,7 +22,6 @@ import torch
 
 from gyre.engines.embedded_engine import (
     EmbeddedEngine,
-    EngineError,
     EngineStats,
     ExportedPrefix,
     GenerateOutput,
@@ -30,18 +29,11 @@ from gyre.engines.embedded_engine import (
     SamplingParams,
     StepEvent,
 )
+from gyre.engines.errors import EngineClosed, EngineFailed, RequestError
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineFailed(RuntimeError):
-    """The engine's step raised: the engine is broken and every pending request failed with this error."""
-
-
-class EngineClosed(RuntimeError):
-    """The AsyncEngine was closed (by its owner)."""
 
 
 class AsyncEngine:
@@ -186,7 +178,7 @@ class AsyncEngine:
         self._ensure_started()
         rid = rid or uuid.uuid4().hex
         if rid in self._streams:
-            raise EngineError(f"request {rid!r} is already in flight")
+            raise RequestError(f"request {rid!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         finished = False

@@ -41,6 +41,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from gyre.engines.errors import ChatTemplateError
+
 __all__ = ["CHAT_TEMPLATE", "ChatTemplate", "ChatTemplateError", "compile_template", "render_builtin_text"]
 
 IM_START = "<|im_start|>"
@@ -98,11 +100,6 @@ CHAT_TEMPLATE = (
 )
 
 _ROLES = ("system", "user", "assistant", "tool")
-
-
-class ChatTemplateError(ValueError):
-    """A conversation the template cannot render (unknown role, non-text content, malformed tool call), or a model
-    directory without a tokenizer."""
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):

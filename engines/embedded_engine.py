@@ -30,8 +30,9 @@ import attrs
 import structlog
 import torch
 
+from gyre.engines.errors import EngineOverloaded, ModelFormatError, RequestError
 from gyre.engines.kv_pool import KVLayout, KVPool, KVStaging, StagedRegion, torch_dtype
-from gyre.engines.qwen3_paged import ModelFormatError, Qwen3Paged, Qwen3Spec, SeqChunk, read_safetensors_dir
+from gyre.engines.qwen3_paged import Qwen3Paged, Qwen3Spec, SeqChunk, read_safetensors_dir
 from gyre.engines.radix_cache import RadixCache, RadixNode
 from gyre.engines.sampling import (
     RequestSampler,
@@ -46,12 +47,12 @@ from gyre.runtime.validators import count
 __all__ = [
     "EmbeddedEngine",
     "EngineConfig",
-    "EngineError",
     "EngineOverloaded",
     "EngineStats",
     "ExportedPrefix",
     "GenerateOutput",
     "KVLayout",
+    "RequestError",
     "SamplingParams",
     "StepEvent",
 ]
@@ -61,14 +62,6 @@ log = structlog.get_logger(__name__)
 MEMORY_TAGS = frozenset({"weights", "kv_cache", "cuda_graph"})
 # Uncached blocks a waiting request must share with one still prefilling before it waits for that prefill.
 SIBLING_MIN_BLOCKS = 2
-
-
-class EngineError(ValueError):
-    """A request or control call the engine refuses (bad input, wrong state). The server answers 400."""
-
-
-class EngineOverloaded(EngineError):
-    """The waiting queue is full: explicit backpressure. The server answers 503; retry later."""
 
 
 @attrs.frozen
@@ -230,7 +223,7 @@ class EmbeddedEngine:
             self.model = Qwen3Paged(self.spec, config.dtype, staging_max_bytes=config.decode_staging_bytes)
             self.model.load_hf_state_dict(read_safetensors_dir(model_dir))
         except ModelFormatError as error:
-            raise EngineError(str(error)) from error
+            raise RequestError(str(error)) from error
         self.weight_version = 0
         self._weights_source = (self.model_dir, 0)
         self.tokenizer = load_tokenizer(model_dir)
@@ -257,21 +250,21 @@ class EmbeddedEngine:
     def submit(
         self, rid: str, input_ids: Sequence[int], params: SamplingParams = SamplingParams(), return_logprob: bool = True
     ) -> None:
-        """Queue a request. EngineError for bad input or a duplicate rid; EngineOverloaded when the queue is full."""
+        """Queue a request. RequestError for bad input or a duplicate rid; EngineOverloaded when the queue is full."""
         if not isinstance(rid, str) or not rid:
-            raise EngineError("rid must be a non-empty string")
+            raise RequestError("rid must be a non-empty string")
         if rid in self._by_rid:
-            raise EngineError(f"request {rid!r} is already in flight")
+            raise RequestError(f"request {rid!r} is already in flight")
         if not isinstance(params, SamplingParams):
-            raise EngineError("params must be SamplingParams")
+            raise RequestError("params must be SamplingParams")
         prompt = self._check_ids(input_ids)
         if len(prompt) >= self.config.max_context_tokens:
-            raise EngineError(
+            raise RequestError(
                 f"prompt of {len(prompt)} tokens leaves no room under max_context_tokens "
                 f"{self.config.max_context_tokens}"
             )
         if self._released:
-            raise EngineError(f"memory is released ({sorted(self._released)}); resume it first")
+            raise RequestError(f"memory is released ({sorted(self._released)}); resume it first")
         if len(self._waiting) >= self.config.max_waiting_requests:
             raise EngineOverloaded(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         request = _Request(rid, prompt, params, return_logprob)
@@ -279,7 +272,7 @@ class EmbeddedEngine:
         try:
             request.stopper = StopChecker(params, self.eos_token_ids, self.tokenizer, request.max_new_tokens)
         except ValueError as error:
-            raise EngineError(str(error)) from None
+            raise RequestError(str(error)) from None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request.sampler = RequestSampler(params, seed)
         self._waiting.append(request)
@@ -288,14 +281,14 @@ class EmbeddedEngine:
 
     def _check_ids(self, input_ids: Sequence[int]) -> list[int]:
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
-            raise EngineError("input_ids must be a sequence of ints")
+            raise RequestError("input_ids must be a sequence of ints")
         ids = list(input_ids)
         if not ids:
-            raise EngineError("input_ids is empty")
+            raise RequestError("input_ids is empty")
         vocab = self.spec.vocab_size
         for token in ids:
             if type(token) is not int or not 0 <= token < vocab:
-                raise EngineError(f"token id {token!r} is not an int in [0, {vocab})")
+                raise RequestError(f"token id {token!r} is not an int in [0, {vocab})")
         return ids
 
     def has_work(self) -> bool:
@@ -324,7 +317,7 @@ class EmbeddedEngine:
         """Stop stepping. "abort" aborts every request; "in_place" keeps them and their KV; "retract" keeps them
         queued but releases their KV to the prefix cache. Returns the number of requests affected."""
         if mode not in ("abort", "in_place", "retract"):
-            raise EngineError(f"pause mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
+            raise RequestError(f"pause mode must be 'abort', 'in_place' or 'retract', got {mode!r}")
         self._paused = True
         if mode == "abort":
             return self.abort_all()
@@ -604,13 +597,13 @@ class EmbeddedEngine:
         with other weights must not be reused by new requests.
         """
         if type(version) is not int:
-            raise EngineError(f"weight version must be an int, got {version!r}")
+            raise RequestError(f"weight version must be an int, got {version!r}")
         if "weights" in self._released:
-            raise EngineError("weights are released; resume them first")
+            raise RequestError("weights are released; resume them first")
         try:
             self.model.load_hf_state_dict(hf_state_dict, partial=True)
         except ModelFormatError as error:
-            raise EngineError(str(error)) from error
+            raise RequestError(str(error)) from error
         self.weight_version = version
         self._new_epoch()
         log.info("weights_loaded", version=version, tensors=len(hf_state_dict))
@@ -620,18 +613,18 @@ class EmbeddedEngine:
         try:
             spec = Qwen3Spec.from_model_dir(model_dir)
             if spec != self.spec:
-                raise EngineError(f"{model_dir} holds a different architecture than the running model")
+                raise RequestError(f"{model_dir} holds a different architecture than the running model")
             state = read_safetensors_dir(model_dir)
         except ModelFormatError as error:
-            raise EngineError(str(error)) from error
+            raise RequestError(str(error)) from error
         if type(version) is not int:
-            raise EngineError(f"weight version must be an int, got {version!r}")
+            raise RequestError(f"weight version must be an int, got {version!r}")
         if "weights" in self._released:
-            raise EngineError("weights are released; resume them first")
+            raise RequestError("weights are released; resume them first")
         try:
             self.model.load_hf_state_dict(state, partial=False)
         except ModelFormatError as error:
-            raise EngineError(str(error)) from error
+            raise RequestError(str(error)) from error
         self.weight_version = version
         self._weights_source = (str(model_dir), version)
         self._new_epoch()
@@ -670,14 +663,14 @@ class EmbeddedEngine:
         chosen = set(MEMORY_TAGS if tags is None else tags)
         unknown = chosen - MEMORY_TAGS
         if unknown:
-            raise EngineError(f"unknown memory tags {sorted(unknown)}; expected a subset of {sorted(MEMORY_TAGS)}")
+            raise RequestError(f"unknown memory tags {sorted(unknown)}; expected a subset of {sorted(MEMORY_TAGS)}")
         return chosen - {"cuda_graph"}  # nothing to release on CPU
 
     def release_memory(self, tags: Iterable[str] | None = None) -> None:
         """Free the KV pool and/or the weights (e.g. while this machine trains). Needs an idle engine."""
         chosen = self._tags(tags)
         if self._running or self._waiting:
-            raise EngineError("release_memory needs an idle engine: abort or finish requests first")
+            raise RequestError("release_memory needs an idle engine: abort or finish requests first")
         if "kv_cache" in chosen and self.pool is not None:
             self._exports.clear()  # their pins die with the pool
             self._new_epoch()
@@ -711,7 +704,7 @@ class EmbeddedEngine:
 
     def _require_pool(self) -> tuple[KVPool, RadixCache]:
         if self.pool is None or self.cache is None or "weights" in self._released:
-            raise EngineError(f"memory is released ({sorted(self._released)}); resume it first")
+            raise RequestError(f"memory is released ({sorted(self._released)}); resume it first")
         return self.pool, self.cache
 
     def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
@@ -719,11 +712,11 @@ class EmbeddedEngine:
         pool, cache = self._require_pool()
         ids = self._check_ids(token_ids)
         if len(ids) > self.config.max_context_tokens:
-            raise EngineError(f"{len(ids)} tokens exceed max_context_tokens {self.config.max_context_tokens}")
+            raise RequestError(f"{len(ids)} tokens exceed max_context_tokens {self.config.max_context_tokens}")
         size = self.config.block_size_tokens
         needed = -(-len(ids) // size)
         if not self._make_room(needed):
-            raise EngineError(f"no room for {needed} KV blocks now; retry when requests finish")
+            raise RequestError(f"no room for {needed} KV blocks now; retry when requests finish")
         blocks = pool.alloc(needed)
         try:
             result: list[float] = []
@@ -757,7 +750,7 @@ class EmbeddedEngine:
         pool, cache = self._require_pool()
         ids = self._check_ids(token_ids)
         if len(self._exports) >= self.config.max_exports:
-            raise EngineError(f"{len(self._exports)} exports are pinned (max {self.config.max_exports})")
+            raise RequestError(f"{len(self._exports)} exports are pinned (max {self.config.max_exports})")
         self._cache_running()
         match = cache.match_prefix(ids)
         region = None
@@ -783,7 +776,7 @@ class EmbeddedEngine:
         """Unpin an export's blocks and free its staging region (its reader must be done with both)."""
         entry = self._exports.pop(handle, None)
         if entry is None:
-            raise EngineError(f"unknown export handle {handle!r}")
+            raise RequestError(f"unknown export handle {handle!r}")
         node, region = entry
         if self.cache is not None:
             self.cache.unlock(node)
@@ -811,16 +804,16 @@ class EmbeddedEngine:
         ids = self._check_ids(token_ids)
         local = self.kv_layout()
         if not local.compatible_with(remote):
-            raise EngineError(f"incompatible KV layouts: local {local}, exported {remote}")
+            raise RequestError(f"incompatible KV layouts: local {local}, exported {remote}")
         blocks = len(export.block_ids)
         if blocks * local.block_size_tokens != export.num_tokens or len(ids) != export.num_tokens:
-            raise EngineError(
+            raise RequestError(
                 f"export covers {export.num_tokens} tokens with {blocks} blocks of {local.block_size_tokens}; "
                 f"{len(ids)} tokens given"
             )
         entry_nbytes = local.num_layers * 2 * local.block_nbytes
         if export.staging_addr and export.staging_nbytes != blocks * entry_nbytes:
-            raise EngineError(
+            raise RequestError(
                 f"export stages {export.staging_nbytes} bytes for {blocks} blocks; expected {blocks * entry_nbytes}"
             )
         moved = 0
@@ -863,13 +856,13 @@ class EmbeddedEngine:
     def _import_checked(self, ids: list[int], fill: Callable[[list[int]], None]) -> int:
         pool, cache = self._require_pool()
         if len(ids) > self.config.max_context_tokens:
-            raise EngineError(f"{len(ids)} tokens exceed max_context_tokens {self.config.max_context_tokens}")
+            raise RequestError(f"{len(ids)} tokens exceed max_context_tokens {self.config.max_context_tokens}")
         size = self.config.block_size_tokens
         full = len(ids) // size
         if full == 0 or len(cache.match_prefix(ids).block_ids) == full:
             return 0
         if not self._make_room(full):
-            raise EngineError(f"no room for {full} KV blocks now; retry when requests finish")
+            raise RequestError(f"no room for {full} KV blocks now; retry when requests finish")
         # Any free blocks will do; in ascending order they form runs that fill writes with few large copies.
         blocks = sorted(pool.alloc(full))
         try:

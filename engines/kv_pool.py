@@ -17,11 +17,9 @@ from typing import Iterable, Sequence
 import attrs
 import torch
 
+from gyre.engines.errors import OutOfBlocks
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class OutOfBlocks(RuntimeError):
-    """The pool has fewer free blocks than asked for; the caller evicts, waits or retracts."""
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -62,7 +62,8 @@ def embedded_logprobs(model_dir: str | Path, ids: list[int]) -> list[float]:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from gyre.engines.model_format import ModelFormatError, ModelSpec, init_model_dir
+    from gyre.engines.errors import ModelFormatError
+    from gyre.engines.model_format import ModelSpec, init_model_dir
 
     try:
         path = init_model_dir(args.dir, preset=args.preset, seed=args.seed)
@@ -77,7 +78,8 @@ def _init(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     import attrs
 
-    from gyre.engines.model_format import ModelFormatError, ModelSpec
+    from gyre.engines.errors import ModelFormatError
+    from gyre.engines.model_format import ModelSpec
 
     try:
         spec = ModelSpec.from_model_dir(args.dir)
@@ -89,6 +91,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _logprobs(args: argparse.Namespace) -> int:
+    from safetensors import SafetensorError
+
     try:
         ids = _read_tokens(args.tokens)
     except (OSError, ValueError) as error:
@@ -100,7 +104,10 @@ def _logprobs(args: argparse.Namespace) -> int:
         # stdout carries only the JSON answer: whatever the engines print or log meanwhile goes to stderr.
         with contextlib.redirect_stdout(sys.stderr):
             values = score(args.dir, ids)
-    except ValueError as error:  # every engine's bad-input error is a ValueError
+    # Every engine's bad-input error is a ValueError (a bad model directory: ModelFormatError, wrapped by the
+    # embedded engine in its RequestError); transformers, the reference, reports a missing file as OSError and a
+    # corrupt weights file as safetensors' own error.
+    except (OSError, ValueError, SafetensorError) as error:
         print(f"gyre model logprobs: {error}", file=sys.stderr)
         return 2
     print(json.dumps(values))

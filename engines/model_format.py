@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Mapping
 
 import attrs
+import safetensors
 import safetensors.torch
 import torch
 
 from gyre.engines.chat_template import END_OF_TEXT, IM_END
+from gyre.engines.errors import ModelFormatError
 from gyre.engines.tokenizer import MODEL_MAX_LENGTH, VOCAB_SIZE, build_tokenizer, write_tokenizer_files
 
 __all__ = [
@@ -34,10 +36,6 @@ __all__ = [
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
-
-
-class ModelFormatError(ValueError):
-    """A model directory or config that Gyre cannot read (missing file, unsupported architecture or option)."""
 
 
 @attrs.frozen
@@ -66,11 +64,13 @@ class ModelSpec:
     """Epsilon of every RMSNorm."""
 
     def __attrs_post_init__(self) -> None:
+        # Sizes first: a config.json from elsewhere may hold a string or a zero, and the head check divides.
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "vocab_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ModelFormatError(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelFormatError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "vocab_size"):
-            if getattr(self, name) <= 0:
-                raise ModelFormatError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def num_params(self) -> int:
@@ -112,6 +112,8 @@ class ModelSpec:
 
     @classmethod
     def from_config_dict(cls, config: Mapping) -> "ModelSpec":
+        if not isinstance(config, Mapping):
+            raise ModelFormatError(f"config.json must hold a JSON object, got {type(config).__name__}")
         if config.get("model_type") != "qwen3":
             raise ModelFormatError(f"model_type must be 'qwen3', got {config.get('model_type')!r}")
         if config.get("tie_word_embeddings", False):
@@ -121,12 +123,14 @@ class ModelSpec:
         if config.get("use_sliding_window", False):
             raise ModelFormatError("sliding-window attention is not supported")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ModelFormatError(f"rope parameters must be a JSON object, got {rope!r}")
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ModelFormatError(f"only default RoPE is supported, got {rope!r}")
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        hidden = config["hidden_size"]
-        heads = config["num_attention_heads"]
         try:
+            hidden = config["hidden_size"]
+            heads = config["num_attention_heads"]
             return cls(
                 hidden_size=hidden,
                 num_layers=config["num_hidden_layers"],
@@ -139,15 +143,23 @@ class ModelSpec:
                 rope_theta=float(theta),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             )
+        except ModelFormatError:
+            raise
         except KeyError as missing:
             raise ModelFormatError(f"config.json lacks {missing}") from None
+        except (TypeError, ValueError, ZeroDivisionError) as error:  # a string or a zero where a size belongs
+            raise ModelFormatError(f"config.json holds a size of the wrong type or value: {error}") from None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ModelSpec":
         path = Path(model_dir) / CONFIG_FILE
         if not path.is_file():
             raise ModelFormatError(f"{model_dir} has no {CONFIG_FILE}")
-        return cls.from_config_dict(json.loads(path.read_text(encoding="utf-8")))
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:  # ValueError covers both bad JSON and bytes that are not UTF-8
+            raise ModelFormatError(f"{path} is not readable JSON: {error}") from None
+        return cls.from_config_dict(config)
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -222,7 +234,10 @@ def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     path = Path(model_dir) / WEIGHTS_FILE
     if not path.is_file():
         raise ModelFormatError(f"{model_dir} has no {WEIGHTS_FILE}")
-    return safetensors.torch.load_file(str(path))
+    try:
+        return safetensors.torch.load_file(str(path))
+    except safetensors.SafetensorError as error:  # truncated or not safetensors at all; not a ValueError
+        raise ModelFormatError(f"{path} is not a readable safetensors file: {error}") from None
 
 
 def save_hf_state_dict(model_dir: str | Path, state: Mapping[str, torch.Tensor]) -> None:

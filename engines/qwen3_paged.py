@@ -27,15 +27,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from gyre.engines.errors import ModelFormatError
 from gyre.engines.kv_pool import KVPool, torch_dtype
 
 
 # Tokens a staged decode group can grow before its buffer is rebuilt (see `_Staging`).
 STAGING_HEADROOM_TOKENS = 32
-
-
-class ModelFormatError(ValueError):
-    """The model directory or a weight update does not describe a Qwen3 model this engine can run."""
 
 
 @attrs.frozen
@@ -56,10 +53,14 @@ class Qwen3Spec:
 
     @classmethod
     def from_config(cls, config: Mapping) -> Qwen3Spec:
+        if not isinstance(config, Mapping):
+            raise ModelFormatError(f"config.json must hold a JSON object, got {type(config).__name__}")
         model_type = config.get("model_type")
         if model_type != "qwen3":
             raise ModelFormatError(f"config.json model_type is {model_type!r}; this engine runs 'qwen3' only")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if not isinstance(rope, Mapping):
+            raise ModelFormatError(f"rope parameters must be a JSON object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ModelFormatError(f"rope type {rope_type!r} is not supported (only 'default')")
@@ -85,8 +86,12 @@ class Qwen3Spec:
                 max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             )
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
             raise ModelFormatError(f"config.json lacks or mangles a Qwen3 field: {error}") from None
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
+            if getattr(spec, name) <= 0:
+                raise ModelFormatError(f"{name} must be positive, got {getattr(spec, name)}")
         if spec.num_heads % spec.num_kv_heads:
             raise ModelFormatError(
                 f"num_attention_heads {spec.num_heads} is not a multiple of num_key_value_heads {spec.num_kv_heads}"
@@ -98,7 +103,11 @@ class Qwen3Spec:
         path = Path(model_dir) / "config.json"
         if not path.exists():
             raise ModelFormatError(f"{model_dir} has no config.json")
-        return cls.from_config(json.loads(path.read_text()))
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:  # ValueError covers both bad JSON and bytes that are not UTF-8
+            raise ModelFormatError(f"{path} is not readable JSON: {error}") from None
+        return cls.from_config(config)
 
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every Hugging Face tensor name of this architecture and its shape."""
@@ -127,18 +136,32 @@ class Qwen3Spec:
 
 def read_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of the shards named by model.safetensors.index.json."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    def load(path: Path) -> dict[str, torch.Tensor]:
+        try:
+            return load_file(str(path))
+        except (OSError, SafetensorError) as error:  # a missing shard, a truncated or foreign file
+            raise ModelFormatError(f"{path} is not a readable safetensors file: {error}") from None
 
     root = Path(model_dir)
     single = root / "model.safetensors"
     if single.exists():
-        return load_file(str(single))
+        return load(single)
     index = root / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            document = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ModelFormatError(f"{index} is not readable JSON: {error}") from None
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+            raise ModelFormatError(f"{index} has no weight_map from tensor names to shard files")
+        shards = sorted(set(weight_map.values()))
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
-            state.update(load_file(str(root / shard)))
+            state.update(load(root / shard))
         return state
     raise ModelFormatError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 

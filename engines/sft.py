@@ -20,13 +20,10 @@ import structlog
 import torch
 
 from gyre.engines.chat_template import ChatTemplate
+from gyre.engines.errors import SFTError
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 
 log = structlog.get_logger(__name__)
-
-
-class SFTError(ValueError):
-    """Demonstrations that cannot be trained on (empty, too long, malformed)."""
 
 
 @attrs.frozen

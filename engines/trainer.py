@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gyre.engines import megatron_cpu
+from gyre.engines.errors import TrainerError
 from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
 from gyre.engines.weight_convert import hf_to_megatron, megatron_to_hf
 
@@ -45,11 +46,6 @@ log = structlog.get_logger(__name__)
 CORE_ATTENTION = ("sdpa", "local")
 
 LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, Mapping[str, Any]]"]
-
-
-class TrainerError(ValueError):
-    """Bad input to the trainer: wrong shapes or ids, a loss that is not a differentiable scalar, a flat tensor of
-    the wrong size, or a process set up with model parallelism this trainer does not use."""
 
 
 @attrs.frozen

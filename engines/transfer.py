@@ -32,26 +32,11 @@ import attrs
 import numpy as np
 import structlog
 
+from gyre.engines.errors import TransferError
+
 log = structlog.get_logger(__name__)
 
 _PAGE_BYTES = mmap.PAGESIZE
-
-
-class TransferError(RuntimeError):
-    """A Mooncake operation failed. The message says what, with whom, and which memory is now unsafe to reuse.
-
-    After a failed transfer, `unsafe_ranges` lists the (addr, nbytes) ranges whose contents are unknown and that
-    the transport may still write, on the `unsafe_side` ("local": ours, after a read; "remote": the peer's, after a
-    write). Their owner must not hand them out again as if clean (e.g. an engine should quarantine, not free, KV
-    blocks a failed import was filling); Mooncake offers no way to wait for stragglers of a failed batch.
-    """
-
-    def __init__(
-        self, message: str, *, unsafe_side: str | None = None, unsafe_ranges: tuple[tuple[int, int], ...] = ()
-    ) -> None:
-        super().__init__(message)
-        self.unsafe_side = unsafe_side
-        self.unsafe_ranges = unsafe_ranges
 
 
 @attrs.frozen

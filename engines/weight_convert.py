@@ -28,13 +28,10 @@ from typing import Mapping
 
 import torch
 
-from gyre.engines.model_format import ModelFormatError, ModelSpec, check_state_dict
+from gyre.engines.errors import ConversionError, ModelFormatError
+from gyre.engines.model_format import ModelSpec, check_state_dict
 
 __all__ = ["ConversionError", "hf_to_megatron", "megatron_param_names", "megatron_to_hf"]
-
-
-class ConversionError(ModelFormatError):
-    """A state dict that does not match the model spec it is converted with."""
 
 
 def _layer_names(i: int, fused_norms: bool) -> dict[str, str]:

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gyre.engines.chat_template import CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from gyre.engines.chat_template import CHAT_TEMPLATE, ChatTemplate
+from gyre.engines.errors import ChatTemplateError
 
 TOOLS = [
     {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",

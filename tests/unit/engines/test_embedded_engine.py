@@ -16,15 +16,9 @@ import attrs
 import pytest
 import torch
 
-from gyre.engines.async_engine import AsyncEngine, EngineFailed
-from gyre.engines.embedded_engine import (
-    EmbeddedEngine,
-    EngineConfig,
-    EngineError,
-    EngineOverloaded,
-    GenerateOutput,
-    SamplingParams,
-)
+from gyre.engines.async_engine import AsyncEngine
+from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig, GenerateOutput, SamplingParams
+from gyre.engines.errors import EngineFailed, EngineOverloaded, RequestError
 
 transformers = pytest.importorskip("transformers")
 
@@ -202,16 +196,16 @@ def test_tied_embeddings_and_model_dir_errors(tmp_path: Path) -> None:
     ref = ref_logprobs(tied, ids)[torch.arange(19), torch.tensor(ids[1:])]
     assert (torch.tensor(engine.prompt_logprobs(ids)) - ref).abs().max().item() < TOL
 
-    with pytest.raises(EngineError, match="config.json"):
+    with pytest.raises(RequestError, match="config.json"):
         EmbeddedEngine(tmp_path / "missing", CONFIG)
     bad = tmp_path / "bad"
     shutil.copytree(tmp_path / "tied", bad)
     raw = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**raw, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(EngineError, match="rope type"):
+    with pytest.raises(RequestError, match="rope type"):
         EmbeddedEngine(bad, CONFIG)
     (bad / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
-    with pytest.raises(EngineError, match="qwen3"):
+    with pytest.raises(RequestError, match="qwen3"):
         EmbeddedEngine(bad, CONFIG)
 
 
@@ -337,7 +331,7 @@ def test_stop_strings_with_a_tokenizer(model_dir: Path, tmp_path: Path) -> None:
     assert out.finish_reason == "stop" and out.matched_stop == text
     assert len(out.output_ids) <= 5 and out.output_ids == free[: len(out.output_ids)]
     no_tokenizer = EmbeddedEngine(model_dir, CONFIG)
-    with pytest.raises(EngineError, match="tokenizer"):
+    with pytest.raises(RequestError, match="tokenizer"):
         no_tokenizer.submit("x", ids, SamplingParams(stop=("w1",)))
 
 
@@ -405,7 +399,7 @@ def test_pause_abort_aborts_everything(model_dir: Path) -> None:
     assert engine.pause("abort") == 1
     outputs = run(engine)
     assert outputs["r"].finish_reason == "abort"
-    with pytest.raises(EngineError):
+    with pytest.raises(RequestError):
         engine.pause("sideways")
 
 
@@ -439,9 +433,9 @@ def test_weight_update_changes_outputs_and_versions(model_dir: Path, other_model
     across = run(engine)["across"]
     assert across.output_versions == (3,) * 5 + (4,) * 5  # each step (the prefill too) samples one token
 
-    with pytest.raises(EngineError, match="unknown tensor"):
+    with pytest.raises(RequestError, match="unknown tensor"):
         engine.load_weights({"model.bogus.weight": torch.zeros(1)}, version=5)
-    with pytest.raises(EngineError, match="shape"):
+    with pytest.raises(RequestError, match="shape"):
         engine.load_weights({"model.norm.weight": torch.zeros(3)}, version=5)
     assert engine.weight_version == 4
 
@@ -467,9 +461,9 @@ def test_release_and_resume_memory(model_dir: Path) -> None:
     engine.load_weights({"model.norm.weight": torch.zeros(64)}, version=9)
     engine.release_memory(None)
     assert engine.stats().memory_released == ("kv_cache", "weights")
-    with pytest.raises(EngineError, match="released"):
+    with pytest.raises(RequestError, match="released"):
         engine.submit("b", ids, GREEDY)
-    with pytest.raises(EngineError, match="unknown memory tags"):
+    with pytest.raises(RequestError, match="unknown memory tags"):
         engine.release_memory(["gpu"])
     engine.resume_memory(None)
     assert engine.weight_version == 0  # weights come back from the checkpoint on disk
@@ -481,7 +475,7 @@ def test_release_and_resume_memory(model_dir: Path) -> None:
 def test_release_needs_an_idle_engine(model_dir: Path) -> None:
     engine = EmbeddedEngine(model_dir, CONFIG)
     engine.submit("a", prompt(18, 5), GREEDY)
-    with pytest.raises(EngineError, match="idle"):
+    with pytest.raises(RequestError, match="idle"):
         engine.release_memory(["kv_cache"])
 
 
@@ -503,16 +497,16 @@ def test_flush_cache(model_dir: Path) -> None:
 def test_bad_requests_are_refused(model_dir: Path) -> None:
     config = EngineConfig(block_size_tokens=4, num_blocks=64, max_context_tokens=64, max_waiting_requests=2)
     engine = EmbeddedEngine(model_dir, config)
-    with pytest.raises(EngineError, match="empty"):
+    with pytest.raises(RequestError, match="empty"):
         engine.submit("a", [], GREEDY)
-    with pytest.raises(EngineError, match="token id"):
+    with pytest.raises(RequestError, match="token id"):
         engine.submit("a", [1, VOCAB], GREEDY)
-    with pytest.raises(EngineError, match="token id"):
+    with pytest.raises(RequestError, match="token id"):
         engine.submit("a", [1, "2"], GREEDY)  # type: ignore[list-item]
-    with pytest.raises(EngineError, match="max_context_tokens"):
+    with pytest.raises(RequestError, match="max_context_tokens"):
         engine.submit("a", [1] * 64, GREEDY)
     engine.submit("a", [1, 2], GREEDY)
-    with pytest.raises(EngineError, match="already in flight"):
+    with pytest.raises(RequestError, match="already in flight"):
         engine.submit("a", [1, 2], GREEDY)
     engine.submit("b", [1, 2], GREEDY)
     with pytest.raises(EngineOverloaded):
@@ -560,7 +554,7 @@ def test_export_import_between_two_engines_with_a_byte_copy_fill(model_dir: Path
     assert target.import_prefix(session[: exported.num_tokens], fill) == 0  # already cached: nothing to move
     source.release_export(exported.handle)
     assert source.stats().exports == 0
-    with pytest.raises(EngineError, match="unknown export"):
+    with pytest.raises(RequestError, match="unknown export"):
         source.release_export(exported.handle)
 
     follow_up = session + prompt(23, 6)
@@ -689,11 +683,11 @@ def test_import_exported_refuses_descriptors_that_do_not_add_up(model_dir: Path)
     session = session_on(source, 29)
     exported = source.export_prefix(session)
     layout, read = source.kv_layout(), MemmoveRead()
-    with pytest.raises(EngineError, match="stages"):
+    with pytest.raises(RequestError, match="stages"):
         target.import_exported(session[:48], attrs.evolve(exported, staging_nbytes=100), layout, read)
-    with pytest.raises(EngineError, match="tokens given"):
+    with pytest.raises(RequestError, match="tokens given"):
         target.import_exported(session[:44], exported, layout, read)
-    with pytest.raises(EngineError, match="incompatible"):
+    with pytest.raises(RequestError, match="incompatible"):
         target.import_exported(session[:48], exported, attrs.evolve(layout, block_size_tokens=8), read)
     assert read.calls == []
     source.release_export(exported.handle)
@@ -733,7 +727,7 @@ def test_async_engine_generates_concurrently_and_streams(model_dir: Path) -> Non
             assert tuple(tokens) == outputs[0].output_ids
             stats = await engine.stats()
             assert stats.running == 0 and stats.prefix_hit_rate > 0
-            with pytest.raises(EngineError):
+            with pytest.raises(RequestError):
                 await engine.generate("bad", [], GREEDY)
             # Cancelling a waiter aborts its request.
             task = asyncio.ensure_future(engine.generate("long", prompt(40, 5), SamplingParams(max_new_tokens=400)))

@@ -8,7 +8,8 @@ import attrs
 import pytest
 import torch
 
-from gyre.engines.kv_pool import KVLayout, KVPool, KVStaging, OutOfBlocks
+from gyre.engines.errors import OutOfBlocks
+from gyre.engines.kv_pool import KVLayout, KVPool, KVStaging
 
 
 def make_pool(num_blocks: int = 8) -> KVPool:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gyre.engines import model_format, tokenizer
+from gyre.engines.errors import ModelFormatError
 from gyre.engines.model_format import (
     PRESETS,
-    ModelFormatError,
     ModelSpec,
     hf_param_shapes,
     init_model_dir,

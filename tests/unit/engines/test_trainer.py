@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gyre.engines.errors import TrainerError
 from gyre.engines.model_format import load_hf_state_dict
-from gyre.engines.trainer import MegatronTrainer, TrainerConfig, TrainerError, ensure_parallel_state
+from gyre.engines.trainer import MegatronTrainer, TrainerConfig, ensure_parallel_state
 
 VOCAB = 2041  # ordinary (non-added) token ids of the tiny tokenizer
 

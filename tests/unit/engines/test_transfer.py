@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from gyre.engines.transfer import TransferAgent, TransferConfig, TransferError, merge_runs
+from gyre.engines.errors import TransferError
+from gyre.engines.transfer import TransferAgent, TransferConfig, merge_runs
 
 # The peer process: one agent with one registered buffer holding a known pattern. It answers line commands on stdin:
 # "get OFFSET N" prints the buffer's bytes as hex, "quit" ends it. Answers start with "@@" (logs share stdout).

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gyre.engines.errors import ConversionError
 from gyre.engines.model_format import PRESETS, ModelSpec, init_state_dict, load_hf_state_dict
-from gyre.engines.weight_convert import ConversionError, hf_to_megatron, megatron_param_names, megatron_to_hf
+from gyre.engines.weight_convert import hf_to_megatron, megatron_param_names, megatron_to_hf
 
 SPECS = [
     PRESETS["tiny"],

@@ -16,11 +16,9 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from gyre.policies.errors import GroupFilterError
+
 __all__ = ["GroupFilter", "GroupFilterError", "FractionOfGroup", "AtLeast", "survivors_needed"]
-
-
-class GroupFilterError(ValueError):
-    """A policy gave an answer outside 1..group_size, or was asked about a group without executions."""
 
 
 @runtime_checkable

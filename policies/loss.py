@@ -31,10 +31,7 @@ import attrs
 import torch
 
 from gyre.messages.samples import TrainingSample
-
-
-class LossInputError(ValueError):
-    """Tensors of the wrong shape, mismatched lengths, non-finite rewards or invalid clip ranges."""
+from gyre.policies.errors import LossInputError
 
 
 def group_advantages(

@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 import attrs
 
 from gyre.messages.cells import ROLLOUT
+from gyre.policies.errors import RoutingContractError
 
 __all__ = ["CellView", "RoutingPolicy", "RoutingContractError", "checked_choice", "StickyLeastLoaded"]
 
@@ -61,10 +62,6 @@ class RoutingPolicy(Protocol):
     """
 
     def choose(self, session: str, holder: str | None, cells: Sequence[CellView]) -> str | None: ...
-
-
-class RoutingContractError(RuntimeError):
-    """A routing policy broke its contract (a programmer error in the policy)."""
 
 
 def checked_choice(policy: RoutingPolicy, session: str, holder: str | None, cells: Sequence[CellView]) -> str | None:

@@ -31,14 +31,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, SwitchRole
-
-
-class PolicyContractError(ValueError):
-    """A policy returned decisions that break the contract, or is not a valid policy object."""
-
-
-class SchedulingConfigError(ValueError):
-    """A policy configured in a way that cannot work (e.g. a fixed split that leaves the core out of training)."""
+from gyre.policies.errors import PolicyContractError, SchedulingConfigError
 
 
 @attrs.frozen

@@ -16,9 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-
-class StalenessPolicyError(ValueError):
-    """A staleness policy that is misconfigured or breaks the contract."""
+from gyre.policies.errors import StalenessPolicyError
 
 
 @runtime_checkable

@@ -28,12 +28,10 @@ from typing import Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 
+from gyre.policies.errors import TaskSamplingError
+
 __all__ = ["TaskSampling", "GroupOutcome", "EpochOrder", "SignalWeighted", "SignalPerToken", "TaskSamplingError",
            "family_of", "checked_weights"]
-
-
-class TaskSamplingError(ValueError):
-    """A policy gave weights that cannot be sampled from (negative, not finite, missing, or all zero)."""
 
 
 @attrs.frozen

@@ -27,12 +27,9 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from gyre.messages.samples import ExecutionScored, SamplesLanded, TrainingSample
+from gyre.policies.errors import ProcessorError
 from gyre.policies.loss import group_advantages
 from gyre.policies.trajectory_tree import KIND_RANK, Trajectory, TrajectoryTree, TreePath
-
-
-class ProcessorError(ValueError):
-    """Inputs the processor cannot use: a non-finite advantage, scores that do not match the trees."""
 
 
 @runtime_checkable

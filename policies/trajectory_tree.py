@@ -58,6 +58,7 @@ import attrs
 import numpy as np
 
 from gyre.messages.model_calls import ModelCallCompleted
+from gyre.policies.errors import TrajectoryError, TreeFull
 
 MAIN = "main"
 MAIN_SUMMARY = "main-summary"
@@ -71,15 +72,6 @@ CALL_KINDS: tuple[str, ...] = ("turn", "summary")
 """Values a labelled call's `call_kind` may take."""
 MAIN_AGENT = "main"
 """The agent id of the top-level agent."""
-
-
-class TrajectoryError(ValueError):
-    """A call that cannot enter the tree: wrong execution, inconsistent lengths, empty prompt, bad label."""
-
-
-class TreeFull(TrajectoryError):
-    """The tree hit a bound of its `TreeConfig`; the call was not added. The builder should drop the execution rather
-    than let its tree grow without end."""
 
 
 @attrs.frozen

@@ -5,7 +5,8 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from gyre.policies.group_filter import AtLeast, FractionOfGroup, GroupFilter, GroupFilterError, survivors_needed
+from gyre.policies.errors import GroupFilterError
+from gyre.policies.group_filter import AtLeast, FractionOfGroup, GroupFilter, survivors_needed
 
 VALID = [FractionOfGroup(), FractionOfGroup(0.25), FractionOfGroup(1.0), AtLeast(1), AtLeast(3)]
 

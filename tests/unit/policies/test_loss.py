@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gyre.messages.samples import TrainingSample
+from gyre.policies.errors import LossInputError
 from gyre.policies.loss import (
-    LossInputError,
     combine_chunk_metrics,
     group_advantages,
     gspo_loss,

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN
+from gyre.policies.errors import RoutingContractError
 from gyre.policies.routing import (
     CellView,
-    RoutingContractError,
     RoutingPolicy,
     StickyLeastLoaded,
     checked_choice,

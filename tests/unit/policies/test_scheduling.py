@@ -8,15 +8,14 @@ import attrs
 import pytest
 
 from gyre.messages.cells import SwitchRole
+from gyre.policies.errors import PolicyContractError, SchedulingConfigError
 from gyre.policies.scheduling import (
     AsyncPolicy,
     BacklogView,
     CellView,
     ColocatePolicy,
     ElasticPolicy,
-    PolicyContractError,
     SchedulerView,
-    SchedulingConfigError,
     check_decisions,
     check_scheduling_policy,
 )

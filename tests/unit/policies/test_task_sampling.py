@@ -7,13 +7,13 @@ import math
 import attrs
 import pytest
 
+from gyre.policies.errors import TaskSamplingError
 from gyre.policies.task_sampling import (
     EpochOrder,
     GroupOutcome,
     SignalPerToken,
     SignalWeighted,
     TaskSampling,
-    TaskSamplingError,
     checked_weights,
     family_of,
 )

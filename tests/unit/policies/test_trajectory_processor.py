@@ -10,10 +10,10 @@ import pytest
 
 from gyre.messages.samples import ExecutionScored, TrainingSample
 from gyre.benchmarks.trajectories import WorkloadConfig, check_samples, simulate_execution
+from gyre.policies.errors import ProcessorError
 from gyre.policies.trajectory_processor import (
     AllChainsProcessor,
     ProcessorConfig,
-    ProcessorError,
     RankedTrajectoryProcessor,
     TrajectoryProcessor,
     build_group_samples,

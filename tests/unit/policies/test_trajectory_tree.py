@@ -11,15 +11,14 @@ from hypothesis import strategies as st
 
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.benchmarks.trajectories import WorkloadConfig, simulate_execution
+from gyre.policies.errors import TrajectoryError, TreeFull
 from gyre.policies.trajectory_tree import (
     MAIN,
     MAIN_SUMMARY,
     SUB_AGENT,
     SUB_AGENT_SUMMARY,
-    TrajectoryError,
     TrajectoryTree,
     TreeConfig,
-    TreeFull,
     build_tree,
 )
 
@@ -374,7 +373,7 @@ def test_tree_full_leaves_the_content_unchanged():
 def test_a_call_with_a_non_finite_log_prob_is_refused():
     """A broken engine's NaN must not reach the loss: the tree refuses the call and the execution cannot train."""
     from gyre.messages.model_calls import ModelCallCompleted
-    from gyre.policies.trajectory_tree import TrajectoryError, TrajectoryTree
+    from gyre.policies.trajectory_tree import TrajectoryTree
 
     tree = TrajectoryTree("e", "g")
     call = ModelCallCompleted("e", "g", 0, "main", "turn", (1, 2), (3, 4), (-0.5, float("nan")), (0, 0), "stop", 0,

@@ -22,6 +22,15 @@ SGLang sends one entry per TP rank); `load_format` must be null or "safetensors_
 
 Errors: malformed JSON, unknown fields, bad values -> 400 {"error": {"message", "type"}}; a full queue -> 503; a
 broken engine -> 500. Handlers never let an exception escape to aiohttp.
+
+Access: every route but /health needs `Authorization: Bearer <key>` (SGLang's header for its --api-key), compared in
+constant time; a missing or wrong key is 401. A server a cell hosts in its own process checks the run's engine token
+(`run_token("engine")`, which the run's clients send by default); the standalone server (`main`) takes a key file, the
+GYRE_ENGINE_API_KEY environment variable or --api-key, and otherwise makes a key, writes it to a 0600 file in a 0700
+directory and logs that file's path, never the key. Browsers are kept out twice: a request with an Origin header not
+allowed is 403 (only browsers send one), and a POST body must be application/json (415 otherwise), since a page can
+send text/plain across origins without asking the server first. The key holds anyone else off: a weight swap, a
+pause or a KV export's memory address is for the run only.
 """
 
 from __future__ import annotations
@@ -30,25 +39,40 @@ import argparse
 import asyncio
 import base64
 import binascii
+import hmac
 import json
+import os
+import secrets
+import shutil
+import tempfile
 import time
-from typing import Any, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Collection
 
 import attrs
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 
-from gyre.engines.async_engine import AsyncEngine, EngineClosed, EngineFailed
+from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.embedded_engine import (
     EmbeddedEngine,
     EngineConfig,
-    EngineError,
-    EngineOverloaded,
     ExportedPrefix,
     GenerateOutput,
     KVLayout,
     SamplingParams,
 )
+from gyre.engines.errors import (
+    BadRequest,
+    EngineClosed,
+    EngineFailed,
+    EngineKeyError,
+    EngineOverloaded,
+    RequestError,
+    TransferError,
+)
+from gyre.engines.sglang_client import API_KEY_PURPOSE, check_api_key, read_api_key_file
+from gyre.runtime.run_secrets import run_token
 
 log = structlog.get_logger(__name__)
 
@@ -59,16 +83,12 @@ SAMPLING_FIELDS = frozenset(
 GENERATE_FIELDS = frozenset({"input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len", "stream"})
 MAX_BODY_BYTES = 2 << 30  # weight updates arrive as one body
 SERVER_KEY: web.AppKey = web.AppKey("gyre_server")
-
-
-class BadRequest(Exception):
-    """A request the server refuses before it reaches the engine."""
-
-    def __init__(self, message: str, type_: str = "invalid_request_error", status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.type = type_
-        self.status = status
+API_KEY_ENV = "GYRE_ENGINE_API_KEY"
+"""The environment variable the standalone server reads its key from (when no --api-key-file or --api-key)."""
+OPEN_PATHS = frozenset({"/health"})
+"""Routes answered without a key: a supervisor or load balancer probes them and they tell nothing."""
+MIN_API_KEY_CHARS = 16  # a key short enough to guess protects nothing; run_token and generated keys are 64
+GENERATED_KEY_BYTES = 32
 
 
 def _error(status: int, message: str, type_: str) -> web.Response:
@@ -330,7 +350,7 @@ class EngineServer:
                 if event.finished is not None:
                     break
                 event = await events.__anext__()
-        except (EngineFailed, EngineClosed, EngineError) as error:
+        except (EngineFailed, EngineClosed, RequestError) as error:
             payload = {"error": {"message": str(error), "type": type(error).__name__}}
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         finally:
@@ -543,7 +563,7 @@ class EngineServer:
                 lambda engine: engine.import_exported(tokens, exported, remote, read)
             )
         except ValueError as error:  # block ids outside the remote layout, ...
-            if isinstance(error, EngineError):
+            if isinstance(error, RequestError):  # the engine's own refusals keep their status
                 raise
             raise BadRequest(f"bad export: {error}") from None
         return web.json_response(
@@ -561,22 +581,87 @@ def _wrap(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Ca
             return _error(error.status, error.message, error.type)
         except EngineOverloaded as error:
             return _error(503, str(error), "engine_overloaded")
-        except EngineError as error:
+        except RequestError as error:
             return _error(400, str(error), "invalid_request_error")
         except (EngineFailed, EngineClosed) as error:
             return _error(500, str(error), "engine_failed")
+        except TransferError as error:
+            log.warning("kv_transfer_failed", error=str(error))
+            return _error(502, str(error), "transfer_failed")
         except web.HTTPException:
             raise
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as error:
-            if type(error).__name__ == "TransferError":
-                log.warning("kv_transfer_failed", error=str(error))
-                return _error(502, str(error), "transfer_failed")
             log.exception("request_handler_failed", path=request.path)
             return _error(500, f"{type(error).__name__}: {error}", "internal_error")
 
     return wrapped
+
+
+ROUTES: tuple[tuple[str, str, str], ...] = (
+    ("POST", "/generate", "generate"),
+    ("POST", "/abort_request", "abort_request"),
+    ("POST", "/pause_generation", "pause_generation"),
+    ("POST", "/continue_generation", "continue_generation"),
+    ("POST", "/flush_cache", "flush_cache"),
+    ("POST", "/update_weights_from_disk", "update_weights_from_disk"),
+    ("POST", "/update_weights_from_tensor", "update_weights_from_tensor"),
+    ("POST", "/release_memory_occupation", "release_memory"),
+    ("POST", "/resume_memory_occupation", "resume_memory"),
+    ("POST", "/gyre/kv/export", "kv_export"),
+    ("POST", "/gyre/kv/import", "kv_import"),
+    ("POST", "/gyre/kv/release", "kv_release"),
+    ("GET", "/model_info", "model_info"),
+    ("GET", "/get_model_info", "model_info"),
+    ("GET", "/health", "health"),
+    ("GET", "/get_load", "get_load"),
+    ("GET", "/flush_cache", "flush_cache"),
+)
+"""Every route as (method, path, EngineServer method): the one table the app is built from, so the access rules
+below cover each route and a test can walk them all."""
+
+
+def server_api_key(key: str) -> str:
+    """`key` if a server may check it: header-safe and at least MIN_API_KEY_CHARS long; EngineKeyError otherwise."""
+    check_api_key(key)
+    if len(key) < MIN_API_KEY_CHARS:
+        raise EngineKeyError(f"an engine server's API key needs at least {MIN_API_KEY_CHARS} characters")
+    return key
+
+
+def _unauthorized(message: str) -> web.Response:
+    response = _error(401, message, "authentication_error")
+    response.headers[hdrs.WWW_AUTHENTICATE] = "Bearer"
+    return response
+
+
+def _access_guard(api_key: str, allowed_origins: frozenset[str]) -> Callable:
+    """The middleware that keeps browsers and key-less callers out (see the module docstring)."""
+    expected = f"Bearer {api_key}".encode("ascii")
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        origin = request.headers.get(hdrs.ORIGIN)
+        if origin is not None and origin not in allowed_origins:
+            return _error(403, f"requests from web pages are refused (Origin {origin!r} is not allowed)",
+                          "forbidden_origin")
+        if request.path not in OPEN_PATHS:
+            given = request.headers.get(hdrs.AUTHORIZATION)
+            if given is None:
+                return _unauthorized("no API key: send the header Authorization: Bearer <key>")
+            # surrogatepass: any header text encodes (and never to the key's bytes unless it is the key).
+            if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected):
+                return _unauthorized("wrong API key")
+        # Only a body is checked: an empty POST has nothing to smuggle, and aiohttp's client labels one
+        # application/octet-stream on its own.
+        if request.method == hdrs.METH_POST and request.body_exists:
+            if request.content_type != "application/json":
+                return _error(415, f"send the body as application/json, not {request.content_type}",
+                              "unsupported_media_type")
+        return await handler(request)
+
+    return guard
 
 
 def build_engine_app(
@@ -586,36 +671,27 @@ def build_engine_app(
     model_path: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    allowed_origins: Collection[str] = (),
 ) -> web.Application:
     """The aiohttp application. With a `transfer_agent` (gyre.engines.transfer.TransferAgent) the KV pool is
-    registered with it at startup, so peers can read exported blocks."""
+    registered with it at startup, so peers can read exported blocks.
+
+    Every route but /health checks `api_key`; None means the run's engine token (`run_token("engine")`), the key
+    the run's SGLangClients send by default. `allowed_origins` lists the browser origins let in (none by default).
+    """
+    key = server_api_key(api_key) if api_key is not None else run_token(API_KEY_PURPOSE)
     server = EngineServer(async_engine, transfer_agent, model_path, clock)
-    app = web.Application(client_max_size=max_body_bytes)
+    app = web.Application(
+        client_max_size=max_body_bytes, middlewares=[_access_guard(key, frozenset(allowed_origins))]
+    )
     app[SERVER_KEY] = server
-    post = {
-        "/generate": server.generate,
-        "/abort_request": server.abort_request,
-        "/pause_generation": server.pause_generation,
-        "/continue_generation": server.continue_generation,
-        "/flush_cache": server.flush_cache,
-        "/update_weights_from_disk": server.update_weights_from_disk,
-        "/update_weights_from_tensor": server.update_weights_from_tensor,
-        "/release_memory_occupation": server.release_memory,
-        "/resume_memory_occupation": server.resume_memory,
-        "/gyre/kv/export": server.kv_export,
-        "/gyre/kv/import": server.kv_import,
-        "/gyre/kv/release": server.kv_release,
-    }
-    for path, handler in post.items():
-        app.router.add_post(path, _wrap(handler))
-    for path, handler in {
-        "/model_info": server.model_info,
-        "/get_model_info": server.model_info,
-        "/health": server.health,
-        "/get_load": server.get_load,
-        "/flush_cache": server.flush_cache,
-    }.items():
-        app.router.add_get(path, _wrap(handler))
+    for method, path, name in ROUTES:
+        handler = _wrap(getattr(server, name))
+        if method == hdrs.METH_GET:
+            app.router.add_get(path, handler)  # and HEAD, as before
+        else:
+            app.router.add_route(method, path, handler)
 
     async def on_startup(app: web.Application) -> None:
         await server.register_pool()
@@ -626,6 +702,21 @@ def build_engine_app(
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def write_generated_key(parent_dir: str | None = None) -> tuple[str, Path]:
+    """A fresh random key and the file now holding it: mode 0600, alone in a new 0700 directory under
+    `parent_dir` (default: $XDG_RUNTIME_DIR, the user's private runtime directory, else the temp directory)."""
+    if parent_dir is None:
+        runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+        parent_dir = runtime_dir if runtime_dir and os.path.isdir(runtime_dir) else None
+    key = secrets.token_hex(GENERATED_KEY_BYTES)
+    folder = Path(tempfile.mkdtemp(prefix="gyre-engine-key-", dir=parent_dir))  # mkdtemp makes it 0700
+    path = folder / "api_key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as file:
+        file.write(key + "\n")
+    return key, path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -644,7 +735,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key-file", metavar="PATH",
+        help=f"file holding the key every route but /health checks (Authorization: Bearer <key>). Without it, "
+        f"--api-key or ${API_KEY_ENV}, the server makes a key, writes it to a 0600 file and logs that file's path",
+    )
+    keys.add_argument(
+        "--api-key", metavar="KEY",
+        help=f"the key itself. Discouraged: any user of this machine can read a command line (ps); prefer "
+        f"--api-key-file or ${API_KEY_ENV}",
+    )
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a browser origin let in (repeatable); requests from any other origin get 403")
     args = parser.parse_args(argv)
+    generated_dir: Path | None = None
+    try:
+        if args.api_key_file is not None:
+            api_key = server_api_key(read_api_key_file(args.api_key_file))
+        elif args.api_key is not None:
+            api_key = server_api_key(args.api_key)
+        elif os.environ.get(API_KEY_ENV):
+            api_key = server_api_key(os.environ[API_KEY_ENV])
+        else:
+            api_key, key_path = write_generated_key()
+            generated_dir = key_path.parent
+            log.info("engine_api_key_file_written", path=str(key_path))
+    except EngineKeyError as error:
+        parser.error(str(error))  # the message names where the key came from, never the key
+    try:
+        _serve(args, api_key)
+    finally:
+        if generated_dir is not None:
+            # The key dies with the server: a stale key file would only be something to steal.
+            shutil.rmtree(generated_dir, ignore_errors=True)
+    return 0
+
+
+def _serve(args: argparse.Namespace, api_key: str) -> None:
     config = EngineConfig(
         block_size_tokens=args.block_size,
         num_blocks=args.num_blocks,
@@ -662,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         from gyre.engines.transfer import TransferAgent
 
         agent = TransferAgent()
-    app = build_engine_app(engine, agent, model_path=args.model_dir)
+    app = build_engine_app(engine, agent, model_path=args.model_dir, api_key=api_key,
+                           allowed_origins=args.allow_origin)
 
     async def close_engine(app: web.Application) -> None:
         await engine.close()
@@ -674,8 +803,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if agent is not None:
             agent.close()
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -103,3 +103,72 @@ class TransferError(EngineError, RuntimeError):
         super().__init__(message)
         self.unsafe_side = unsafe_side
         self.unsafe_ranges = unsafe_ranges
+
+
+# ---- The engine server and its HTTP client (engine_server, sglang_client) ----------------------------------------
+
+__all__ += [
+    "BadRequest",
+    "CapabilityMissing",
+    "EngineKeyError",
+    "EngineTimeout",
+    "EngineUnauthorized",
+    "EngineUnreachable",
+    "KVTransferFailed",
+    "RequestRejected",
+    "SGLangError",
+    "ServerError",
+]
+
+
+class BadRequest(EngineError):
+    """A request the engine server refuses before it reaches the engine; `status` and `type` go into the answer."""
+
+    def __init__(self, message: str, type_: str = "invalid_request_error", status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.type = type_
+        self.status = status
+
+
+class EngineKeyError(EngineError, ValueError):
+    """An engine server's API key that is missing, unreadable or malformed (the message never holds the key)."""
+
+
+class SGLangError(EngineError, RuntimeError):
+    """Base of the HTTP client's errors; `endpoint` and `status` (None when no HTTP answer came) say where."""
+
+    def __init__(self, endpoint: str, status: int | None, message: str) -> None:
+        where = f"{endpoint} -> {status}" if status is not None else endpoint
+        super().__init__(f"{where}: {message}")
+        self.endpoint = endpoint
+        self.status = status
+        self.message = message
+
+
+class RequestRejected(SGLangError):
+    """The server refused the request (4xx, or success=false); the message is the server's own."""
+
+
+class EngineUnauthorized(RequestRejected):
+    """The server refused the client's key (401): the client holds no key, or another than the server's."""
+
+
+class CapabilityMissing(SGLangError):
+    """The server has no such endpoint (404), e.g. /gyre/kv/* on a real SGLang server: fall back."""
+
+
+class ServerError(SGLangError):
+    """The server failed (5xx)."""
+
+
+class KVTransferFailed(ServerError):
+    """The importing server could not read the exported blocks (Mooncake failed): fall back to re-prefill."""
+
+
+class EngineUnreachable(SGLangError):
+    """No HTTP answer: connection refused or reset."""
+
+
+class EngineTimeout(SGLangError, TimeoutError):
+    """The request did not finish within its timeout."""

@@ -10,6 +10,12 @@ them: "capability_missing" (a server started without --kv-transfer) is `Capabili
 "transfer_failed" (Mooncake could not move the blocks) is `KVTransferFailed`. Bodies with `"success": false`
 (SGLang's way of refusing a weight update with status 200 on some versions) are also `RequestRejected`.
 
+Authentication: every request carries `Authorization: Bearer <key>`, the header SGLang's servers check when started
+with --api-key and the one Gyre's engine server checks on every route but /health. The key is, in order: the
+client's `api_key`, the file `ClientConfig.api_key_file` names, or `run_token("engine")`, which every process of a
+run derives alike, so in-run clients (the proxy's, the KV migrator's) and in-run servers (the cells') agree with no
+wiring. A refused key is `EngineUnauthorized` (a `RequestRejected`, 401).
+
 Log-probs: both engines report a sampled token's log-prob at the request's temperature (SGLang's default; see
 engines/temperature.py), which the trainer reproduces. Do not start SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB: its
 log-probs would then be taken at temperature 1 and no longer match the trainer's at other temperatures.
@@ -19,48 +25,52 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
+from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 import aiohttp
 import attrs
 import structlog
 
+from gyre.engines.errors import (
+    CapabilityMissing,
+    EngineKeyError,
+    EngineTimeout,
+    EngineUnauthorized,
+    EngineUnreachable,
+    KVTransferFailed,
+    RequestRejected,
+    ServerError,
+    SGLangError,
+)
+from gyre.runtime.run_secrets import run_token
+
+__all__ = [
+    "API_KEY_PURPOSE",
+    "CapabilityMissing",
+    "ClientConfig",
+    "EngineKeyError",
+    "EngineTimeout",
+    "EngineUnauthorized",
+    "EngineUnreachable",
+    "KVTransferFailed",
+    "RequestRejected",
+    "SGLangClient",
+    "SGLangError",
+    "ServerError",
+    "auth_headers",
+    "check_api_key",
+    "finish_reason_type",
+    "read_api_key_file",
+]
+
 log = structlog.get_logger(__name__)
 
-
-class SGLangError(RuntimeError):
-    """Base of the client's errors; `endpoint` and `status` (None when no HTTP answer came) say where."""
-
-    def __init__(self, endpoint: str, status: int | None, message: str) -> None:
-        where = f"{endpoint} -> {status}" if status is not None else endpoint
-        super().__init__(f"{where}: {message}")
-        self.endpoint = endpoint
-        self.status = status
-        self.message = message
-
-
-class RequestRejected(SGLangError):
-    """The server refused the request (4xx, or success=false); the message is the server's own."""
-
-
-class CapabilityMissing(SGLangError):
-    """The server has no such endpoint (404), e.g. /gyre/kv/* on a real SGLang server: fall back."""
-
-
-class ServerError(SGLangError):
-    """The server failed (5xx)."""
-
-
-class KVTransferFailed(ServerError):
-    """The importing server could not read the exported blocks (Mooncake failed): fall back to re-prefill."""
-
-
-class EngineUnreachable(SGLangError):
-    """No HTTP answer: connection refused or reset."""
-
-
-class EngineTimeout(SGLangError, TimeoutError):
-    """The request did not finish within its timeout."""
+API_KEY_PURPOSE = "engine"
+"""The run token's purpose for engine servers: `run_token(API_KEY_PURPOSE)` is every in-run server's key."""
+MAX_KEY_FILE_BYTES = 4096  # a key is a line of text; a bigger file is the wrong file, not a key
 
 
 @attrs.frozen
@@ -75,6 +85,56 @@ class ClientConfig:
     """Deadline for opening a connection."""
     max_connections: int = 256
     """Connections this client keeps to its server at most; more concurrent calls queue in aiohttp."""
+    api_key_file: str | None = None
+    """A file holding the servers' key (a standalone engine server's key file, or the --api-key a real SGLang
+    server was started with); None: the run's engine token, which every in-run engine server checks. The config
+    names a file, never the key, because configs are recorded in event logs."""
+
+
+def check_api_key(key: str) -> str:
+    """`key` if it can ride in an `Authorization: Bearer` header (printable ASCII, no spaces); EngineKeyError else.
+
+    The error never quotes the key: it may be a real one with a typo."""
+    if not isinstance(key, str) or not key:
+        raise EngineKeyError("an engine API key must be a non-empty string")
+    if not all("!" <= ch <= "~" for ch in key):
+        raise EngineKeyError(
+            f"an engine API key must be printable ASCII without spaces ({len(key)} characters given)"
+        )
+    return key
+
+
+def read_api_key_file(path: str | os.PathLike[str]) -> str:
+    """The key in the file at `path` (surrounding whitespace, e.g. a final newline, stripped); EngineKeyError if it
+    is missing, unreadable, too big or holds no valid key. Warns when others than its owner may read it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as file:
+            mode = os.fstat(file.fileno()).st_mode
+            raw = file.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as error:
+        raise EngineKeyError(f"cannot read the engine API key file {path}: {error.strerror or error}") from None
+    if len(raw) > MAX_KEY_FILE_BYTES:
+        raise EngineKeyError(f"{path} is over {MAX_KEY_FILE_BYTES} bytes: not an API key file")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("engine_api_key_file_open_to_others", path=str(path), mode=oct(stat.S_IMODE(mode)))
+    try:
+        key = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise EngineKeyError(f"{path} holds non-ASCII bytes: not an API key file") from None
+    if not key:
+        raise EngineKeyError(f"the engine API key file {path} is empty")
+    try:
+        return check_api_key(key)
+    except EngineKeyError as error:
+        raise EngineKeyError(f"{path}: {error}") from None
+
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """The header that authenticates to an engine server, exactly as SGLang's servers check it
+    (`Authorization: Bearer <key>`): with `api_key`, or the run's engine token when None."""
+    key = check_api_key(api_key) if api_key is not None else run_token(API_KEY_PURPOSE)
+    return {"Authorization": f"Bearer {key}"}
 
 
 def finish_reason_type(meta_info: dict[str, Any]) -> str:
@@ -89,11 +149,16 @@ class SGLangClient:
     """Async client of one engine server at `base_url` (e.g. "http://127.0.0.1:30000").
 
     Pass an aiohttp `session` to share connections across clients; otherwise the client opens its own on first
-    use and closes it in `close()`.
+    use and closes it in `close()`. The key it sends is `api_key` if given, else the one in `config.api_key_file`,
+    else the run's engine token (see the module docstring).
     """
 
     def __init__(
-        self, base_url: str, session: aiohttp.ClientSession | None = None, config: ClientConfig = ClientConfig()
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession | None = None,
+        config: ClientConfig = ClientConfig(),
+        api_key: str | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -101,6 +166,10 @@ class SGLangClient:
         self.config = config
         self._session = session
         self._owns_session = session is None
+        if api_key is None and config.api_key_file is not None:
+            api_key = read_api_key_file(config.api_key_file)
+        # Sent per request, not set on the session: a shared session may talk to servers with other keys.
+        self._headers = auth_headers(api_key)
 
     # ---- generation ---------------------------------------------------------------------------------------
 
@@ -129,7 +198,9 @@ class SGLangClient:
         session = await self._get_session()
         timeout = self._timeout(timeout_s or self.config.generate_timeout_s)
         try:
-            async with session.post(self.base_url + "/generate", json=body, timeout=timeout) as resp:
+            async with session.post(
+                self.base_url + "/generate", json=body, timeout=timeout, headers=self._headers
+            ) as resp:
                 if resp.status >= 400:
                     await self._raise_for(resp, "/generate")
                 async for raw in resp.content:
@@ -343,7 +414,7 @@ class SGLangClient:
         session = await self._get_session()
         try:
             async with session.request(
-                method, self.base_url + endpoint, json=body, timeout=self._timeout(timeout_s)
+                method, self.base_url + endpoint, json=body, timeout=self._timeout(timeout_s), headers=self._headers
             ) as resp:
                 if resp.status >= 400:
                     await self._raise_for(resp, endpoint)
@@ -372,6 +443,11 @@ class SGLangClient:
                 kind = str(payload["error"].get("type", ""))
         except (json.JSONDecodeError, ValueError):
             message = text.strip() or resp.reason or ""
+        if resp.status == 401:
+            raise EngineUnauthorized(
+                endpoint, 401, f"{message} ({self.base_url} refused this client's key: give the server's key as "
+                f"api_key or ClientConfig.api_key_file, or run both in one run)"
+            )
         if resp.status == 404:
             raise CapabilityMissing(endpoint, 404, f"{self.base_url} has no {endpoint} ({message})")
         if kind == "capability_missing":

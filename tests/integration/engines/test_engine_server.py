@@ -1,5 +1,5 @@
-"""The embedded engine's HTTP server on 127.0.0.1: SGLang-shaped happy paths, control calls, 4xx answers, and a
-KV prefix moved between two servers through Mooncake."""
+"""The embedded engine's HTTP server on 127.0.0.1: SGLang-shaped happy paths, control calls, 4xx answers, a KV
+prefix moved between two servers through Mooncake, and its access rules (key, JSON bodies, no browsers)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
+import re
 import socket
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 import aiohttp
 import pytest
@@ -20,7 +24,9 @@ from aiohttp import web
 
 from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
-from gyre.engines.engine_server import build_engine_app
+from gyre.engines.engine_server import API_KEY_ENV, OPEN_PATHS, ROUTES, build_engine_app, main
+from gyre.engines.errors import EngineKeyError
+from gyre.engines.sglang_client import SGLangClient, auth_headers
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,10 +63,15 @@ def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("server_model_b") / "model", seed=1)
 
 
+def authed_session() -> aiohttp.ClientSession:
+    """A session that sends the run's engine token, as the run's own clients do."""
+    return aiohttp.ClientSession(headers=auth_headers())
+
+
 @contextlib.asynccontextmanager
-async def serve(model_dir: Path, agent: Any = None) -> AsyncIterator[str]:
+async def serve(model_dir: Path, agent: Any = None, **app_options: Any) -> AsyncIterator[str]:
     engine = AsyncEngine(EmbeddedEngine(model_dir, CONFIG))
-    runner = web.AppRunner(build_engine_app(engine, agent))
+    runner = web.AppRunner(build_engine_app(engine, agent, **app_options))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -93,7 +104,7 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 def test_generate_returns_sglang_shape_and_reuses_the_cache(model_dir: Path) -> None:
     async def main() -> None:
-        async with serve(model_dir) as base, aiohttp.ClientSession() as s:
+        async with serve(model_dir) as base, authed_session() as s:
             prompt = ids(1, 30)
             status, first = await post(s, base + "/generate", {
                 "input_ids": prompt, "sampling_params": GREEDY, "rid": "one", "return_logprob": True,
@@ -138,7 +149,7 @@ def test_generate_returns_sglang_shape_and_reuses_the_cache(model_dir: Path) -> 
 
 def test_stop_token_and_streaming(model_dir: Path) -> None:
     async def main() -> None:
-        async with serve(model_dir) as base, aiohttp.ClientSession() as s:
+        async with serve(model_dir) as base, authed_session() as s:
             prompt = ids(2, 12)
             sampling = {"max_new_tokens": 10, "temperature": 1.0, "seed": 9}
             _, plain = await post(s, base + "/generate", {"input_ids": prompt, "sampling_params": sampling,
@@ -173,7 +184,7 @@ def test_stop_token_and_streaming(model_dir: Path) -> None:
 
 def test_pause_continue_abort_and_flush(model_dir: Path) -> None:
     async def main() -> None:
-        async with serve(model_dir) as base, aiohttp.ClientSession() as s:
+        async with serve(model_dir) as base, authed_session() as s:
             long = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
             status, paused = await post(s, base + "/pause_generation", {"mode": "in_place"})
             assert status == 200
@@ -222,7 +233,7 @@ def test_weight_updates_and_memory(model_dir: Path, other_model_dir: Path) -> No
     from safetensors.torch import load_file, save
 
     async def main() -> None:
-        async with serve(model_dir) as base, aiohttp.ClientSession() as s:
+        async with serve(model_dir) as base, authed_session() as s:
             prompt = ids(6, 16)
             _, before = await post(s, base + "/generate", {"input_ids": prompt, "sampling_params": GREEDY})
             payload = base64.b64encode(save(load_file(str(other_model_dir / "model.safetensors")))).decode()
@@ -288,7 +299,7 @@ BAD_REQUESTS = [
 
 def test_bad_requests_get_400_and_the_server_survives(model_dir: Path) -> None:
     async def main() -> None:
-        async with serve(model_dir) as base, aiohttp.ClientSession() as s:
+        async with serve(model_dir) as base, authed_session() as s:
             for path, body in BAD_REQUESTS:
                 if isinstance(body, bytes):
                     status, answer = await post(s, base + path, raw=body)
@@ -314,7 +325,7 @@ def test_kv_prefix_moves_between_two_servers_through_mooncake(model_dir: Path) -
     async def main() -> None:
         with TransferAgent() as source_agent, TransferAgent() as target_agent:
             async with serve(model_dir, source_agent) as src, serve(model_dir, target_agent) as dst, \
-                    aiohttp.ClientSession() as s:
+                    authed_session() as s:
                 # Fill a few blocks on the target first so the two pools' block ids differ.
                 await post(s, dst + "/generate", {"input_ids": ids(7, 40), "sampling_params": GREEDY})
                 prompt = ids(8, 45)
@@ -359,32 +370,246 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_command_line_server_starts_and_answers(model_dir: Path) -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--num-blocks", "64", "--max-context", "128", "--num-threads", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+# ---- access: key, JSON bodies, no browsers --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(model_dir: Path) -> Iterator[str]:
+    """One server (in-run key, one allowed origin) on its own event loop thread, shared by the refusal tests:
+    a refused request never reaches the engine, so they cannot disturb one another."""
+    loop = asyncio.new_event_loop()
+    started: dict[str, Any] = {}
+
+    async def start() -> None:
+        engine = AsyncEngine(EmbeddedEngine(model_dir, CONFIG))
+        runner = web.AppRunner(build_engine_app(engine, allowed_origins=["http://127.0.0.1:8265"]))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        started.update(engine=engine, runner=runner, url=f"http://127.0.0.1:{runner.addresses[0][1]}")
+
+    async def stop() -> None:
+        await started["runner"].cleanup()
+        await started["engine"].close()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=120)
+    try:
+        yield started["url"]
+    finally:
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
+
+
+async def call(url: str, method: str, headers: dict[str, str], data: bytes | None = None) -> tuple[int, Any, Any]:
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url, headers=headers, data=data) as resp:
+            text = await resp.text()
+            return resp.status, json.loads(text) if text else None, resp.headers
+
+
+JSON = {"Content-Type": "application/json"}
+GUARDED_ROUTES = [(method, path) for method, path, _ in ROUTES if path not in OPEN_PATHS]
+
+
+def test_the_app_serves_exactly_the_route_table(model_dir: Path) -> None:
+    async def main() -> None:
+        engine = AsyncEngine(EmbeddedEngine(model_dir, CONFIG))
+        try:
+            app = build_engine_app(engine)
+            served = {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+            assert served == {(method, path) for method, path, _ in ROUTES}
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+    assert OPEN_PATHS == {"/health"} and len(GUARDED_ROUTES) == len(ROUTES) - 1
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key-of-sixteen-or-more", "bearer-without-prefix"])
+@pytest.mark.parametrize(("method", "path"), GUARDED_ROUTES)
+def test_every_route_but_health_refuses_a_missing_or_wrong_key(guarded: str, method: str, path: str,
+                                                              key: str | None) -> None:
+    headers = dict(JSON)
+    if key == "bearer-without-prefix":
+        headers["Authorization"] = auth_headers()["Authorization"].removeprefix("Bearer ")
+    elif key is not None:
+        headers.update(auth_headers(key))
+    body = b"{}" if method == "POST" else None
+    status, answer, response_headers = asyncio.run(call(guarded + path, method, headers, body))
+    assert status == 401, (path, answer)
+    assert answer["error"]["type"] == "authentication_error" and answer["error"]["message"]
+    assert response_headers["WWW-Authenticate"] == "Bearer"
+    assert key is None or key not in json.dumps(answer)
+
+
+def test_health_is_open_and_the_right_key_gets_through(guarded: str) -> None:
+    async def main() -> None:
+        assert (await call(guarded + "/health", "GET", {}))[0] == 200
+        status, info, _ = await call(guarded + "/model_info", "GET", auth_headers())
+        assert status == 200 and info["is_generation"]
+        # A POST without a body needs no content type (curl -X POST); the in-run client reaches the server.
+        assert (await call(guarded + "/continue_generation", "POST", auth_headers()))[0] == 200
+        async with SGLangClient(guarded) as client:
+            assert (await client.model_info())["is_generation"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None]
+)
+def test_a_post_body_that_is_not_json_is_refused(guarded: str, content_type: str | None) -> None:
+    headers = auth_headers()
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": GREEDY}).encode()  # JSON, but not labelled so
+    status, answer, _ = asyncio.run(call(guarded + "/generate", "POST", headers, body))
+    assert status == 415, answer
+    assert answer["error"]["type"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("path", ["/generate", "/health", "/model_info"])
+def test_a_request_from_a_web_page_is_refused(guarded: str, path: str) -> None:
+    async def main() -> None:
+        method, body = ("POST", b"{}") if path == "/generate" else ("GET", None)
+        for origin in ("http://evil.example", "null", "http://127.0.0.1:30000"):
+            status, answer, _ = await call(guarded + path, method, {**auth_headers(), **JSON, "Origin": origin}, body)
+            assert status == 403 and answer["error"]["type"] == "forbidden_origin", (origin, answer)
+        # The one origin this server allows gets the usual answer.
+        status, _, _ = await call(guarded + path, method, {**auth_headers(), **JSON,
+                                                           "Origin": "http://127.0.0.1:8265"}, body)
+        assert status == (400 if path == "/generate" else 200)
+
+    asyncio.run(main())
+
+
+def test_an_explicit_key_replaces_the_run_token(model_dir: Path) -> None:
+    key = "k" * 40
 
     async def main() -> None:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(600):
-                try:
-                    status, _ = await get(s, f"http://127.0.0.1:{port}/health")
-                    if status == 200:
-                        break
-                except aiohttp.ClientConnectionError:
-                    pass
-                if proc.poll() is not None:
-                    raise AssertionError(proc.stderr.read().decode())
-                await asyncio.sleep(0.1)
-            status, out = await post(s, f"http://127.0.0.1:{port}/generate",
-                                     {"input_ids": [1, 2, 3], "sampling_params": GREEDY})
+        async with serve(model_dir, api_key=key) as base:
+            assert (await call(base + "/get_load", "GET", auth_headers()))[0] == 401
+            assert (await call(base + "/get_load", "GET", auth_headers(key)))[0] == 200
+            async with SGLangClient(base, api_key=key) as client:
+                assert "running" in await client._get("/get_load")
+
+    asyncio.run(main())
+    with pytest.raises(EngineKeyError, match="16 characters"):
+        asyncio.run(serve(model_dir, api_key="short").__aenter__())
+
+
+@pytest.mark.parametrize(
+    ("argv", "env_key", "message"),
+    [
+        (["--api-key-file", "/nonexistent/key"], None, "cannot read the engine API key file"),
+        (["--api-key", "too-short"], None, "at least 16 characters"),
+        (["--api-key", "has a space in the middle"], None, "without spaces"),
+        ([], "env-key-short", "at least 16 characters"),
+        (["--api-key", "x" * 20, "--api-key-file", "/k"], None, "not allowed with"),
+    ],
+)
+def test_the_command_line_refuses_a_bad_key_without_echoing_it(
+    argv: list[str], env_key: str | None, message: str, capsys: pytest.CaptureFixture, monkeypatch
+) -> None:
+    if env_key is None:
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(API_KEY_ENV, env_key)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-dir", "/nonexistent/model"] + argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    keys = [env_key] if env_key else [a for a in argv if not a.startswith("-") and "/" not in a]
+    for key in keys:
+        assert key not in err
+
+
+def start_server(model_dir: Path, log_path: Path, argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(model_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--num-blocks", "64", "--max-context", "128", "--num-threads", "1", *argv],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    log.close()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
+    async with SGLangClient(url) as client:
+        for _ in range(600):
+            if await client.health():
+                return
+            if proc.poll() is not None:
+                raise AssertionError(log_path.read_text())
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"{url} not healthy; log: {log_path.read_text()}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_command_line_server_starts_and_answers_with_a_key_file(model_dir: Path, tmp_path: Path) -> None:
+    key = "0123456789abcdef" * 4
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    proc, url = start_server(model_dir, tmp_path / "server.log", ["--api-key-file", str(key_file)], env)
+
+    async def main() -> None:
+        await wait_healthy(url, proc, tmp_path / "server.log")
+        async with aiohttp.ClientSession(headers=auth_headers(key)) as s:
+            status, out = await post(s, url + "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY})
             assert status == 200 and len(out["output_ids"]) == 8
+        # The test's run token is not this server's key.
+        assert (await call(url + "/get_load", "GET", auth_headers()))[0] == 401
 
     try:
         asyncio.run(main())
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_server(proc)
+    assert key not in (tmp_path / "server.log").read_text()
+
+
+def test_command_line_server_without_a_key_writes_one_to_a_private_file(model_dir: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # where the key's directory goes: inside this test's folder
+    log_path = tmp_path / "server.log"
+    proc, url = start_server(model_dir, log_path, [], env)
+    try:
+        asyncio.run(wait_healthy(url, proc, log_path))
+        found = re.search(r"engine_api_key_file_written\s+path=(\S+)", log_path.read_text())
+        assert found, log_path.read_text()
+        key_path = Path(found.group(1))
+        assert key_path.parent.parent == tmp_path
+        assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(key_path.parent.stat().st_mode) == 0o700
+        key = key_path.read_text().strip()
+        assert len(key) == 64
+
+        async def main() -> None:
+            assert (await call(url + "/get_load", "GET", {}))[0] == 401
+            status, load, _ = await call(url + "/get_load", "GET", auth_headers(key))
+            assert status == 200 and load["running"] == 0
+            async with SGLangClient(url, api_key=key) as client:
+                out = await client.generate([1, 2, 3], GREEDY)
+                assert len(out["output_ids"]) == 8
+
+        asyncio.run(main())
+    finally:
+        stop_server(proc)
+    output = log_path.read_text()
+    assert key not in output and "engine_server_starting" in output
+    assert not key_path.parent.exists()  # the key went with the server

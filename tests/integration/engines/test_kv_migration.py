@@ -7,6 +7,7 @@ serves its first request on that prefix from its cache, with the same log-probs 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from gyre.engines.sglang_client import KVTransferFailed, SGLangClient, finish_reason_type
+from gyre.runtime.run_secrets import run_token
 
 
 def free_port() -> int:
@@ -45,6 +47,8 @@ def servers(model_dir, tmp_path_factory):
                  "--max-context", "2048"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # The servers check this process's engine token, which the clients here send by default.
+                env=dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine")),
             )
         )
         urls.append(f"http://127.0.0.1:{port}")

@@ -12,23 +12,44 @@ import json
 import pytest
 from aiohttp import web
 
+from gyre.engines.errors import EngineError
 from gyre.engines.sglang_client import (
     CapabilityMissing,
+    ClientConfig,
+    EngineKeyError,
     EngineTimeout,
+    EngineUnauthorized,
     EngineUnreachable,
     RequestRejected,
     ServerError,
     SGLangClient,
-    ClientConfig,
+    SGLangError,
     finish_reason_type,
+    read_api_key_file,
 )
 
 
 SEEN = web.AppKey("seen", list)
 
 
-def fake_sglang() -> web.Application:
-    """Routes and shapes as in SGLang 0.5's http_server.py; the 'model' echoes the prompt back."""
+def sglang_api_key_middleware(api_key: str):
+    """SGLang's `add_api_key_middleware` (utils.py) as aiohttp middleware: the same exemptions, the same exact
+    header comparison, the same 401 body."""
+
+    @web.middleware
+    async def authentication(request: web.Request, handler):
+        if request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics")):
+            return await handler(request)
+        if request.headers.get("Authorization") != "Bearer " + api_key:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return authentication
+
+
+def fake_sglang(api_key: str | None = None) -> web.Application:
+    """Routes and shapes as in SGLang 0.5's http_server.py; the 'model' echoes the prompt back. With `api_key`,
+    the server checks it as SGLang started with --api-key does."""
     seen: list[dict] = []
 
     async def generate(request: web.Request) -> web.StreamResponse:
@@ -82,7 +103,7 @@ def fake_sglang() -> web.Application:
         seen.append(await request.json())
         return web.Response(status=200)
 
-    app = web.Application()
+    app = web.Application(middlewares=[sglang_api_key_middleware(api_key)] if api_key is not None else [])
     app[SEEN] = seen
     app.router.add_post("/generate", generate)
     app.router.add_post("/flush_cache", flush_cache)
@@ -99,8 +120,11 @@ def server():
     """Runs the stand-in on a free port in the test's event loop; yields (base_url, app)."""
 
     class Server:
+        def __init__(self, api_key: str | None = None) -> None:
+            self.api_key = api_key
+
         async def __aenter__(self):
-            self.app = fake_sglang()
+            self.app = fake_sglang(self.api_key)
             self.runner = web.AppRunner(self.app)
             await self.runner.setup()
             site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -210,6 +234,57 @@ def test_timeout_and_unreachable(server):
 def test_base_url_validation():
     with pytest.raises(ValueError):
         SGLangClient("127.0.0.1:30000")
+
+
+def test_the_client_talks_to_an_sglang_server_started_with_a_key(server, tmp_path):
+    key = "sk-real-sglang-key"
+    key_file = tmp_path / "sglang.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+
+    async def main():
+        async with server(api_key=key) as s:
+            async with SGLangClient(s.url, api_key=key) as client:
+                assert (await client.generate([1, 2], {"max_new_tokens": 1}))["output_ids"] == [2]
+                chunks = [c async for c in client.generate_stream([1, 2], {"max_new_tokens": 2})]
+                assert chunks[-1]["output_ids"] == [2, 3]
+            async with SGLangClient(s.url, config=ClientConfig(api_key_file=str(key_file))) as client:
+                await client.pause("in_place")
+            # Without the server's key the client holds the run's token, which this server does not know.
+            async with SGLangClient(s.url) as client:
+                assert await client.health() is True  # SGLang leaves /health open
+                with pytest.raises(EngineUnauthorized, match="Unauthorized") as info:
+                    await client.generate([1], {})
+                assert info.value.status == 401 and isinstance(info.value, RequestRejected)
+                with pytest.raises(EngineUnauthorized):
+                    async for _ in client.generate_stream([1], {}):
+                        pass
+                with pytest.raises(EngineUnauthorized):
+                    await client.model_info()
+            async with SGLangClient(s.url, api_key="sk-other") as client:
+                with pytest.raises(EngineUnauthorized):
+                    await client.abort()
+
+    run(main())
+
+
+def test_a_bad_key_or_key_file_is_refused_without_quoting_it(tmp_path):
+    with pytest.raises(EngineKeyError, match="cannot read"):
+        SGLangClient("http://127.0.0.1:1", config=ClientConfig(api_key_file=str(tmp_path / "missing")))
+    for content in (b"", b"  \n", "kéy".encode(), b"two words", b"x" * 5000):
+        path = tmp_path / "key"
+        path.write_bytes(content)
+        with pytest.raises(EngineKeyError) as info:
+            read_api_key_file(path)
+        if content.strip():
+            assert content.decode("utf-8", "replace")[:20] not in str(info.value)
+    with pytest.raises(EngineKeyError, match="without spaces") as info:
+        SGLangClient("http://127.0.0.1:1", api_key="two words")
+    assert "two words" not in str(info.value)
+    # The layer's base, and the builtins existing except clauses catch.
+    assert issubclass(EngineKeyError, EngineError) and issubclass(EngineKeyError, ValueError)
+    assert issubclass(SGLangError, EngineError) and issubclass(SGLangError, RuntimeError)
+    assert issubclass(EngineTimeout, TimeoutError)
 
 
 # ---- against Gyre's embedded engine server (in this process, same event loop) --------------------------------

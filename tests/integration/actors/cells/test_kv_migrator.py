@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -25,12 +26,13 @@ import pytest
 from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig, assign_sessions, extend_with_in_flight
 from gyre.actors.serving.proxy import Proxy, ProxyConfig
 from gyre.actors.serving.http_app import ProxyHttpConfig
-from gyre.engines.sglang_client import SGLangClient
+from gyre.engines.sglang_client import SGLangClient, auth_headers
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, MigrateSessions, RoleChanged, SessionsMigrated
 from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, InProcessLauncher, RunOptions, Topology, handler
+from gyre.runtime.run_secrets import run_token
 
 MAX_CONTEXT_TOKENS = 2048
 BLOCK_TOKENS = 16
@@ -79,7 +81,10 @@ def engines(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
                 "--max-context", str(MAX_CONTEXT_TOKENS), "--block-size", str(BLOCK_TOKENS)]
         procs.append(
             subprocess.Popen(argv + (["--kv-transfer"] if kv else []), stdout=open(logs / f"{name}.log", "w"),
-                             stderr=subprocess.STDOUT)
+                             stderr=subprocess.STDOUT,
+                             # The servers check this process's engine token, which the proxy and the migrator
+                             # (run in this process) send by default, as a cell's in-run server would.
+                             env=dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine")))
         )
         urls[name] = f"http://127.0.0.1:{port}"
 
@@ -221,7 +226,7 @@ async def migration_against_reprefill(driver: Driver) -> dict[str, Any]:
     plain_first, plain_second, _ = await two_turns(
         driver, "exec-r", rng, lambda: driver.switch_to_train("cell-a", ("cell-b",), migrate=False)
     )
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=auth_headers()) as http:
         async with http.get(driver.config.cells["cell-a"] + "/get_load") as resp:
             exports_left = (await resp.json())["exports"]
     return {
@@ -286,7 +291,7 @@ async def fallback_to_reprefill(driver: Driver) -> dict[str, Any]:
     first, second, migrated = await two_turns(
         driver, "exec-f", rng, lambda: driver_switch_with_b(driver)
     )
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=auth_headers()) as http:
         async with http.get(driver.config.cells["cell-c"] + "/get_load") as resp:
             exports_left = (await resp.json())["exports"]
     return {"first": first, "second": second, "migrated": migrated, "exports_left": exports_left}

@@ -10,6 +10,7 @@ tokens of an unswitched run (greedy decoding), served last by cell-b from the mi
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 import subprocess
@@ -25,13 +26,14 @@ import pytest
 from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig
 from gyre.actors.serving.proxy import Proxy, ProxyConfig
 from gyre.actors.serving.http_app import ProxyHttpConfig
-from gyre.engines.sglang_client import SGLangClient
+from gyre.engines.sglang_client import SGLangClient, auth_headers
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, MigrateSessions, RoleChanged, SessionsMigrated
 from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import ProxyStatistics
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, InProcessLauncher, RunOptions, Topology, handler
+from gyre.runtime.run_secrets import run_token
 
 MAX_CONTEXT_TOKENS = 2048
 BLOCK_TOKENS = 16
@@ -56,7 +58,10 @@ def engines(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
                 "--max-context", str(MAX_CONTEXT_TOKENS), "--block-size", str(BLOCK_TOKENS)]
         procs.append(
             subprocess.Popen(argv + (["--kv-transfer"] if kv else []), stdout=open(logs / f"{name}.log", "w"),
-                             stderr=subprocess.STDOUT)
+                             stderr=subprocess.STDOUT,
+                             # The servers check this process's engine token, which the proxy and the migrator
+                             # (run in this process) send by default, as a cell's in-run server would.
+                             env=dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine")))
         )
         urls[name] = f"http://127.0.0.1:{port}"
 
@@ -179,7 +184,7 @@ async def switch_under_a_live_call(driver: Driver) -> dict[str, Any]:
     driver.announce("cell-b")
     client = await driver.agent("exec-live")
     messages = [{"role": "user", "content": "count with me: one two three"}]
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=auth_headers()) as http:
 
         async def post(url: str, path: str, body: dict) -> dict:
             async with http.post(url + path, json=body) as resp:

@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 import structlog
 
-from gyre.runtime.errors import GyreError
+from gyre.runtime.errors import CpuLimitsUnavailable
 
 log = structlog.get_logger("gyre.cpu_limits")
 
@@ -35,10 +35,6 @@ MIN_QUOTA_US = 1_000
 """The kernel's smallest quota (1 ms)."""
 
 _RUN_NUMBERS = itertools.count()
-
-
-class CpuLimitsUnavailable(GyreError):
-    """The topology asks for CPU limits and this machine gives no writable cgroup CPU controller."""
 
 
 @attrs.frozen

@@ -63,3 +63,16 @@ class TopologyError(GyreError):
 
 class ReplayError(GyreError):
     """A log cannot drive a replay of that actor: not in the log, its code untrusted or gone, the log unreadable."""
+
+
+class CpuLimitsUnavailable(GyreError):
+    """The topology asks for CPU limits and this machine gives no writable cgroup CPU controller."""
+
+
+class Quiescent(GyreError):
+    """The virtual loop has nothing ready and no timer pending: the topology can never act again.
+
+    A control-flow signal, not a failure: `VirtualEventLoop` raises it out of its own selector, so it reaches only
+    the caller of `run_until_complete`, never a coroutine. The launcher and replay catch it to end a run that has gone
+    idle; a caller that does not expect the run to stall sees it as the reason the run stopped.
+    """

@@ -11,10 +11,9 @@ import asyncio
 import selectors
 
 from gyre.runtime.clock import VirtualClock
+from gyre.runtime.errors import Quiescent
 
-
-class Quiescent(Exception):
-    """Raised out of the loop when nothing is ready and no timer is pending: the topology can never act again."""
+__all__ = ["Quiescent", "VirtualEventLoop", "run_virtual"]
 
 
 class _TimeJumpSelector(selectors.BaseSelector):

@@ -1,5 +1,9 @@
 """Gyre's message classes: frozen attrs data, one module per conversation.
 
+The bottom layer: messages import nothing from Gyre but each other; the runtime's codec, the policies and the
+actors import them (the engines do not). They hold data and no behaviour, so they define no errors: encoding,
+checking frames and the errors of both live in `gyre.runtime`.
+
 Importing this package imports every message module in it, so that the codec's registry (built from
 `gyre.messages._define.REGISTERED`) always knows every message type.
 """

@@ -74,9 +74,6 @@ def test_every_error_derives_from_its_layer_base(package: str) -> None:
     check_layer(package)
 
 
-@pytest.mark.xfail(
-    strict=False, reason="the actor wings are being moved onto ActorError; make this strict when they all are"
-)
 def test_every_actor_error_derives_from_actor_error() -> None:
     check_layer("gyre.actors")
 

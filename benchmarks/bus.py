@@ -1,14 +1,18 @@
 """`gyre bench bus [--json]`: the bus's round-trip rate and latency, one-way throughput with and without recording,
-against Ray actor calls measured in the same run on the same machine.
+over ipc:// and tcp://, with and without CURVE, against Ray actor calls measured in the same run on the same machine.
 
 Gyre side: two actors in two OS processes started by the real `LocalProcessLauncher` (this file is also the
-topology file), talking over ZeroMQ ipc://. The driver asks the echo actor `Echo` messages one at a time (round
-trips: rate, p50, p99), then sends a stream of tells with `send` (waiting for room, as a producer should) and asks
-for the count at the end: the reply comes after every tell was handled, because one sender's messages keep their
-order (one-way throughput). Runs alternate without and with the event log on, so that load from other processes on
-a shared machine hits both alike; each figure is the median over every repeat of every run.
+topology file). The driver asks the echo actor `Echo` messages one at a time (round trips: rate, p50, p99), then
+sends a stream of tells with `send` (waiting for room, as a producer should) and asks for the count at the end: the
+reply comes after every tell was handled, because one sender's messages keep their order (one-way throughput).
+Each cycle runs four buses one after the other, so that load from other processes on a shared machine hits all
+alike: the default (ipc:// + CURVE; the `gyre_*` figures), the same with the event log on (`*_recorded_*`), ipc://
+without CURVE (`ipc_plain_*`: only the socket file's mode keeps other processes out, what CURVE costs is the
+difference) and tcp:// on 127.0.0.1 + CURVE (`tcp_curve_*`, a run across machines on one). Each figure is the
+median over every repeat of every cycle.
 
-Ray side: `ray.init(num_cpus=2)`, one remote actor with a method, sequential `ray.get(a.m.remote(x))` round trips.
+Ray side: `ray.init(num_cpus=2)` kept on 127.0.0.1 (see `_RayBaseline`), one remote actor with a method, sequential
+`ray.get(a.m.remote(x))` round trips.
 
 Floors: the same round trips as a plain pyzmq + msgpack loop between two processes, without any runtime: blocking
 calls (`raw_zmq_*`), and asyncio with a reader callback on the socket (`raw_asyncio_*`, the shape gyre has), measured
@@ -35,10 +39,20 @@ from gyre.messages.ping_pong import Echo, Score, ScoreAsked
 from gyre.runtime.actor import Actor, handler
 from gyre.runtime.launch import LocalProcessLauncher, RunOptions
 from gyre.runtime.topology import Topology
+from gyre.runtime.zmq_transport import ZmqConfig
 
 TARGET_RATIO = 5.0
 TARGET_P99_MS = 1.0
 TARGET_RECORDING_OVERHEAD = 0.15
+TARGET_TCP_CURVE_RATIO = 4.0
+
+#: The buses a cycle measures: name -> (LocalProcessLauncher.bus, CURVE on ipc, record the event log).
+BUSES = {
+    "gyre": ("ipc", True, False),
+    "recorded": ("ipc", True, True),
+    "ipc_plain": ("ipc", False, False),
+    "tcp_curve": ("tcp", True, False),
+}
 
 
 @attrs.frozen
@@ -134,7 +148,8 @@ def topology(argv: list[str]) -> Topology:
     return result
 
 
-def _gyre_run(config: BenchConfig, record: bool, work_dir: Path, run_number: int) -> dict[str, list]:
+def _gyre_run(config: BenchConfig, bus: str, curve_on_ipc: bool, record: bool, work_dir: Path,
+              run_number: int) -> dict[str, list]:
     out_path = work_dir / f"run{run_number}.json"
     argv = [
         f"--{name.replace('_', '-')}={value}"
@@ -142,7 +157,9 @@ def _gyre_run(config: BenchConfig, record: bool, work_dir: Path, run_number: int
     ]
     topology_file = str(Path(__file__).resolve())
     log_path = str(work_dir / f"run{run_number}.glog") if record else None
-    result = LocalProcessLauncher(topology_file, tuple(argv)).run(topology(argv), RunOptions(log_path=log_path))
+    zmq_config = ZmqConfig(curve_on_ipc=curve_on_ipc)
+    launcher = LocalProcessLauncher(topology_file, tuple(argv), bus=bus, zmq_config=zmq_config)
+    result = launcher.run(topology(argv), RunOptions(log_path=log_path))
     if result.exit_code != 0 or not out_path.exists():
         raise RuntimeError(f"benchmark run failed: {result.reason} (exit {result.exit_code})")
     if log_path:
@@ -151,13 +168,26 @@ def _gyre_run(config: BenchConfig, record: bool, work_dir: Path, run_number: int
 
 
 class _RayBaseline:
-    """A Ray cluster on this machine with one echo actor; `measure` runs sequential `ray.get(a.m.remote(x))`."""
+    """A Ray cluster on this machine with one echo actor; `measure` runs sequential `ray.get(a.m.remote(x))`.
+
+    Kept on 127.0.0.1: by default Ray's node takes the interface's address and its servers listen on every
+    interface, and `_node_ip_address="127.0.0.1"` does not help (`ray._private.services.resolve_ip_for_localhost`
+    turns it back into the interface's address). With RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read once when ray is
+    imported, `get_node_ip_address` answers the loopback address, on Linux too, and Ray's servers listen on 127.0.0.1
+    only (checked with `ss -ltnp`, Ray 2.60). The variable stays set in this process's environment, so Ray's
+    workers, which inherit it, agree; nothing else reads it."""
 
     def __init__(self, warmup: int) -> None:
+        if "ray" not in sys.modules:
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray
 
         self._ray = ray
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        address = self.node_address = ray.nodes()[0]["NodeManagerAddress"]
+        if address != "127.0.0.1":
+            ray.shutdown()
+            raise RuntimeError(f"Ray's node came up on {address}, not 127.0.0.1 (ray was imported before the bench)")
 
         @ray.remote
         class EchoActor:
@@ -347,10 +377,9 @@ def _raw_zmq_roundtrips(calls: int, repeats: int, warmup: int, payload_bytes: in
 def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = True) -> dict[str, Any]:
     """Measure and return the figures: medians over every repeat of every run.
 
-    Each of the `runs` cycles measures Ray, gyre without recording, gyre with recording and the raw pyzmq floor
-    one after the other, so that a burst of load from other processes falls on all of them alike."""
-    plain: dict[str, list] = {}
-    recorded: dict[str, list] = {}
+    Each of the `runs` cycles measures Ray, every bus of BUSES and the raw pyzmq floors one after the other, so
+    that a burst of load from other processes falls on all of them alike."""
+    buses: dict[str, dict[str, list]] = {name: {} for name in BUSES}
     raw: dict[str, list] = {}
     raw_async: dict[str, list] = {}
     ray_results: dict[str, list] = {}
@@ -360,10 +389,10 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
             for run_number in range(runs):
                 if baseline is not None:
                     baseline.measure(ray_calls, config.repeats, ray_results)
-                for record, into in ((False, plain), (True, recorded)):
-                    got = _gyre_run(config, record, Path(work), 2 * run_number + record)
+                for number, (name, (bus, curve_on_ipc, record)) in enumerate(BUSES.items()):
+                    got = _gyre_run(config, bus, curve_on_ipc, record, Path(work), len(BUSES) * run_number + number)
                     for key, values in got.items():
-                        into.setdefault(key, []).extend(values)
+                        buses[name].setdefault(key, []).extend(values)
                 for floor, into in ((_raw_zmq_roundtrips, raw), (_raw_asyncio_roundtrips, raw_async)):
                     got = floor(config.roundtrips, config.repeats, config.warmup, config.payload_bytes)
                     for key, values in got.items():
@@ -372,15 +401,19 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
         if baseline is not None:
             baseline.close()
     median = statistics.median
-    figures: dict[str, Any] = {
-        "gyre_roundtrip_per_s": median(plain["roundtrip_per_s"]),
-        "gyre_roundtrip_p50_ms": median(plain["p50_ms"]),
-        "gyre_roundtrip_p99_ms": median(plain["p99_ms"]),
-        "gyre_oneway_per_s": median(plain["oneway_per_s"]),
-        "gyre_roundtrip_recorded_per_s": median(recorded["roundtrip_per_s"]),
-        "gyre_oneway_recorded_per_s": median(recorded["oneway_per_s"]),
-    }
+    figures: dict[str, Any] = {}
+    for name in ("gyre", "ipc_plain", "tcp_curve"):
+        measured = buses[name]
+        figures[f"{name}_roundtrip_per_s"] = median(measured["roundtrip_per_s"])
+        figures[f"{name}_roundtrip_p50_ms"] = median(measured["p50_ms"])
+        figures[f"{name}_roundtrip_p99_ms"] = median(measured["p99_ms"])
+        figures[f"{name}_oneway_per_s"] = median(measured["oneway_per_s"])
+    figures["gyre_roundtrip_recorded_per_s"] = median(buses["recorded"]["roundtrip_per_s"])
+    figures["gyre_oneway_recorded_per_s"] = median(buses["recorded"]["oneway_per_s"])
     figures["recording_overhead"] = 1.0 - figures["gyre_oneway_recorded_per_s"] / figures["gyre_oneway_per_s"]
+    # What CURVE costs on ipc:// (the share of plain ipc's rate it takes away), round trips and one-way.
+    figures["curve_cost_roundtrip"] = 1.0 - figures["gyre_roundtrip_per_s"] / figures["ipc_plain_roundtrip_per_s"]
+    figures["curve_cost_oneway"] = 1.0 - figures["gyre_oneway_per_s"] / figures["ipc_plain_oneway_per_s"]
     figures["raw_zmq_roundtrip_per_s"] = median(raw["roundtrip_per_s"])
     figures["raw_zmq_roundtrip_p99_ms"] = median(raw["p99_ms"])
     figures["raw_asyncio_roundtrip_per_s"] = median(raw_async["roundtrip_per_s"])
@@ -390,10 +423,14 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
         figures["ray_roundtrip_p50_ms"] = median(ray_results["p50_ms"])
         figures["ray_roundtrip_p99_ms"] = median(ray_results["p99_ms"])
         figures["ratio"] = figures["gyre_roundtrip_per_s"] / figures["ray_roundtrip_per_s"]
+        figures["ipc_plain_ratio"] = figures["ipc_plain_roundtrip_per_s"] / figures["ray_roundtrip_per_s"]
+        figures["tcp_curve_ratio"] = figures["tcp_curve_roundtrip_per_s"] / figures["ray_roundtrip_per_s"]
     figures["targets_met"] = {
         "ratio_at_least_5x": figures.get("ratio", 0.0) >= TARGET_RATIO,
         "p99_at_most_1ms": figures["gyre_roundtrip_p99_ms"] <= TARGET_P99_MS,
         "recording_overhead_at_most_15pct": figures["recording_overhead"] <= TARGET_RECORDING_OVERHEAD,
+        "tcp_curve_ratio_at_least_4x": figures.get("tcp_curve_ratio", 0.0) >= TARGET_TCP_CURVE_RATIO,
+        "tcp_curve_p99_at_most_1ms": figures["tcp_curve_roundtrip_p99_ms"] <= TARGET_P99_MS,
     }
     figures["setup"] = {
         "runs": runs,
@@ -402,6 +439,7 @@ def run_bench(config: BenchConfig, runs: int, ray_calls: int, with_ray: bool = T
         "oneway_per_repeat": config.oneway,
         "payload_bytes": config.payload_bytes,
         "ray_calls_per_repeat": ray_calls if with_ray else 0,
+        "ray_node_address": baseline.node_address if baseline is not None else None,
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "python": platform.python_version(),
@@ -414,7 +452,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     defaults = BenchConfig()
     parser = subparsers.add_parser("bus", help="bus round trips and throughput vs Ray actor calls")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--runs", type=int, default=3, help="launcher runs of each kind (plain, recorded)")
+    parser.add_argument("--runs", type=int, default=3, help="cycles, each one launcher run of every bus")
     parser.add_argument("--repeats", type=int, default=defaults.repeats, help="repeats per run")
     parser.add_argument("--roundtrips", type=int, default=defaults.roundtrips, help="asks per repeat")
     parser.add_argument("--oneway", type=int, default=defaults.oneway, help="tells per repeat")
@@ -436,10 +474,13 @@ def bench_command(args: argparse.Namespace) -> int:
         print(json.dumps(figures, indent=None, sort_keys=True))
         return 0
     out = sys.stdout
-    print("gyre bus (two processes, ZeroMQ ipc://), medians:", file=out)
-    print(f"  round trips      {figures['gyre_roundtrip_per_s']:10.0f} /s   p50 "
-          f"{figures['gyre_roundtrip_p50_ms']:.3f} ms   p99 {figures['gyre_roundtrip_p99_ms']:.3f} ms", file=out)
-    print(f"  one-way          {figures['gyre_oneway_per_s']:10.0f} /s", file=out)
+    print("gyre bus (two processes, ZeroMQ), medians:", file=out)
+    for name, label in (("gyre", "ipc + CURVE"), ("ipc_plain", "ipc, no CURVE"), ("tcp_curve", "tcp + CURVE")):
+        print(f"  {label:15s}  round trips {figures[f'{name}_roundtrip_per_s']:8.0f} /s   p50 "
+              f"{figures[f'{name}_roundtrip_p50_ms']:.3f} ms   p99 {figures[f'{name}_roundtrip_p99_ms']:.3f} ms   "
+              f"one-way {figures[f'{name}_oneway_per_s']:8.0f} /s", file=out)
+    print(f"  CURVE's cost on ipc: {figures['curve_cost_roundtrip'] * 100:.1f}% of round trips, "
+          f"{figures['curve_cost_oneway'] * 100:.1f}% of one-way", file=out)
     print(f"  one-way recorded {figures['gyre_oneway_recorded_per_s']:10.0f} /s   overhead "
           f"{figures['recording_overhead'] * 100:.1f}%", file=out)
     print(f"raw pyzmq, blocking{figures['raw_zmq_roundtrip_per_s']:10.0f} /s   p99 "
@@ -449,6 +490,7 @@ def bench_command(args: argparse.Namespace) -> int:
     if "ray_roundtrip_per_s" in figures:
         print(f"ray actor calls    {figures['ray_roundtrip_per_s']:10.0f} /s   p50 "
               f"{figures['ray_roundtrip_p50_ms']:.3f} ms   p99 {figures['ray_roundtrip_p99_ms']:.3f} ms", file=out)
-        print(f"ratio gyre/ray     {figures['ratio']:10.1f}x", file=out)
+        print(f"ratio gyre/ray     {figures['ratio']:10.1f}x   (ipc plain {figures['ipc_plain_ratio']:.1f}x, "
+              f"tcp + CURVE {figures['tcp_curve_ratio']:.1f}x)", file=out)
     print(f"targets met: {figures['targets_met']}", file=out)
     return 0

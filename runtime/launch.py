@@ -201,12 +201,18 @@ async def _flush_periodically(node: Node, every_s: float = 0.5) -> None:
             node.recorder.flush()
 
 
-def _free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now. Another process may take it before the child binds it:
-    that child then fails to start and the run ends with its exit status, never silently on another port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _free_loopback_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that nothing listens on now (the probes stay open together, so the
+    kernel cannot hand one port out twice). Another process may take one before its node binds it: that node then
+    fails to start and the run ends with its exit status, never silently on another port."""
+    probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def _bus_endpoints(scheme: str, run_dir: Path, groups: list[str]) -> dict[str, str]:
@@ -216,7 +222,7 @@ def _bus_endpoints(scheme: str, run_dir: Path, groups: list[str]) -> dict[str, s
         files = {name: f"{index}.sock" for index, name in enumerate(sorted(groups))}
         files[LAUNCHER_NODE] = "launcher.sock"
         return {name: f"ipc://{run_dir}/{files[name]}" for name in names}
-    return {name: f"tcp://127.0.0.1:{_free_loopback_port()}" for name in names}
+    return {name: f"tcp://127.0.0.1:{port}" for name, port in zip(names, _free_loopback_ports(len(names)))}
 
 
 def _check_bus(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -262,7 +268,8 @@ class LocalProcessLauncher:
             name: context.Process(
                 target=_child_main,
                 args=(self.topology_file, list(self.argv), self.seed, name, endpoints,
-                      str(parts_dir) if parts_dir else None, options.node, run_secret(), bus_keys[name], self.zmq_config),
+                      str(parts_dir) if parts_dir else None, options.node, run_secret(), bus_keys[name],
+                      self.zmq_config),
                 name=f"gyre:{name}",
                 daemon=False,
             )

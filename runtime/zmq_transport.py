@@ -194,7 +194,7 @@ class _ZapHandler:
             control = self._context.socket(zmq.PAIR)
             control.setsockopt(zmq.LINGER, 0)
             control.connect(self._control_endpoint)
-        except zmq.ZMQError as error:
+        except Exception as error:  # whatever it is, the transport waiting on _ready must hear of it
             self._failure = error
             self._ready.set()
             return
@@ -208,7 +208,13 @@ class _ZapHandler:
                 if control in ready:
                     return
                 if rep in ready:
-                    rep.send_multipart(self._answer(rep.recv_multipart()))
+                    request = rep.recv_multipart()
+                    try:
+                        reply = self._answer(request)
+                    except Exception as error:  # a REP socket must answer, and the thread must live on
+                        log.error("zap_request_unanswerable", error=repr(error))
+                        reply = [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"internal error", b"", b""]
+                    rep.send_multipart(reply)
         finally:
             rep.close()
             control.close()

@@ -32,7 +32,10 @@ assert zmq.has("curve"), "the bus needs a pyzmq built with libsodium (CURVE)"
 
 REPO = Path(__file__).resolve().parents[3]
 PING_PONG = REPO / "examples" / "ping_pong.py"
-_LIGHT_GYRE = [sys.executable, "-c", "import sys; from gyre.runtime.testing import gyre_cli; sys.exit(gyre_cli(sys.argv[1:]))"]
+#: A launcher process like `gyre`, minus the other layers' plug-ins (as in test_processes.py).
+_LIGHT_GYRE = [
+    sys.executable, "-c", "import sys; from gyre.runtime.testing import gyre_cli; sys.exit(gyre_cli(sys.argv[1:]))"
+]
 
 
 @pytest.fixture(autouse=True)
@@ -111,11 +114,14 @@ def test_a_forged_stop_topology_from_outside_the_run_does_not_end_it(tmp_path) -
 def _endpoints(scheme: str, folder: Path) -> dict[str, str]:
     if scheme == "ipc":
         return {"a": f"ipc://{folder}/a.sock", "b": f"ipc://{folder}/b.sock"}
-    ports = []
-    for _ in range(2):
-        with socket.socket() as probe:
+    probes = [socket.socket() for _ in range(2)]  # both open at once: two distinct ports
+    try:
+        for probe in probes:
             probe.bind(("127.0.0.1", 0))
-            ports.append(probe.getsockname()[1])
+        ports = [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
     return {"a": f"tcp://127.0.0.1:{ports[0]}", "b": f"tcp://127.0.0.1:{ports[1]}"}
 
 
@@ -123,6 +129,7 @@ def _outsider(endpoint: str, keys: tuple[bytes, bytes] | None, server_key: bytes
     """A PUSH socket of a process outside the run: plain, or with CURVE keys of its own."""
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.SNDTIMEO, 10_000)  # a send that cannot be queued fails (zmq.Again) instead of hanging
     if keys is not None:
         push.setsockopt(zmq.CURVE_SERVERKEY, server_key)
         push.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
@@ -166,7 +173,10 @@ def test_a_socket_without_the_runs_keys_gets_nothing_through_and_is_counted(tmp_
         }[outsider]
         stranger = _outsider(endpoints["b"], *how)
         try:
-            stranger.send_multipart(frames)
+            try:
+                stranger.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:  # its connection already refused, nowhere to queue: refused all the same
+                pass
             await _until(lambda: refused, 30.0, "the stranger's handshake to be refused")
             a.send_nowait("b", tuple(frames))  # a member's message after the refusal: it arrives, alone
             await _until(lambda: got, 30.0, "the member's frames")

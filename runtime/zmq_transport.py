@@ -24,7 +24,8 @@ connection does not host is counted and dropped. With launcher-made keys a child
 Handshakes the bus refuses (no CURVE, a wrong server key, a client key outside the run) are seen on the PULL
 socket's monitor and counted by the node. ipc:// socket files are made 0600 (their folder is the launcher's 0700
 temporary directory) as a second fence, not the first: permissions do not stop a process of the same uid.
-Cost: one CURVE box per message each way (figures in BENCHMARKS.md, "The bus with CURVE").
+Cost: one CURVE box per message each way, the connection name read off each first frame (BENCHMARKS.md, "Bus with
+CURVE").
 """
 
 from __future__ import annotations

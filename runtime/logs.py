@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import structlog
 
 
 def configure_logging(level: str | None = None, json: bool | None = None) -> None:
     """Configure structlog once per process. GYRE_LOG_LEVEL (default "info") and GYRE_LOG_JSON override.
+
+    Every entry point calls it (`gyre run`, `gyre serve`, the benchmarks, launched children): an unconfigured
+    structlog renders exceptions with rich tracebacks that include locals.
 
     Per-message "handle" lines are emitted at debug level: at thousands of messages a second they would swamp a
     terminal, and structlog's level filter makes them free when off.
@@ -20,14 +24,21 @@ def configure_logging(level: str | None = None, json: bool | None = None) -> Non
     if json is None:
         env = os.environ.get("GYRE_LOG_JSON")
         json = (env == "1") if env is not None else not sys.stderr.isatty()
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    # Tracebacks are plain text, never structlog's default rich ones: those print every frame's locals, which on a
+    # server path are the request (megabytes per frame; a RecursionError has a thousand frames).
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    if json:
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+        ))
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
+        processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,

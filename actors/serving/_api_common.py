@@ -1,9 +1,11 @@
-"""What the two API modules share, as leaf helpers (they call nothing else of the serving package): the fields'
-validators, the answer handed back to the HTTP layer, and server-sent-event framing."""
+"""What the two API modules share, as leaf helpers (they call nothing else of the serving package): the bounded JSON
+reader (which http_app uses for bodies), the fields' validators, the answer handed back to the HTTP layer, and
+server-sent-event framing."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping
 
 import attrs
@@ -11,6 +13,9 @@ import attrs
 from gyre.actors.serving.sessions import ApiError, short_error
 
 __all__ = [
+    "JsonLimits",
+    "loads_bounded",
+    "check_json",
     "Answer",
     "refused",
     "failed",
@@ -27,6 +32,80 @@ __all__ = [
 
 MAX_STOP_SEQUENCES = 16
 """Stop strings per call at most: each one is searched for in every streamed chunk."""
+
+
+@attrs.frozen
+class JsonLimits:
+    """Bounds on decoded JSON (ProxyHttpConfig's max_json_depth and max_json_string_chars)."""
+
+    max_depth: int = 64
+    """Nesting of arrays and objects at most."""
+    max_string_chars: int = 2**20
+    """Characters of one string (object keys included) at most."""
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A \\uD800-\\uDFFF escape somewhere in JSON text: only then can a decoded string hold a lone surrogate (strict
+UTF-8 decoding refuses encoded surrogates, and a well-formed pair decodes to one character)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _too_deep(limits: JsonLimits, where: str) -> ApiError:
+    return ApiError("invalid_request", f"{where} nests arrays and objects deeper than {limits.max_depth} levels "
+                    "(max_json_depth)")
+
+
+def loads_bounded(raw: bytes | str, limits: JsonLimits, where: str = "the request body") -> Any:
+    """Decode JSON within `limits`, or raise ApiError (invalid_request) naming the limit it breaks: bytes that are
+    not UTF-8 (a BOM is allowed), text that is not JSON, nesting beyond max_depth (json's own recursion included), a
+    string beyond max_string_chars, a lone surrogate. Every later step can then recurse, copy and tokenise it."""
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            raise ApiError("invalid_request", f"{where} is not valid UTF-8 (byte {error.start}): {error.reason}") from None
+    else:
+        text = raw
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise _too_deep(limits, where) from None
+    except ValueError as error:
+        raise ApiError("invalid_request", f"{where} is not valid JSON: {error}") from None
+    check_json(value, limits, where, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
+    return value
+
+
+def check_json(value: Any, limits: JsonLimits, where: str, surrogates: bool = True) -> None:
+    """Raise ApiError when decoded JSON breaks `limits` or holds a lone surrogate (looked for only when
+    `surrogates`). Iterative, so a value nested far beyond the limit cannot exhaust the stack here."""
+
+    def check_string(text: str) -> None:
+        if len(text) > limits.max_string_chars:
+            raise ApiError("invalid_request", f"{where} holds a string of {len(text)} characters; at most "
+                           f"{limits.max_string_chars} are accepted (max_json_string_chars)")
+        if surrogates and _SURROGATE.search(text) is not None:
+            raise ApiError("invalid_request", f"{where} holds a lone surrogate (a \\ud800-\\udfff escape without "
+                           "its pair), which is not text")
+
+    if type(value) is str:
+        check_string(value)
+        return
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise _too_deep(limits, where)
+        items = node.values() if type(node) is dict else node
+        if type(node) is dict:
+            for key in node:
+                check_string(key)
+        for item in items:
+            kind = type(item)
+            if kind is str:
+                check_string(item)
+            elif kind is dict or kind is list:
+                stack.append((item, depth + 1))
 
 
 @attrs.frozen
@@ -118,20 +197,17 @@ def stop_field(value: Any, name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def json_object_text(arguments: Any, where: str) -> str:
-    """Tool-call arguments as JSON object text (what the template renders verbatim)."""
+def json_object_text(arguments: Any, where: str, limits: JsonLimits) -> str:
+    """Tool-call arguments as JSON object text (what the template renders verbatim); text is decoded within
+    `limits`, as the body was (it is JSON inside a string, which the body's check cannot see into)."""
     if isinstance(arguments, Mapping):
         return json.dumps(arguments, ensure_ascii=False)
     if not isinstance(arguments, str):
         raise ApiError("invalid_request", f"{where} must be a JSON string", where)
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        raise ApiError("invalid_request", f"{where} is not valid JSON", where) from None
+    value = loads_bounded(arguments, limits, where)
     if not isinstance(value, dict):
         raise ApiError("invalid_request", f"{where} must encode a JSON object", where)
     return arguments
-
 
 
 def sse(data: Any, event: str | None = None) -> bytes:

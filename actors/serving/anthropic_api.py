@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from gyre.actors.serving._api_common import (
     Answer,
+    JsonLimits,
     bool_field,
     failed,
     int_field,
@@ -64,8 +65,12 @@ IDS = IdFormat(response="msg_{tag}_{index}", call_prefix="toolu_{tag}_{index}_")
 # -- the call ----------------------------------------------------------------------------------------------------
 
 
-async def answer(body: Any, context: CallContext, runner: CallRunner) -> AsyncIterator[bytes | Answer]:
-    """A POST /v1/messages body (decoded JSON) -> its answer: parse, one call through `runner`, shape.
+async def answer(
+    body: Any, context: CallContext, runner: CallRunner, limits: JsonLimits = JsonLimits()
+) -> AsyncIterator[bytes | Answer]:
+    """A POST /v1/messages body (decoded JSON) -> its answer: parse, one call through `runner`, shape. `limits` bounds
+    JSON inside strings, which this API has none of (tool inputs are objects, checked with the body): it is taken
+    for the signature both API modules share.
 
     Yields the response (see `_api_common.Answer`): one Answer for a plain call; for a streamed one, the SSE bytes
     of each output chunk and then an Answer that says how it ended. message_start goes out with the first delta,

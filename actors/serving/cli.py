@@ -3,6 +3,11 @@
 Any OpenAI or Anthropic client can talk to it (base URL http://HOST:PORT/v1 for OpenAI, http://HOST:PORT for
 Anthropic). Every call must present the API key; all calls belong to one execution, "interactive", so the proxy
 reuses the ids of its own earlier answers exactly, as it does in training. Each call is logged as one line.
+
+The key, in order: --api-key-file PATH (its first line), $GYRE_API_KEY, --api-key (discouraged: any user of the
+machine can read a command line with ps). With none, a random key is written to a new 0600 file in a 0700
+directory, and that file's path is printed. The key itself is never printed or logged. --max-context-tokens may
+not exceed the model's max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -10,22 +15,32 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 import structlog
 
+from gyre.actors.errors import ActorError
+
 log = structlog.get_logger(__name__)
 
 INTERACTIVE_EXECUTION = "interactive"
+API_KEY_ENV = "GYRE_API_KEY"
+MAX_KEY_FILE_BYTES = 4096  # a key is one line; a bigger file is the wrong file
+
+
+class ServeError(ActorError, ValueError):
+    """`gyre serve` cannot start as asked (a key it cannot read, a context the model cannot hold)."""
 
 
 @attrs.frozen
 class ServeConfig:
     model_dir: str
-    api_key: str
+    api_key: str = attrs.field(repr=False)  # never in a repr, hence never in a log line
     model_name: str
     max_context_tokens: int = 8192
     block_size_tokens: int = 16
@@ -50,12 +65,13 @@ def _log_call(message: Any) -> None:
 async def make_app(config: ServeConfig) -> Any:
     """The proxy application over a fresh embedded engine (call inside the loop that will serve it)."""
     from gyre.actors.serving.backends import EmbeddedBackend
-    from gyre.actors.serving.http_app import ProxyHttpConfig, build_proxy_app
+    from gyre.actors.serving.http_app import ProxyHttpConfig, build_proxy_app, check_context_fits
     from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
     from gyre.engines.async_engine import AsyncEngine
     from gyre.engines.chat_template import ChatTemplate
     from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
 
+    check_context_fits(config.model_dir, config.max_context_tokens)
     template = ChatTemplate.from_model_dir(config.model_dir)
     # Room for two full contexts, so one long conversation never starves the prefix cache of the next call.
     num_blocks = max(256, 2 * -(-config.max_context_tokens // config.block_size_tokens))
@@ -79,14 +95,51 @@ async def make_app(config: ServeConfig) -> Any:
     return app
 
 
+def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str]:
+    """(key, where it came from, for the start banner): the key file, $GYRE_API_KEY, --api-key, or a new random
+    key written to a fresh 0600 file. ServeError for a key file that cannot be read or holds no key."""
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        try:
+            with open(path, "rb") as file:
+                raw = file.read(MAX_KEY_FILE_BYTES + 1)
+        except OSError as error:
+            raise ServeError(f"cannot read the API key file {path}: {error.strerror or error}") from None
+        key = raw.decode("utf-8", "replace").strip().splitlines()[0].strip() if raw.strip() else ""
+        if not key or len(raw) > MAX_KEY_FILE_BYTES:
+            raise ServeError(f"{path} holds no API key (one line of text)")
+        return key, f"the key in {path}"
+    if environ.get(API_KEY_ENV):
+        return environ[API_KEY_ENV], f"the key in ${API_KEY_ENV}"
+    if args.api_key:
+        return args.api_key, "the key given with --api-key"
+    key = "gyre-" + secrets.token_urlsafe(24)
+    directory = Path(tempfile.mkdtemp(prefix="gyre-serve-"))  # 0700
+    path = directory / "api_key"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(key + "\n")
+    return key, f"the key written to {path}"
+
+
 def _handle(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from gyre.actors.serving.http_app import check_context_fits
+    from gyre.runtime.errors import ConfigError
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging()
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
-        print(f"gyre serve: {model_dir} is not a model directory (no config.json)")
+        print(f"gyre serve: {model_dir} is not a model directory (no config.json)", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("GYRE_API_KEY") or "gyre-" + secrets.token_urlsafe(18)
+    try:
+        check_context_fits(model_dir, args.max_context_tokens)
+        api_key, key_source = resolve_api_key(args, os.environ)
+    except (ConfigError, ServeError) as error:
+        print(f"gyre serve: {error}", file=sys.stderr)
+        return 2
     config = ServeConfig(
         model_dir=str(model_dir),
         api_key=api_key,
@@ -94,13 +147,18 @@ def _handle(args: argparse.Namespace) -> int:
         max_context_tokens=args.max_context_tokens,
         num_threads=args.num_threads,
     )
+    base = f"http://{args.host}:{args.port}"
     print(
-        f"gyre serve: model {config.model_name!r} on http://{args.host}:{args.port}\n"
-        f"  OpenAI:    OPENAI_BASE_URL=http://{args.host}:{args.port}/v1 OPENAI_API_KEY={api_key}\n"
-        f"  Anthropic: ANTHROPIC_BASE_URL=http://{args.host}:{args.port} ANTHROPIC_API_KEY={api_key}",
+        f"gyre serve: model {config.model_name!r} on {base}, calls must present {key_source}\n"
+        f"  OpenAI:    OPENAI_BASE_URL={base}/v1 OPENAI_API_KEY=<that key>\n"
+        f"  Anthropic: ANTHROPIC_BASE_URL={base} ANTHROPIC_API_KEY=<that key>",
         flush=True,
     )
-    web.run_app(make_app(config), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0)
+    from gyre.actors.serving.http_app import ProxyHttpConfig, runner_options
+
+    options = runner_options(ProxyHttpConfig(max_context_tokens=config.max_context_tokens))
+    web.run_app(make_app(config), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0,
+                **options)
     return 0
 
 
@@ -109,8 +167,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("model_dir", help="model directory (config.json, model.safetensors, tokenizer files)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--api-key", default=None,
-                   help="key every call must present (default: $GYRE_API_KEY, else a random key printed at start)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="file whose first line is the key every call must present")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"the key itself; discouraged (ps shows it): prefer --api-key-file or ${API_KEY_ENV}. With "
+                   "none of them a random key is written to a new 0600 file, whose path is printed")
     p.add_argument("--model-name", default=None, help="model id to serve (default: the directory's name)")
     p.add_argument("--max-context-tokens", type=int, default=8192)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for the engine")

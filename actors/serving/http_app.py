@@ -22,6 +22,7 @@ import inspect
 import json
 import threading
 from contextlib import aclosing
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Awaitable, Callable
 
@@ -30,7 +31,7 @@ import structlog
 from aiohttp import web
 
 from gyre.actors.serving import anthropic_api, openai_api
-from gyre.actors.serving._api_common import Answer
+from gyre.actors.serving._api_common import Answer, JsonLimits, loads_bounded
 from gyre.actors.serving.backends import GenerateBackend
 from gyre.actors.serving.sessions import (
     ApiError,
@@ -42,10 +43,14 @@ from gyre.actors.serving.sessions import (
     ProxySessions,
     short_error,
 )
+from gyre.runtime.errors import ConfigError
+from gyre.runtime.validators import count, positive
 
 __all__ = [
     "ProxyHttpConfig",
     "HttpStatistics",
+    "check_context_fits",
+    "runner_options",
     "ProxyService",
     "PROXY_SERVICE",
     "build_proxy_app",
@@ -62,23 +67,84 @@ MAX_AGENT_ID_CHARS = 256
 
 @attrs.frozen
 class ProxyHttpConfig:
-    """The HTTP face's behaviour and bounds."""
+    """The HTTP face's behaviour and its bounds. Every request meets the bounds before any work is done for it.
+
+    The limits, in the order a call meets them (each refusal names the field):
+    - `header_read_timeout_s` (10 s): a connection must deliver a complete request head within this of connecting
+      or of its previous answer; else it is closed (slow clients holding connections open; also the idle
+      keep-alive time).
+    - the API key (401), then `max_in_flight` (1024 calls handled at once; 503 beyond, which the SDKs retry).
+    - `max_body_bytes` (4 MiB) per POST route (chat completions, messages, count_tokens; the GET routes read no
+      body): 413, read no further. `body_read_timeout_s` (30 s): the whole body, once its head is in; 408.
+    - `max_json_depth` (64 levels) and `max_json_string_chars` (1 Mi characters), checked on the decoded body
+      before anything reads it, tool-call arguments (JSON inside a string) included; invalid UTF-8 and lone
+      surrogates (which no tokenizer takes) are refused the same way: 400.
+    - `max_prompt_chars_per_token` (16): a prompt of more than max_context_tokens x this many characters is
+      refused (400, context_length) before it is tokenised.
+    - `max_context_tokens`: prompt + output tokens (400 for a prompt that leaves no room).
+    - `offload_render_chars` (32 Ki): a prompt of more characters is rendered and tokenised on one of
+      `render_threads` worker threads, so the event loop (other calls, /health) goes on meanwhile.
+    - `stream_buffer_chunks` (64): output chunks a streamed call holds for a reader slower than the engine.
+    """
 
     model_names: tuple[str, ...] = ("gyre",)
     """Model ids the proxy serves (GET /v1/models); a call naming another model gets 404."""
-    max_context_tokens: int = 32768
+    max_context_tokens: int = attrs.field(default=32768, validator=count)
     """Prompt + output tokens of one call at most. A prompt that leaves no room gets 400; a max_tokens that does
-    not fit is lowered to what fits (agents ask for large budgets by habit)."""
-    default_max_tokens: int = 4096
+    not fit is lowered to what fits (agents ask for large budgets by habit). At most the model's
+    max_position_embeddings (`check_context_fits`)."""
+    default_max_tokens: int = attrs.field(default=4096, validator=count)
     """Output budget of an OpenAI call that names none."""
-    max_body_bytes: int = 64 * 2**20
-    """Request bodies above this get 413."""
-    max_in_flight: int = 1024
+    max_body_bytes: int = attrs.field(default=4 * 2**20, validator=count)
+    """Bodies of the POST routes above this get 413. 4 MiB is ~8x the JSON of a full 128K-token conversation."""
+    body_read_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    """How long a request's body may take to arrive once its head is in; 408 beyond."""
+    header_read_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    """How long a connection may take to send a complete request head (after connecting, or after its previous
+    answer: this is also how long an idle keep-alive connection is kept); it is closed beyond."""
+    max_json_depth: int = attrs.field(default=64, validator=count)
+    """Nesting of arrays and objects in a body (and in tool-call arguments) at most; 400 beyond. Real tool schemas
+    nest ~10 deep; the bound keeps every recursive step after parsing (copies, canonical JSON) far from Python's
+    recursion limit."""
+    max_json_string_chars: int = attrs.field(default=2**20, validator=count)
+    """Characters of one string in a body (keys included) at most; 400 beyond."""
+    max_prompt_chars_per_token: int = attrs.field(default=16, validator=count)
+    """A prompt of more than max_context_tokens x this many characters (messages, system text, tools) gets 400
+    without being tokenised: real text averages 3-5 characters per token, so 16 leaves room for whitespace-heavy
+    code while a prompt that long could not fit anyway."""
+    offload_render_chars: int = attrs.field(default=32 * 2**10, validator=count)
+    """Prompts of more characters are rendered on a worker thread (see `render_threads`); smaller ones inline, where
+    a thread hop would cost more than the render."""
+    render_threads: int = attrs.field(default=2, validator=count)
+    """Worker threads for large renders. Renders of one execution still run one at a time (they share its state)."""
+    max_in_flight: int = attrs.field(default=1024, validator=count)
     """Calls being handled at once; more get 503 (which the SDKs retry with backoff)."""
-    stream_buffer_chunks: int = 64
+    stream_buffer_chunks: int = attrs.field(default=64, validator=count)
     """Output chunks a streamed call holds for a reader slower than the engine; beyond, the generation waits."""
     owned_by: str = "gyre"
     """The `owned_by` of GET /v1/models."""
+
+
+def check_context_fits(model_dir: str | Path, max_context_tokens: int) -> None:
+    """ConfigError when `max_context_tokens` exceeds the model's `max_position_embeddings` (config.json): a prompt
+    past the model's positions would be answered with 200 and garbage."""
+    config_file = Path(model_dir) / "config.json"
+    try:
+        positions = json.loads(config_file.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read {config_file}: {error}") from None
+    if isinstance(positions, int) and max_context_tokens > positions:
+        raise ConfigError(
+            f"max_context_tokens {max_context_tokens} exceeds the model's max_position_embeddings {positions} "
+            f"({config_file})"
+        )
+
+
+def runner_options(config: ProxyHttpConfig) -> dict[str, Any]:
+    """aiohttp AppRunner / run_app options the bounds need: aiohttp closes a connection that has no complete request
+    head when its keep-alive time runs out (counted from connecting, then from each answer), which makes
+    keepalive_timeout the header read timeout."""
+    return {"keepalive_timeout": config.header_read_timeout_s}
 
 
 @attrs.frozen
@@ -128,8 +194,12 @@ class ProxyService:
             model_names=config.model_names,
             max_context_tokens=config.max_context_tokens,
             default_max_tokens=config.default_max_tokens,
+            max_prompt_chars=config.max_context_tokens * config.max_prompt_chars_per_token,
+            offload_render_chars=config.offload_render_chars,
+            render_threads=config.render_threads,
             stream_buffer_chunks=config.stream_buffer_chunks,
         )
+        self.json_limits = JsonLimits(config.max_json_depth, config.max_json_string_chars)
         self._completed = self._rejected = self._failed = self._disconnected = 0
         self._in_flight = self._in_flight_peak = 0
 
@@ -161,20 +231,26 @@ class ProxyService:
         agent = request.headers.get(AGENT_HEADER, "")
         if len(agent) > MAX_AGENT_ID_CHARS:
             raise ApiError("invalid_request", f"{AGENT_HEADER} is longer than {MAX_AGENT_ID_CHARS} characters")
+        if not agent.isprintable():  # also the bytes aiohttp could not decode, which no log or record can carry
+            raise ApiError("invalid_request", f"{AGENT_HEADER} must be printable text")
         kind = request.headers.get(CALL_HEADER, "").strip().lower()
         if kind and kind not in CALL_KINDS:
             raise ApiError("invalid_request", f"{CALL_HEADER} must be one of {CALL_KINDS}, got {kind!r}")
         return agent, kind
 
     async def _read_json(self, request: web.Request) -> Any:
+        """The body, decoded within the bounds (see ProxyHttpConfig); ApiError otherwise."""
+        config = self.config
         try:
-            raw = await request.read()
+            async with asyncio.timeout(config.body_read_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise ApiError("too_large", f"the request body exceeds {self.config.max_body_bytes} bytes") from None
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ApiError("invalid_request", f"the request body is not valid JSON: {error}") from None
+            raise ApiError("too_large", f"the request body exceeds {config.max_body_bytes} bytes (max_body_bytes)") from None
+        except TimeoutError:
+            raise ApiError(
+                "timeout", f"the request body did not arrive within {config.body_read_timeout_s} s (body_read_timeout_s)"
+            ) from None
+        return loads_bounded(raw, self.json_limits)
 
     # -- answers -------------------------------------------------------------------------------------------------
 
@@ -197,7 +273,10 @@ class ProxyService:
         """A refusal from this layer, in the API's error shape."""
         answer = Answer(error.status, api.error_body(error), error=error, cause=cause)
         self._count(answer, request)
-        return web.json_response(answer.body, status=answer.status)
+        response = web.json_response(answer.body, status=answer.status)
+        if error.kind in ("too_large", "timeout"):
+            response.force_close()  # the rest of the body is not worth reading: close instead
+        return response
 
     def _enter(self) -> None:
         if self._in_flight >= self.config.max_in_flight:
@@ -225,7 +304,7 @@ class ProxyService:
         try:
             body = await self._read_json(request)
             context = CallContext(session, agent_id, call_kind, started_s)
-            return await self._respond(request, api.answer(body, context, self.runner))
+            return await self._respond(request, api.answer(body, context, self.runner, self.json_limits))
         except ApiError as error:
             return self._refuse(request, api, error)
         except ConnectionResetError:  # ClientGone, or aiohttp's own reset while writing
@@ -326,6 +405,11 @@ def build_proxy_app(
     service = ProxyService(config, sessions, backend, on_call_completed, clock)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_http_errors_in_api_shape])
     app[PROXY_SERVICE] = service
+
+    async def close(_: web.Application) -> None:
+        service.runner.close()
+
+    app.on_cleanup.append(close)
     app.router.add_post("/v1/chat/completions", service.chat_completions)
     app.router.add_get("/v1/models", service.models)
     app.router.add_get("/v1/models/{model}", service.models)
@@ -375,7 +459,9 @@ class ServedApp:
             if inspect.isawaitable(app):
                 app = await app
             self.app = app
-            self._runner = web.AppRunner(app, access_log=None)
+            service = app.get(PROXY_SERVICE)
+            options = runner_options(service.config) if service is not None else {}
+            self._runner = web.AppRunner(app, access_log=None, **options)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self._host, self._port)
             await site.start()

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Mapping, Sequence
 
 from gyre.actors.serving._api_common import (
     Answer,
+    JsonLimits,
     bool_field,
     failed,
     int_field,
@@ -65,7 +66,9 @@ IDS = IdFormat(response="chatcmpl-{tag}-{index}", call_prefix="call_{tag}_{index
 # -- the call ----------------------------------------------------------------------------------------------------
 
 
-async def answer(body: Any, context: CallContext, runner: CallRunner) -> AsyncIterator[bytes | Answer]:
+async def answer(
+    body: Any, context: CallContext, runner: CallRunner, limits: JsonLimits = JsonLimits()
+) -> AsyncIterator[bytes | Answer]:
     """A POST /v1/chat/completions body (decoded JSON) -> its answer: parse, one call through `runner`, shape.
 
     Yields the response (see `_api_common.Answer`): one Answer for a plain call; for a streamed one, the SSE bytes
@@ -73,7 +76,7 @@ async def answer(body: Any, context: CallContext, runner: CallRunner) -> AsyncIt
     so a call refused before any output still gets its usual error status."""
     started = False
     try:
-        chat = parse_chat_request(body)
+        chat = parse_chat_request(body, limits)
         if not chat.stream:
             yield Answer(200, completion_body(await runner.complete(chat, context, IDS)))
             return
@@ -166,7 +169,7 @@ def _plain_message(raw: Any) -> dict[str, Any] | None:
     return None
 
 
-def _message(index: int, raw: Any) -> dict[str, Any]:
+def _message(index: int, raw: Any, limits: JsonLimits) -> dict[str, Any]:
     plain = _plain_message(raw)
     if plain is not None:
         return plain
@@ -208,7 +211,7 @@ def _message(index: int, raw: Any) -> dict[str, Any]:
                         "function": {
                             "name": function["name"],
                             "arguments": json_object_text(
-                                function.get("arguments", "{}"), f"{cwhere}.function.arguments"
+                                function.get("arguments", "{}"), f"{cwhere}.function.arguments", limits
                             ),
                         },
                     }
@@ -264,14 +267,15 @@ def _apply_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...] | None) ->
     )
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """Validate a POST /v1/chat/completions body. Raises ApiError (invalid_request) on anything malformed."""
+def parse_chat_request(body: Any, limits: JsonLimits = JsonLimits()) -> ChatRequest:
+    """Validate a POST /v1/chat/completions body (tool-call arguments decoded within `limits`). Raises ApiError
+    (invalid_request) on anything malformed."""
     body = require_object(body)
     model = model_field(body)
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise ApiError("invalid_request", "messages must be a non-empty list", "messages")
-    messages = [_message(i, m) for i, m in enumerate(raw_messages)]
+    messages = [_message(i, m, limits) for i, m in enumerate(raw_messages)]
     system_text = None
     if messages[0]["role"] == "system":
         system_text = messages.pop(0)["content"]

@@ -35,7 +35,13 @@ import aiohttp
 import attrs
 from aiohttp import web
 
-from gyre.actors.serving.http_app import PROXY_SERVICE, ProxyHttpConfig, build_proxy_app
+from gyre.actors.serving.http_app import (
+    PROXY_SERVICE,
+    ProxyHttpConfig,
+    build_proxy_app,
+    check_context_fits,
+    runner_options,
+)
 from gyre.actors.serving.routing import RoutedBackend, RoutingConfig
 from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
 from gyre.engines.sglang_client import SGLangClient
@@ -81,6 +87,7 @@ class Proxy(Actor):
         from gyre.engines.chat_template import ChatTemplate
 
         config: ProxyConfig = self.config
+        check_context_fits(config.model_dir, config.http.max_context_tokens)
         template = await self.offload(ChatTemplate.from_model_dir, config.model_dir)
         self.sessions = ProxySessions(template, config.sessions)
         self.http_client = aiohttp.ClientSession(
@@ -92,7 +99,9 @@ class Proxy(Actor):
         )
         app = build_proxy_app(config.http, self.sessions, self.backend, self._call_completed, clock=self.clock.now)
         self.service = app[PROXY_SERVICE]
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=config.shutdown_timeout_s)
+        self.runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=config.shutdown_timeout_s, **runner_options(config.http)
+        )
         await self.runner.setup()
         await web.TCPSite(self.runner, config.host, config.port).start()
         port = self.runner.addresses[0][1]

@@ -37,6 +37,7 @@ message renderings per execution (least recently used go first).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import hmac
 import inspect
@@ -77,6 +78,7 @@ __all__ = [
     "OnCallCompleted",
     "StreamItem",
     "final_text",
+    "prompt_chars",
     "short_error",
     "ProxySessionsConfig",
     "ProxySessions",
@@ -426,6 +428,9 @@ class ExecutionSession:
         self._rendered: OrderedDict[Any, tuple[tuple[int, ...], bytes]] = OrderedDict()
         # The latest renderings of a few conversations, most recently used last (see the module doc).
         self._memos: list[_Memo] = []
+        self.lock = asyncio.Lock()
+        """Held by `CallRunner` around each render and record: a large render runs on a worker thread, and no other
+        render or record of this execution may touch its state meanwhile."""
 
     # -- call counter ----------------------------------------------------------------------------------------
 
@@ -661,6 +666,21 @@ def short_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}{where}"
 
 
+def prompt_chars(chat: ChatRequest) -> int:
+    """Characters of everything a call's prompt renders: system text, messages' content, tool calls, tools (as
+    JSON). Cheap next to tokenising them, which is what it is for."""
+    total = len(chat.system_text or "")
+    for message in chat.messages:
+        total += len(message.get("content") or "")
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            arguments = function.get("arguments") or ""
+            total += len(function.get("name") or "") + (len(arguments) if isinstance(arguments, str) else 0)
+    if chat.tools:
+        total += len(json.dumps(chat.tools, ensure_ascii=False))
+    return total
+
+
 def _short_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
@@ -729,7 +749,9 @@ class CallRunner:
 
     `model_names` are the served model ids; `max_context_tokens` bounds prompt + output (a prompt that leaves no
     room gets 400, an output budget that does not fit is lowered); `default_max_tokens` is the budget of a call that
-    names none; `stream_buffer_chunks` bounds the output chunks a streamed call holds for a slow reader.
+    names none; a prompt of more than `max_prompt_chars` characters is refused before it is tokenised, one of more
+    than `offload_render_chars` is rendered on one of `render_threads` worker threads; `stream_buffer_chunks` bounds
+    the output chunks a streamed call holds for a slow reader. `close` ends the worker threads.
     """
 
     def __init__(
@@ -742,6 +764,9 @@ class CallRunner:
         model_names: tuple[str, ...],
         max_context_tokens: int,
         default_max_tokens: int,
+        max_prompt_chars: int | None = None,
+        offload_render_chars: int = 32 * 2**10,
+        render_threads: int = 2,
         stream_buffer_chunks: int = 64,
     ) -> None:
         self.template = template
@@ -751,11 +776,21 @@ class CallRunner:
         self.model_names = model_names
         self.max_context_tokens = max_context_tokens
         self.default_max_tokens = default_max_tokens
+        self.max_prompt_chars = max_prompt_chars if max_prompt_chars is not None else 16 * max_context_tokens
+        self.offload_render_chars = offload_render_chars
         self.stream_buffer_chunks = stream_buffer_chunks
+        self._render_threads = render_threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.emit_failures = 0
         """ModelCallCompleted records that `on_call_completed` failed to take (each one logged)."""
 
     # -- entry points --------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End the worker threads (a render under way finishes; its call has ended with the application)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:
@@ -765,11 +800,11 @@ class CallRunner:
     async def count_tokens(self, chat: ChatRequest, session: ExecutionSession) -> int:
         """The prompt tokens `chat` would be sent with (nothing generated, nothing recorded)."""
         self.check_model(chat.model)
-        return len(self._render(session, chat).prompt_ids)
+        return len((await self._render(session, chat)).prompt_ids)
 
     async def complete(self, chat: ChatRequest, context: CallContext, ids: IdFormat) -> ChatOutcome:
         """Generate one turn, record it, emit its ModelCallCompleted; return what to answer."""
-        call = self._prepare(chat, context, ids)
+        call = await self._prepare(chat, context, ids)
         result = await self._generate(call, None)
         outcome, _, _ = await self._finish(call, result)
         return outcome
@@ -777,7 +812,7 @@ class CallRunner:
     async def stream(self, chat: ChatRequest, context: CallContext, ids: IdFormat) -> AsyncIterator[StreamItem]:
         """The same call, streamed: a StreamStart, the deltas of each output chunk, a StreamEnd (see the module
         doc). Refusals and failures raise, as from `complete`. Close it (aclose) when the reader leaves."""
-        call = self._prepare(chat, context, ids)
+        call = await self._prepare(chat, context, ids)
         yield StreamStart(call.response_id, call.call_id_prefix, len(call.rendered.prompt_ids))
         streamer = TurnStreamer(
             self.template.decode, self.template.stop_token_ids, chat.stop, parse_tools=bool(chat.tools)
@@ -810,18 +845,46 @@ class CallRunner:
 
     # -- the steps -----------------------------------------------------------------------------------------------
 
-    def _render(self, session: ExecutionSession, chat: ChatRequest) -> RenderedPrompt:
-        try:
-            rendered = session.render(chat.messages, chat.tools, chat.system_text)
-        except ValueError as error:  # the template's ChatTemplateError, or bad tool-call arguments
-            raise ApiError("invalid_request", f"cannot render the conversation: {error}", "messages") from None
-        return rendered
+    async def _render(self, session: ExecutionSession, chat: ChatRequest) -> RenderedPrompt:
+        """The prompt ids, after the character bound; a large prompt is rendered on a worker thread (the event loop
+        goes on: other calls, /health), holding the session's lock until the thread is done with its state."""
+        chars = prompt_chars(chat)
+        if chars > self.max_prompt_chars:
+            raise ApiError(
+                "context_length",
+                f"the prompt has {chars} characters; at most {self.max_prompt_chars} are accepted before tokenising "
+                "(max_context_tokens x max_prompt_chars_per_token)",
+                "messages",
+            )
+        async with session.lock:
+            try:
+                if chars <= self.offload_render_chars:
+                    return session.render(chat.messages, chat.tools, chat.system_text)
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        self._render_threads, thread_name_prefix="gyre-render"
+                    )
+                loop = asyncio.get_running_loop()
+                rendering = loop.run_in_executor(
+                    self._executor, session.render, chat.messages, chat.tools, chat.system_text
+                )
+                try:
+                    return await asyncio.shield(rendering)
+                except asyncio.CancelledError:
+                    while not rendering.done():  # the thread still uses the session: keep the lock until it ends
+                        try:
+                            await asyncio.wait({rendering})
+                        except asyncio.CancelledError:
+                            pass
+                    raise
+            except ValueError as error:  # the template's ChatTemplateError, or bad tool-call arguments
+                raise ApiError("invalid_request", f"cannot render the conversation: {error}", "messages") from None
 
-    def _prepare(self, chat: ChatRequest, context: CallContext, ids: IdFormat) -> _PreparedCall:
+    async def _prepare(self, chat: ChatRequest, context: CallContext, ids: IdFormat) -> _PreparedCall:
         """Everything that can refuse the call before generation: the model, the rendering, the context length."""
         self.check_model(chat.model)
         session = context.session
-        rendered = self._render(session, chat)
+        rendered = await self._render(session, chat)
         prompt_ids = rendered.prompt_ids
         if len(prompt_ids) >= self.max_context_tokens:
             raise ApiError(
@@ -903,11 +966,12 @@ class CallRunner:
             finish = "tool_calls"
         else:
             finish = "stop"
-        session.record_turn(
-            turn_key(content, [(c.name, c.arguments_json) for c in calls]),
-            call.rendered.prompt_digest,
-            result.output_ids,
-        )
+        async with session.lock:
+            session.record_turn(
+                turn_key(content, [(c.name, c.arguments_json) for c in calls]),
+                call.rendered.prompt_digest,
+                result.output_ids,
+            )
         token_logprobs = None
         if chat.logprobs:
             token_logprobs = tuple(

@@ -1,6 +1,6 @@
 """`gyre model ...`: create a model directory, inspect it, and score token ids with any of the three engines.
 
-    gyre model init DIR --preset tiny [--seed N]
+    gyre model init DIR --preset tiny|small|tiny-tied [--seed N]
     gyre model info DIR
     gyre model logprobs DIR --backend embedded|megatron|transformers --tokens FILE   (FILE: JSON list of ids, or -)
 
@@ -120,7 +120,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     init = commands.add_parser("init", help="write a freshly initialised model directory")
     init.add_argument("dir", help="directory to create (existing files of the model format are overwritten)")
-    init.add_argument("--preset", default="tiny", help="model size preset: tiny or small (default tiny)")
+    init.add_argument("--preset", default="tiny",
+                      help="model preset: tiny, small or tiny-tied (tied embeddings, as Qwen3-0.6B) (default tiny)")
     init.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     init.set_defaults(func=_init)
 

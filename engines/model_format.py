@@ -1,7 +1,7 @@
 """Gyre's model directory: a Qwen3-architecture causal LM in Hugging Face format, built from a seed.
 
-A model directory holds config.json (Qwen3Config, untied embeddings, fp32), model.safetensors (HF tensor names),
-generation_config.json, tokenizer.json and tokenizer_config.json (with the chat template). Every engine reads this
+A model directory holds config.json (Qwen3Config, fp32; the output layer tied to the embeddings or not),
+model.safetensors (HF tensor names), generation_config.json, tokenizer.json and tokenizer_config.json (with the chat template). Every engine reads this
 one format: the embedded engine, the Megatron trainer (through weight_convert), transformers, and SGLang at scale.
 Nothing is downloaded: `init_model_dir` writes a freshly initialised model whose bytes depend only on the preset and
 the seed, so tests, examples and benchmarks can build the same model anywhere.
@@ -62,6 +62,9 @@ class ModelSpec:
     """Base of the rotary position embedding."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
+    tie_word_embeddings: bool = False
+    """The output layer reuses the input embedding matrix (HF `tie_word_embeddings`; Qwen3-0.6B/1.7B/4B): the
+    checkpoint has no lm_head.weight, and the trainer keeps one matrix that both ends update."""
 
     def __attrs_post_init__(self) -> None:
         # Sizes first: a config.json from elsewhere may hold a string or a zero, and the head check divides.
@@ -71,6 +74,8 @@ class ModelSpec:
                 raise ModelFormatError(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelFormatError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if type(self.tie_word_embeddings) is not bool:
+            raise ModelFormatError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
 
     @property
     def num_params(self) -> int:
@@ -94,7 +99,7 @@ class ModelSpec:
             "initializer_range": 0.02,
             "rms_norm_eps": self.rms_norm_eps,
             "use_cache": True,
-            "tie_word_embeddings": False,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "attention_bias": False,
@@ -116,8 +121,6 @@ class ModelSpec:
             raise ModelFormatError(f"config.json must hold a JSON object, got {type(config).__name__}")
         if config.get("model_type") != "qwen3":
             raise ModelFormatError(f"model_type must be 'qwen3', got {config.get('model_type')!r}")
-        if config.get("tie_word_embeddings", False):
-            raise ModelFormatError("tied embeddings are not supported (Gyre's models keep lm_head separate)")
         if config.get("attention_bias", False):
             raise ModelFormatError("attention_bias=True is not supported by Gyre's Qwen3 layout")
         if config.get("use_sliding_window", False):
@@ -142,6 +145,7 @@ class ModelSpec:
                 max_position_embeddings=config.get("max_position_embeddings", MODEL_MAX_LENGTH),
                 rope_theta=float(theta),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=config.get("tie_word_embeddings", False),
             )
         except ModelFormatError:
             raise
@@ -169,11 +173,16 @@ PRESETS: dict[str, ModelSpec] = {
     # 5.8M parameters: the layer shape whose Megatron-on-CPU timings are in the reference notes (hidden 256,
     # head_dim 64, FFN 768), two layers deeper.
     "small": ModelSpec(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=64, ffn_size=768),
+    # "tiny" with one embedding matrix for input and output, the layout of Qwen3-0.6B/1.7B/4B: tests that the
+    # tie survives every engine, the trainer's updates and both weight conversions.
+    "tiny-tied": ModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=384,
+                           tie_word_embeddings=True),
 }
 
 
 def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor of Qwen3ForCausalLM by its HF name, in a fixed order."""
+    """Every tensor of Qwen3ForCausalLM by its HF name, in a fixed order (no lm_head.weight when tied: HF
+    checkpoints of tied models omit it)."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
     for i in range(spec.num_layers):
@@ -194,7 +203,8 @@ def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             }
         )
     shapes["model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (spec.vocab_size, h)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
     return shapes
 
 

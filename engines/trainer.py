@@ -223,7 +223,8 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
             max_sequence_length=spec.max_position_embeddings,
             position_embedding_type="rope",
             rotary_base=spec.rope_theta,
-            share_embeddings_and_output_weights=False,
+            # Tied (Qwen3-0.6B/1.7B/4B): one matrix embeds and scores, and its gradient sums both uses.
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
         )
     return model.to(device)
 

@@ -19,7 +19,11 @@ Pure tensor reshuffling (no megatron import), so the weight broker and the tests
 megatron splits the fused projection group by group (so tensor parallelism can shard whole groups).
 `linear_fc1` is cat([gate, up]). (*) With the Transformer Engine layer spec (GPU) the two pre-norms are fused into
 the linears: `linear_qkv.layer_norm_weight` and `linear_fc1.layer_norm_weight`; pass `fused_norms=True`.
-Megatron's `*._extra_state` entries (FP8 metadata, None here) are not weights and are neither produced nor needed.
+A tied model (`spec.tie_word_embeddings`) has neither lm_head.weight nor output_layer.weight: megatron's GPTModel
+with `share_embeddings_and_output_weights=True` computes the logits with the embedding matrix (on a pipeline's last
+stage it keeps a copy that its gradient all-reduce keeps equal; that copy is the parallel code's business, not a
+checkpoint's). An HF checkpoint that stores lm_head.weight for a tied model anyway is accepted when it equals
+the embedding. Megatron's `*._extra_state` entries (FP8 metadata, None here) are not weights and are neither produced nor needed.
 """
 
 from __future__ import annotations
@@ -53,13 +57,19 @@ def megatron_param_names(spec: ModelSpec, fused_norms: bool = False) -> list[str
     names = ["embedding.word_embeddings.weight"]
     for i in range(spec.num_layers):
         names.extend(_layer_names(i, fused_norms).values())
-    return [*names, "decoder.final_layernorm.weight", "output_layer.weight"]
+    names.append("decoder.final_layernorm.weight")
+    return names if spec.tie_word_embeddings else [*names, "output_layer.weight"]
 
 
 def hf_to_megatron(
     hf: Mapping[str, torch.Tensor], spec: ModelSpec, fused_norms: bool = False
 ) -> dict[str, torch.Tensor]:
     """Convert an HF Qwen3 state dict to GPTModel names and layouts (new tensors; `hf` is not modified)."""
+    if spec.tie_word_embeddings and "lm_head.weight" in hf:
+        embed = hf.get("model.embed_tokens.weight")
+        if embed is None or not torch.equal(hf["lm_head.weight"], embed):
+            raise ConversionError("a tied model's lm_head.weight must equal model.embed_tokens.weight (or be absent)")
+        hf = {k: v for k, v in hf.items() if k != "lm_head.weight"}
     try:
         check_state_dict(spec, hf)
     except ModelFormatError as error:
@@ -82,7 +92,8 @@ def hf_to_megatron(
         out[names["fc1"]] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
         out[names["fc2"]] = hf[p + "mlp.down_proj.weight"].clone()
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-    out["output_layer.weight"] = hf["lm_head.weight"].clone()
+    if not spec.tie_word_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"].clone()
     return out
 
 
@@ -120,7 +131,8 @@ def megatron_to_hf(
         out[p + "mlp.up_proj.weight"] = up.clone()
         out[p + "mlp.down_proj.weight"] = weights[names["fc2"]].detach().clone()
     out["model.norm.weight"] = weights["decoder.final_layernorm.weight"].detach().clone()
-    out["lm_head.weight"] = weights["output_layer.weight"].detach().clone()
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = weights["output_layer.weight"].detach().clone()
     try:
         check_state_dict(spec, out)
     except ModelFormatError as error:

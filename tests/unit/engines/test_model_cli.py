@@ -101,3 +101,15 @@ def test_logprobs_on_truncated_weights_is_one_line_and_exit_2(truncated_weights,
     tokens.write_text("[5, 6, 7]")
     assert main(["model", "logprobs", str(truncated_weights), "--backend", backend, "--tokens", str(tokens)]) == 2
     assert "is not a readable safetensors file" in one_error_line(capsys, "gyre model logprobs: ")
+
+
+def test_init_tiny_tied_preset_and_score_it_with_the_embedded_engine(tmp_path, capsys) -> None:
+    assert main(["model", "init", str(tmp_path / "tied"), "--preset", "tiny-tied"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    spec = ModelSpec.from_model_dir(tmp_path / "tied")
+    assert spec.tie_word_embeddings and report["params"] == spec.num_params
+    assert "lm_head.weight" not in load_hf_state_dict(tmp_path / "tied")
+    (tmp_path / "ids.json").write_text("[5, 9, 11, 300]")
+    assert main(["model", "logprobs", str(tmp_path / "tied"), "--backend", "embedded",
+                 "--tokens", str(tmp_path / "ids.json")]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 3

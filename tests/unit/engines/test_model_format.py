@@ -14,6 +14,7 @@ from gyre.engines.model_format import (
     ModelSpec,
     hf_param_shapes,
     init_model_dir,
+    init_state_dict,
     load_hf_state_dict,
 )
 
@@ -80,7 +81,7 @@ def test_bad_inputs_raise_typed_errors(tmp_path):
     with pytest.raises(ModelFormatError):
         ModelSpec(hidden_size=64, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=16, ffn_size=8)
     with pytest.raises(ModelFormatError):
-        ModelSpec.from_config_dict({**PRESETS["tiny"].config_dict(), "tie_word_embeddings": True})
+        ModelSpec.from_config_dict({**PRESETS["tiny"].config_dict(), "tie_word_embeddings": "yes"})
     with pytest.raises(ModelFormatError):
         model_format.check_state_dict(PRESETS["tiny"], {"lm_head.weight": torch.zeros(1)})
 
@@ -139,3 +140,20 @@ def test_cli_init_and_info(tmp_path, capsys, tiny_model_dir):
     assert json.loads(capsys.readouterr().out)["head_dim"] == PRESETS["tiny"].head_dim
     assert main(["model", "init", str(tmp_path / "x"), "--preset", "huge"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+def test_tied_preset_writes_a_checkpoint_without_lm_head(tmp_path):
+    from safetensors import safe_open
+
+    init_model_dir(tmp_path, preset="tiny-tied", seed=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    spec = ModelSpec.from_model_dir(tmp_path)
+    assert spec == PRESETS["tiny-tied"] and spec.tie_word_embeddings
+    assert spec.num_params == PRESETS["tiny"].num_params - spec.vocab_size * spec.hidden_size
+    model_format.check_state_dict(spec, load_hf_state_dict(tmp_path))
+    with pytest.raises(ModelFormatError):  # an untied checkpoint does not fit a tied spec
+        model_format.check_state_dict(spec, init_state_dict(PRESETS["tiny"]))

@@ -15,10 +15,11 @@ SPECS = [
     ModelSpec(hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8, ffn_size=40, vocab_size=50),
     # Multi-head attention (one query head per group).
     ModelSpec(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8, ffn_size=24, vocab_size=20),
+    PRESETS["tiny-tied"],
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["tiny", "gqa3", "mha"])
+@pytest.mark.parametrize("spec", SPECS, ids=["tiny", "gqa3", "mha", "tied"])
 @pytest.mark.parametrize("fused_norms", [False, True])
 def test_round_trip_is_bit_exact(spec, fused_norms):
     hf = init_state_dict(spec, seed=7)
@@ -87,3 +88,17 @@ def test_names_match_megatron_gpt_model(tiny_model_dir):
     back = megatron_to_hf(model.state_dict(), spec)
     original = load_hf_state_dict(tiny_model_dir)
     assert all(torch.equal(back[k], original[k]) for k in original)
+
+
+def test_tied_models_have_no_output_layer_and_accept_an_equal_lm_head():
+    spec = PRESETS["tiny-tied"]
+    hf = init_state_dict(spec, seed=3)
+    mg = hf_to_megatron(hf, spec)
+    assert "output_layer.weight" not in mg and "lm_head.weight" not in megatron_to_hf(mg, spec)
+    # Some tied checkpoints store the (equal) output matrix anyway: accepted, and it changes nothing.
+    with_head = {**hf, "lm_head.weight": hf["model.embed_tokens.weight"].clone()}
+    assert all(torch.equal(hf_to_megatron(with_head, spec)[k], v) for k, v in mg.items())
+    with pytest.raises(ConversionError):  # an lm_head that differs would be silently dropped: refuse it
+        hf_to_megatron({**hf, "lm_head.weight": torch.zeros_like(hf["model.embed_tokens.weight"])}, spec)
+    with pytest.raises(ConversionError):  # a megatron state with an output layer is not the tied layout
+        megatron_to_hf({**mg, "output_layer.weight": mg["embedding.word_embeddings.weight"]}, spec)

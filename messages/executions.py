@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import attrs
+
 from gyre.messages._define import message
 
 
-@message("gyre.executions.TaskSpec")
+@message("gyre.executions.TaskSpec", version=2)
 class TaskSpec:
     """Everything the executor and evaluator need to run and score one task; plain data, no code."""
 
@@ -23,6 +25,24 @@ class TaskSpec:
     """Wall-time limit of one execution; on expiry its process group is killed and the workspace still scored."""
     scorer_timeout_s: float
     """Wall-time limit of the scorer; a scorer that overruns drops the execution."""
+    workdir: str = ""
+    """Where a sandbox mounts the workspace and starts agent and scorer (Harbor's WORKDIR, e.g. /app); "" = the
+    workspace's host path (the only choice of the `none` sandbox)."""
+    env: dict[str, str] = attrs.field(factory=dict)
+    """Environment variables the task declares for its agent and scorer (a sandbox sets only declared ones)."""
+    cpus: float = 0.0
+    """CPU quota of each sandbox in cores (Harbor's [environment] cpus); 0 = the sandbox's default."""
+    memory_mb: int = 0
+    """Memory limit of each sandbox (Harbor's [environment] memory_mb); 0 = the sandbox's default."""
+    max_processes: int = 0
+    """Process limit of each sandbox; 0 = the sandbox's default."""
+    agent_mounts: tuple[tuple[str, str], ...] = ()
+    """(host path, path inside) mounted read-only for the agent (an oracle's solution/ at /solution)."""
+    scorer_mounts: tuple[tuple[str, str], ...] = ()
+    """(host path, path inside) mounted read-only for the scorer (a Harbor verifier's tests/ at /tests)."""
+    scorer_output_dir: str = ""
+    """Path inside the scorer's sandbox where a fresh writable directory is mounted (Harbor's /logs/verifier); ""
+    = none."""
 
 
 @message("gyre.executions.StartGroup")

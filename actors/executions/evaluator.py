@@ -46,6 +46,12 @@ import attrs
 
 from gyre.actors.errors import ActorError
 from gyre.actors.executions.process_groups import signal_process_group, stop_process_group
+from gyre.actors.executions.sandbox import (
+    SandboxConfig,
+    SandboxRequest,
+    SandboxUnavailable,
+    open_sandbox,
+)
 from gyre.actors.executions.warm_launcher import (
     LaunchedProcess,
     LauncherClosed,
@@ -94,6 +100,12 @@ class EvaluatorConfig:
     """Delete the workspace directory once scored or dropped (the logs beside it stay)."""
     inherit_env: bool = True
     """Scorers see this process's environment (plus GYRE_EXECUTION_ID and GYRE_AGENT_TIMED_OUT)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Where scorers run (gyre.actors.executions.sandbox). With bubblewrap a scorer sees the workspace at the task's
+    `workdir`, its `scorer_mounts` read-only, a fresh writable `scorer_output_dir` (made beside the workspace as
+    `verifier/`), and an environment of PATH, HOME, the task's `env`, GYRE_EXECUTION_ID and GYRE_AGENT_TIMED_OUT
+    (`inherit_env` does not apply); the folder two levels above the workspace (the executor's root, laid out as
+    root/group/index/workspace) is hidden. Warm scorers run only without a sandbox."""
     warm_launcher_preload: tuple[str, ...] = attrs.field(default=(), validator=_module_names)
     """Modules a warm launcher imports once for the scorers it forks (module docstring); () runs every scorer as a
     fresh process. An entry "module:function" also calls that warm-up once."""
@@ -134,6 +146,12 @@ def _detail(obj: dict[str, Any], max_chars: int) -> str:
         return text
     kept = {key: obj[key] for key in ("reward", "success") if key in obj and not isinstance(obj[key], (dict, list))}
     return json.dumps(kept, sort_keys=True, separators=(",", ":"), ensure_ascii=False)[:max_chars]
+
+
+def _fresh_directory(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
 
 
 def _read_files_capped(paths: tuple[Path, ...], cap: int) -> tuple[bytes, ...]:
@@ -224,18 +242,39 @@ class Evaluator(Actor):
 
         if not workspace.is_dir():
             return drop("workspace_lost", f"workspace lost: {workspace} is not a directory")
-        env = dict(os.environ) if self.config.inherit_env else {"PATH": os.environ.get("PATH", os.defpath)}
+        sandboxed = self.config.sandbox.kind != "none"
+        if sandboxed:
+            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp",
+                   "LANG": "C.UTF-8"}
+        else:
+            env = dict(os.environ) if self.config.inherit_env else {"PATH": os.environ.get("PATH", os.defpath)}
+        env.update(task.env)
         env.update(GYRE_EXECUTION_ID=execution_id, GYRE_AGENT_TIMED_OUT="1" if finished.timed_out else "0")
         argv = task.scorer_argv
+        prepared = None
         try:
+            writable: tuple[tuple[str, str], ...] = ()
+            if task.scorer_output_dir:
+                output = workspace.parent / "verifier"
+                await self.offload(_fresh_directory, output)
+                writable = ((str(output), task.scorer_output_dir),)
+            hide = (str(workspace.parents[2]),) if sandboxed and len(workspace.parents) > 3 else ()
+            prepared = await open_sandbox(self.config.sandbox, SandboxRequest(
+                argv, env, str(workspace), task.workdir, read_only_mounts=task.scorer_mounts,
+                writable_mounts=writable, hide=hide, memory_mb=task.memory_mb, max_processes=task.max_processes,
+                cpus=task.cpus,
+            ))
             ran = None
             launcher = self.launcher
-            if launcher is not None and launcher.alive and launcher.accepts(argv, workspace, env):
+            if not sandboxed and launcher is not None and launcher.alive and launcher.accepts(argv, workspace, env):
                 ran = await self._run_warm(launcher, argv, workspace, env, task.scorer_timeout_s)
             if ran is None:
-                ran = await self._run_plain(argv, workspace, env, task.scorer_timeout_s)
-        except (OSError, ValueError) as error:
+                ran = await self._run_plain(prepared.argv, Path(prepared.cwd), prepared.env, task.scorer_timeout_s)
+        except (OSError, ValueError, SandboxUnavailable) as error:  # SandboxRefused is a ValueError
             return drop("failed_to_start", f"scorer did not start: {error!r}")
+        finally:
+            if prepared is not None:
+                await prepared.close()
         returncode, out, err, timed_out = ran
         if timed_out:
             return drop("timed_out", f"scorer timed out after {task.scorer_timeout_s} s")

@@ -47,6 +47,15 @@ from pathlib import Path, PurePosixPath
 import attrs
 
 from gyre.actors.executions.process_groups import signal_process_group, stop_process_group
+from gyre.actors.executions.sandbox import (
+    PreparedSandbox,
+    SandboxConfig,
+    SandboxRequest,
+    SandboxUnavailable,
+    open_sandbox,
+    proxy_url_inside,
+    sandbox_problem,
+)
 from gyre.actors.executions.warm_launcher import LaunchedProcess, LauncherDied, WarmLauncher, preload_problem, watch_launcher
 from gyre.messages.execution_reports import AgentExited, AgentLaunched, LaunchFailed
 from gyre.messages.execution_stats import ExecutorStatistics
@@ -71,6 +80,7 @@ __all__ = [
     "execution_id_for",
     "task_problem",
     "safe_path_component",
+    "sandbox_env",
 ]
 
 AGENT_STDOUT = "agent.stdout.log"
@@ -110,6 +120,11 @@ class ExecutorConfig:
     gives them only PATH plus `extra_env`."""
     extra_env: dict[str, str] = attrs.field(factory=dict)
     """More environment variables for every agent (the executor's own variables win on a clash)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Where agents run (gyre.actors.executions.sandbox): "none" runs them on the host as they are (trusted agents);
+    "bubblewrap" isolates each (only its workspace writable, no network but the proxy, a non-root uid, cgroup
+    limits, an environment of only `extra_env`, the task's `env` and the proxy variables: `inherit_env` does not
+    apply). Warm launches happen only without a sandbox."""
     warm_launcher_preload: tuple[str, ...] = attrs.field(default=(), validator=_module_names)
     """Modules a fork server imports once, so that agents run as `<this python> <script> ...` start with them
     already imported; an entry "module:function" also calls that warm-up once (gyre.actors.executions.sdk_warmup has the SDK
@@ -166,6 +181,13 @@ def task_problem(task: TaskSpec) -> str | None:
         if not isinstance(content, str):
             return f"workspace file {relative!r} has no text content"
     return None
+
+
+def sandbox_env(extra: dict[str, str]) -> dict[str, str]:
+    """The base environment inside a bubblewrap sandbox, before the task's, the agent's and the proxy's variables: a
+    PATH of the host's system directories and a writable HOME (the private /tmp)."""
+    return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp",
+            "LANG": "C.UTF-8", **extra}
 
 
 def _prepare(execution: _Execution) -> None:
@@ -258,7 +280,9 @@ class Executor(Actor):
             return f"group_size must be in 1..{self.config.max_group_size}, got {size!r}"
         if len(self.queue) + size > self.config.max_queued:
             return f"executor queue full ({len(self.queue)} queued, max_queued {self.config.max_queued})"
-        return task_problem(msg.task)
+        return task_problem(msg.task) or sandbox_problem(self.config.sandbox, msg.task.workdir,
+                                                         bool(msg.task.agent_mounts or msg.task.scorer_mounts
+                                                              or msg.task.scorer_output_dir))
 
     def _pump(self) -> None:
         while self.queue and len(self.running) < self.config.max_concurrent:
@@ -279,12 +303,21 @@ class Executor(Actor):
         except Exception as error:  # any failure to get a key drops this execution, not the executor
             await self.send(self.name, LaunchFailed(execution.execution_id, f"no API key: {error!r}", False))
             return
+        sandbox: list[PreparedSandbox] = []
         try:
-            await self.offload(_prepare, execution)
-            process = await self._spawn_agent(execution, reply)
-        except (OSError, ValueError) as error:  # unwritable root, missing program, bad argv
-            await self.send(self.name, LaunchFailed(execution.execution_id, f"agent did not start: {error!r}", True))
-            return
+            try:
+                await self.offload(_prepare, execution)
+                process = await self._spawn_agent(execution, reply, sandbox)
+            except (OSError, ValueError, SandboxUnavailable) as error:  # unwritable root, missing program, bad argv
+                await self.send(self.name,
+                                LaunchFailed(execution.execution_id, f"agent did not start: {error!r}", True))
+                return
+            await self._wait_agent(execution, process)
+        finally:
+            for prepared in sandbox:  # whatever the agent left in its sandbox dies with it
+                await prepared.close()
+
+    async def _wait_agent(self, execution: _Execution, process: asyncio.subprocess.Process | LaunchedProcess) -> None:
         started_s = self.clock.now()
         await self.send(self.name, AgentLaunched(execution.execution_id, str(execution.workspace), process.pid))
         timed_out = False
@@ -304,24 +337,38 @@ class Executor(Actor):
         )
 
     async def _spawn_agent(
-        self, execution: _Execution, key: KeyIssued
+        self, execution: _Execution, key: KeyIssued, sandbox: list[PreparedSandbox]
     ) -> asyncio.subprocess.Process | LaunchedProcess:
-        env = dict(os.environ) if self.config.inherit_env else {"PATH": os.environ.get("PATH", os.defpath)}
-        env.update(self.config.extra_env)
+        sandboxed = self.config.sandbox.kind != "none"
+        openai_url, anthropic_url = key.openai_base_url, key.anthropic_base_url
+        if sandboxed:
+            env = sandbox_env(self.config.extra_env)
+            openai_url, anthropic_url = proxy_url_inside(openai_url), proxy_url_inside(anthropic_url)
+        else:
+            env = dict(os.environ) if self.config.inherit_env else {"PATH": os.environ.get("PATH", os.defpath)}
+            env.update(self.config.extra_env)
+        env.update(execution.task.env)
         env.update(
-            OPENAI_BASE_URL=key.openai_base_url,
+            OPENAI_BASE_URL=openai_url,
             OPENAI_API_KEY=key.api_key,
-            ANTHROPIC_BASE_URL=key.anthropic_base_url,
+            ANTHROPIC_BASE_URL=anthropic_url,
             ANTHROPIC_API_KEY=key.api_key,
             GYRE_EXECUTION_ID=execution.execution_id,
             GYRE_GROUP_ID=execution.group_id,
         )
         argv = (*execution.task.agent_argv, execution.task.prompt)
         stdout_path, stderr_path = execution.logs / AGENT_STDOUT, execution.logs / AGENT_STDERR
+        task = execution.task
+        prepared = await open_sandbox(self.config.sandbox, SandboxRequest(
+            argv, env, str(execution.workspace), task.workdir, read_only_mounts=task.agent_mounts,
+            hide=(str(self.root),), proxy_url=key.openai_base_url if sandboxed else "",
+            memory_mb=task.memory_mb, max_processes=task.max_processes, cpus=task.cpus,
+        ))
+        sandbox.append(prepared)
         # The launch counters are bumped here, in the child task, rather than through a report: they are statistics
         # only, and no handler decides anything from them.
         launcher = self.launcher
-        if launcher is not None and launcher.alive:
+        if launcher is not None and launcher.alive and not sandboxed:
             if launcher.accepts(argv, execution.workspace, env):
                 try:
                     process = await launcher.launch(argv, execution.workspace, env, stdout_path, stderr_path)
@@ -336,9 +383,9 @@ class Executor(Actor):
                                  why="only `<this python> <existing script> ...` can be forked warm")
         with open(stdout_path, "wb") as stdout, open(stderr_path, "wb") as stderr:
             process = await asyncio.create_subprocess_exec(
-                *argv,
-                cwd=execution.workspace,
-                env=env,
+                *prepared.argv,
+                cwd=prepared.cwd,
+                env=prepared.env,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,

@@ -1,0 +1,4 @@
+#!/bin/bash
+set -e
+mkdir -p backup
+cp datas/*.txt backup/

@@ -7,7 +7,8 @@
 - `LocalProcessLauncher`: one OS process per `process` group, ZeroMQ over ipc:// (or tcp:// on 127.0.0.1) between
   them, CURVE-authenticated with a fresh key pair per process, a supervisor in the launcher's own process; clean
   shutdown on Ctrl-C or SIGTERM, no orphans (children die with the parent).
-A Ray launcher places the same process groups as Ray actors and fits the same interface.
+- `RayLauncher` (runtime/ray_launcher.py, imported only when asked: importing ray takes seconds): each process
+  group one Ray actor placed by a placement group, tcp:// + CURVE on each node's address.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import attrs
 
@@ -36,6 +37,33 @@ class RestartPolicy:
     def __attrs_post_init__(self) -> None:
         if self.mode not in ("restart", "stop_actor", "stop_topology"):
             raise TopologyError(f"unknown restart mode {self.mode!r}")
+
+
+#: Ray placement group strategies a topology may name for spreading its cells (Ray's own four).
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@attrs.frozen
+class ProcessResources:
+    """What one process group reserves on the node that hosts it (the Ray launcher's scheduling request)."""
+
+    cpu: float = 1.0
+    """CPU cores reserved (Ray's "CPU"); Ray's own default for an actor is 1."""
+    gpu: float = 0.0
+    """GPUs reserved (Ray's "GPU")."""
+    custom: Mapping[str, float] = attrs.field(factory=dict, converter=lambda value: dict(value or {}))
+    """Custom Ray resources reserved (e.g. {"cell_core": 1} to pin a group to the node that offers it)."""
+
+    def as_bundle(self) -> dict[str, float]:
+        """This reservation as a Ray placement-group bundle (zero amounts left out: Ray refuses them)."""
+        bundle = {"CPU": self.cpu, "GPU": self.gpu, **self.custom}
+        return {key: amount for key, amount in bundle.items() if amount > 0}
+
+
+def _amount(process: str, key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise TopologyError(f"resources: {process}: {key} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 @attrs.frozen
@@ -70,6 +98,13 @@ class Topology:
         self._specs: dict[str, ActorSpec] = {}
         self.cpu_cores_by_process: dict[str, float] = {}
         """Process group -> cores it may use at most (`limit_cpu`); the local-process launcher applies them."""
+        self.resources_by_process: dict[str, ProcessResources] = {}
+        """Process group -> what it reserves on its node (`resources`); the Ray launcher applies them (1 CPU when
+        not declared)."""
+        self.packs: dict[str, tuple[str, ...]] = {}
+        """Name -> process groups placed together on one node (`pack`): a cell and its engine processes."""
+        self.placement_strategy = "SPREAD"
+        """How the Ray launcher spreads packs over nodes (a Ray placement-group strategy, `place_packs`)."""
 
     def add(
         self,
@@ -103,6 +138,62 @@ class Topology:
         if not (isinstance(cores, (int, float)) and cores > 0):
             raise TopologyError(f"limit_cpu: {process}: cores must be a positive number, got {cores!r}")
         self.cpu_cores_by_process[process] = float(cores)
+
+    def resources(
+        self, process: str, *, CPU: float = 1.0, GPU: float = 0.0, custom: Mapping[str, float] | None = None,
+    ) -> ProcessResources:
+        """Declare what process group `process` reserves on its node under the Ray launcher (Ray's names: CPU, GPU,
+        custom resources). The other launchers run every group on this machine and ignore it."""
+        if process not in self.processes():
+            raise TopologyError(f"resources: no process group {process!r}; add its actors first")
+        custom = dict(custom or {})
+        for key in custom:
+            if not isinstance(key, str) or not key or key in ("CPU", "GPU"):
+                raise TopologyError(f"resources: {process}: custom resource names are non-empty strings other than "
+                                    f"CPU and GPU, got {key!r}")
+        declared = ProcessResources(
+            _amount(process, "CPU", CPU), _amount(process, "GPU", GPU),
+            {key: _amount(process, key, amount) for key, amount in custom.items()},
+        )
+        if not declared.as_bundle():
+            raise TopologyError(f"resources: {process}: reserves nothing; Ray cannot place an empty bundle")
+        self.resources_by_process[process] = declared
+        return declared
+
+    def resources_of(self, process: str) -> ProcessResources:
+        """What `process` reserves: its declaration, else 1 CPU."""
+        return self.resources_by_process.get(process, ProcessResources())
+
+    def pack(self, name: str, processes: list[str] | tuple[str, ...]) -> None:
+        """Place `processes` on one node (one Ray placement-group bundle holding all their resources)."""
+        groups = self.processes()
+        if not name or name in self.packs:
+            raise TopologyError(f"pack: name {name!r} is empty or taken")
+        if not processes:
+            raise TopologyError(f"pack {name}: names no process group")
+        for process in processes:
+            if process not in groups:
+                raise TopologyError(f"pack {name}: no process group {process!r}; add its actors first")
+            for other, members in self.packs.items():
+                if process in members:
+                    raise TopologyError(f"pack {name}: process group {process!r} is already in pack {other!r}")
+        self.packs[name] = tuple(processes)
+
+    def place_packs(self, strategy: str) -> None:
+        """How packs spread over nodes: "SPREAD" (default: over as many nodes as fit), "STRICT_SPREAD" (one node
+        each), "PACK" or "STRICT_PACK" (Ray's placement-group strategies)."""
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise TopologyError(f"place_packs: strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
+                                f"got {strategy!r}")
+        self.placement_strategy = strategy
+
+    def placement_units(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Every process group in exactly one unit that goes on one node: the declared packs, then each group left
+        over on its own (named after it), in topology order."""
+        units = [(name, members) for name, members in self.packs.items()]
+        packed = {process for members in self.packs.values() for process in members}
+        units += [(process, (process,)) for process in self.processes() if process not in packed]
+        return units
 
     @property
     def specs(self) -> tuple[ActorSpec, ...]:

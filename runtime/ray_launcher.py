@@ -1,0 +1,521 @@
+"""The Ray launcher: each process group of a topology is one Ray actor, placed by a Ray placement group; the bus
+between them is ZeroMQ over tcp:// + CURVE on each node's address; the supervisor runs in the launcher's process.
+
+Placement. `Topology.placement_units()` turns the topology into units that must share a node: each `Topology.pack`
+(a cell and its engine processes) and each process group left over. One placement group holds one bundle per unit,
+the sum of its groups' `Topology.resources` (1 CPU each when undeclared); a bundle is always on one node, so a
+unit's groups share one, and the placement group's strategy (`Topology.place_packs`, default SPREAD) spreads units
+over nodes. Each group's Ray actor asks for its own resources inside its unit's bundle. This is how verl's
+`RayResourcePool` and slime's `create_placement_groups` place workers (bundles per node, actors by bundle index);
+Gyre's unit is a cell instead of a GPU.
+
+Keys. The launcher makes the run's secret and one CURVE key pair per process group (and its own) and hands each
+host actor its `BusKeys` and the secret as constructor arguments: Ray carries them in the actor's creation task,
+never in the environment, a command line, a config or a log (runtime/run_secrets.py, runtime/zmq_transport.py).
+Ray's own channel is the cluster's trust boundary: anyone who can submit Ray tasks to the cluster can read them.
+
+Endpoints. Each host reserves a free TCP port on its node's address (`ray.util.get_node_ip_address()`) and reports
+it; once every host has one the launcher hands out the whole table and the nodes start. A port taken by another
+process in between makes that node fail to start, and the run ends with a message naming it.
+
+Event log. Each host records its segment in a temporary folder on its node. The launcher pulls what is new in every
+segment twice a second (`pull_every_s`) into `<log>.parts/`, and once more after the stop, then merges the parts as
+the local launcher does; a group that dies leaves what was pulled before (a torn last record is skipped). Each pull
+also brings the host's last stderr lines, so a death can be reported with them.
+
+Death. A host whose actor dies (a killed worker, a lost node: `RayActorError` on its `serve` call) is handled by
+its actors' `RestartPolicy`: if every actor of the group is in mode "restart", the group is started again in the
+same bundle (where Ray put it, which is another node when the node is gone) with the same keys, up to the smallest
+`max_restarts` of its actors; it must bind the same endpoint (same node address and port), since the other nodes
+keep sending there. Otherwise, or when that fails, the run ends with status 1 and a reason naming the group, its
+node and its last log lines. Every wait on Ray is bounded, so a run never hangs on a dead node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+import structlog
+
+from gyre.runtime.clock import RealClock
+from gyre.runtime.codec import Codec
+from gyre.runtime.errors import ConfigError, GyreError
+from gyre.runtime.event_log import EventLogWriter, merge_segments
+from gyre.runtime.launch import LAUNCHER_NODE, RunOptions, RunResult, supervisor_spec
+from gyre.runtime.node import Node, NodeConfig
+from gyre.runtime.run_secrets import install_run_secret, run_secret
+from gyre.runtime.topology import SUPERVISOR, Directory, Topology, load_topology_file
+from gyre.runtime.validators import positive
+from gyre.runtime.zmq_transport import BusKeys, ZmqConfig, ZmqTransport, generate_bus_keys
+
+log = structlog.get_logger("gyre.ray_launcher")
+
+#: stderr lines a host keeps for a death report: enough for a traceback's end, small enough to pull twice a second.
+LAST_LINES = 40
+#: Concurrent calls into one host actor: `serve` blocks for the whole run while `pull` and `stop` come in.
+HOST_CONCURRENCY = 4
+
+
+class RayLaunchError(GyreError, RuntimeError):
+    """Ray could not place or start the run (resources the cluster does not have, a host that failed to start)."""
+
+
+def start_ray(address: str) -> bool:
+    """Connect this driver to Ray: `address` of a running cluster ("auto" finds one), or "local" to start one on
+    this machine on 127.0.0.1 only. Returns whether this call connected (so the caller disconnects at the end); a
+    driver already connected (a test's cluster) is left as it is."""
+    if "ray" not in sys.modules:
+        # Read once when ray is imported: without it Ray rewrites 127.0.0.1 to the machine's interface address and
+        # a local cluster listening on loopback is never found (../shared/reference/ray.md, benchmarks/bus.py).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address == "local":
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    else:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    return True
+
+
+@attrs.frozen
+class HostPlan:
+    """What a host actor needs to build its node: the topology (file and source) and the group it runs."""
+
+    topology_file: str
+    """The topology file's path on the driver (used on a node where the same file exists)."""
+    topology_source: bytes = attrs.field(repr=False)
+    """The file's bytes: written to a node-local file where the path does not hold the same file."""
+    argv: tuple[str, ...]
+    """The topology's arguments."""
+    seed: int | None
+    """The seed override, if any."""
+    process: str
+    """The process group this host runs."""
+    node_config: NodeConfig
+    """Bounds of the node."""
+    zmq_config: ZmqConfig
+    """Socket bounds, the same in every process of the run."""
+
+
+@attrs.frozen
+class HostPlace:
+    """Where Ray put a host actor."""
+
+    node_id: str
+    """Ray's node id."""
+    node_ip: str
+    """The node's address, which the bus binds on."""
+    pid: int
+    """The host's worker process."""
+
+
+class _LastLines:
+    """A text stream that passes writes on and keeps the last `LAST_LINES` lines (bounded: a deque)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._lines: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            parts = (self._partial + text).split("\n")
+            self._partial = parts.pop()[-4096:]  # a line without its end is bounded too
+            self._lines.extend(part[-4096:] for part in parts)
+        return self._inner.write(text)
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            return [*self._lines, *([self._partial] if self._partial else [])]
+
+
+def _node_topology_file(plan: HostPlan) -> str:
+    path = Path(plan.topology_file)
+    if path.is_file() and path.read_bytes() == plan.topology_source:
+        return str(path)
+    # Another machine: the driver's file is not here. Same name, so the recorded code hash and module name hold.
+    folder = Path(tempfile.mkdtemp(prefix="gyre-topology-"))
+    copy = folder / path.name
+    copy.write_bytes(plan.topology_source)
+    return str(copy)
+
+
+class GroupHost:
+    """One process group as a Ray actor (threaded: `serve` blocks for the run while `pull` and `stop` come in).
+    The node runs on its own thread with its own event loop."""
+
+    def __init__(self, plan: HostPlan, secret: bytes, bus_keys: BusKeys) -> None:
+        install_run_secret(secret)
+        self._plan = plan
+        self._keys = bus_keys
+        self._stderr = _LastLines(sys.stderr)
+        sys.stderr = self._stderr
+        from gyre.runtime.logs import configure_logging
+
+        configure_logging(json=True)
+        self._folder = Path(tempfile.mkdtemp(prefix=f"gyre-segment-{plan.process}-"))
+        self._segment = self._folder / f"{plan.process}.glog"
+        self._started = threading.Event()
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def where(self) -> HostPlace:
+        import ray
+
+        return HostPlace(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+    def reserve_endpoint(self, wanted: str | None) -> str:
+        """A tcp:// endpoint on this node's address that nothing listens on now; `wanted` (a restart) must be
+        free and on this node, else this raises."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        port = 0
+        if wanted is not None:
+            host, _, wanted_port = wanted[len("tcp://"):].rpartition(":")
+            if host != address:
+                raise RayLaunchError(f"{self._plan.process}: restarted on {address}, its endpoint is {wanted}")
+            port = int(wanted_port)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((address, port))
+            return f"tcp://{address}:{probe.getsockname()[1]}"
+
+    def start(self, endpoints: dict[str, str], start_timeout_s: float) -> None:
+        """Build the node and start its actors; returns once they started (raises what stopped them)."""
+        self._thread = threading.Thread(target=self._run, args=(endpoints,), name=f"gyre:{self._plan.process}",
+                                        daemon=True)
+        self._thread.start()
+        if not self._started.wait(start_timeout_s):
+            raise RayLaunchError(f"{self._plan.process}: its node did not start within {start_timeout_s}s")
+        if self._error is not None:
+            raise RayLaunchError(f"{self._plan.process}: its node failed to start: {self._error!r}")
+
+    def serve(self) -> str:
+        """Wait until the node stopped; returns how (raises when it failed)."""
+        self._finished.wait()
+        if self._error is not None:
+            raise RayLaunchError(f"{self._plan.process}: {self._error!r}")
+        return "stopped"
+
+    def pull(self, offset: int) -> tuple[bytes, list[str]]:
+        """The segment's bytes from `offset` on (what the node flushed so far) and the last stderr lines."""
+        data = b""
+        if self._segment.exists():
+            with open(self._segment, "rb") as segment:
+                segment.seek(offset)
+                data = segment.read()
+        return data, self._stderr.lines()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        else:
+            self._finished.set()
+
+    def _run(self, endpoints: dict[str, str]) -> None:
+        try:
+            asyncio.run(_host_main(self._plan, self._keys, endpoints, self._segment, self._node_started))
+        except BaseException as error:  # the thread's end: keep it for serve(), never lose it
+            self._error = self._error or error
+        finally:
+            self._started.set()
+            self._finished.set()
+
+    def _node_started(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+        self._loop, self._stop = loop, stop
+        self._started.set()
+
+
+# Not a method: Ray makes a class with any `async def` an async actor, whose calls share one event loop, and
+# `serve` blocks for the whole run.
+async def _host_main(plan: HostPlan, keys: BusKeys, endpoints: dict[str, str], segment: Path,
+                     started: Callable[[asyncio.AbstractEventLoop, asyncio.Event], None]) -> None:
+    """Build the group's node, start it, tell `started` how to stop it, flush its segment until told to stop."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    topology = load_topology_file(_node_topology_file(plan), list(plan.argv))
+    if plan.seed is not None:
+        topology.seed = plan.seed
+    codec = Codec()
+    placement = {spec.name: spec.process for spec in topology.specs}
+    directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
+    transport = ZmqTransport(endpoints[plan.process], endpoints, plan.zmq_config, keys)
+    node = Node(plan.process, directory, clock=RealClock(), codec=codec, transport=transport,
+                recorder=EventLogWriter(segment), config=plan.node_config)
+    for spec in topology.processes()[plan.process]:
+        node.add_actor(spec, topology.actor_seed(spec.name))
+    await node.start()
+    if node.recorder is not None:
+        node.recorder.flush()  # the start records are on disk before the launcher's first pull
+    started(loop, stop)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+            if node.recorder is not None:
+                node.recorder.flush()  # what is flushed is what the launcher can pull
+    finally:
+        await node.stop()
+
+
+@attrs.frozen
+class _Host:
+    name: str
+    handle: Any
+    serving: Any
+    place: HostPlace
+    endpoint: str
+    incarnation: int
+
+
+@attrs.frozen
+class RayLaunchConfig:
+    """The Ray launcher's bounds: every wait on Ray has one, so a lost node ends the run instead of hanging it."""
+
+    place_timeout_s: float = attrs.field(default=60.0, validator=positive)
+    """How long the cluster may take to reserve every bundle (longer: a run that waits for an autoscaler)."""
+    start_timeout_s: float = attrs.field(default=60.0, validator=positive)
+    """How long a host may take to start, import the topology and start its actors."""
+    stop_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    """How long the hosts may take to stop before they are killed."""
+    pull_every_s: float = attrs.field(default=0.5, validator=positive)
+    """Segment and last-lines pulls; a dead group's log ends at most this long before its death."""
+    zmq: ZmqConfig = ZmqConfig()
+    """Socket bounds, the same in every process of the run."""
+
+
+class RayLauncher:
+    """Each process group as a Ray actor (module docstring); the same `Launcher` interface as the others.
+
+    After `run`, `placement` maps each process group to where it ran last, and `restarts` counts the groups
+    started again after their host died."""
+
+    def __init__(
+        self, topology_file: str, argv: tuple[str, ...] = (), seed: int | None = None, address: str = "local",
+        config: RayLaunchConfig = RayLaunchConfig(),
+    ) -> None:
+        self.topology_file = str(Path(topology_file).resolve())
+        self.argv = tuple(argv)
+        self.seed = seed
+        self.address = address
+        self.config = config
+        self.placement: dict[str, HostPlace] = {}
+        self.restarts: dict[str, int] = {}
+
+    def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
+        if topology.cpu_cores_by_process:
+            log.warning("cpu_limits_not_applied", launcher="ray", limits=topology.cpu_cores_by_process,
+                        why="Ray reserves CPU per group (Topology.resources); cgroup quotas are the local launcher's")
+        connected = start_ray(self.address)
+        try:
+            return self._run(topology, options)
+        finally:
+            if connected:
+                import ray
+
+                ray.shutdown()
+
+    def _run(self, topology: Topology, options: RunOptions) -> RunResult:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        groups = topology.processes()
+        units = topology.placement_units()
+        unit_of = {process: index for index, (_, members) in enumerate(units) for process in members}
+        bundles = []
+        for name, members in units:
+            bundle: dict[str, float] = {}
+            for process in members:
+                for key, amount in topology.resources_of(process).as_bundle().items():
+                    bundle[key] = bundle.get(key, 0.0) + amount
+            bundles.append(bundle)
+        group = placement_group(bundles, strategy=topology.placement_strategy,
+                                name=f"gyre-{topology.name}-{os.getpid()}")
+        parts_dir = Path(options.log_path + ".parts") if options.log_path else None
+        hosts: dict[str, _Host] = {}
+        try:
+            ready, _ = ray.wait([group.ready()], timeout=self.config.place_timeout_s)
+            if not ready:
+                raise RayLaunchError(
+                    f"Ray could not reserve {bundles} ({topology.placement_strategy}) within "
+                    f"{self.config.place_timeout_s}s; the cluster has {ray.cluster_resources()}"
+                )
+            if parts_dir is not None:
+                shutil.rmtree(parts_dir, ignore_errors=True)
+                parts_dir.mkdir(parents=True)
+            secret = run_secret()
+            bus_keys = generate_bus_keys([*groups, LAUNCHER_NODE])
+            source = Path(self.topology_file).read_bytes()
+            remote_host = ray.remote(GroupHost)
+
+            def create(process: str, incarnation: int, wanted: str | None) -> _Host:
+                resources = topology.resources_of(process)
+                plan = HostPlan(self.topology_file, source, self.argv, self.seed, process, options.node,
+                                self.config.zmq)
+                handle = remote_host.options(
+                    name=f"gyre:{topology.name}:{os.getpid()}:{process}:{incarnation}",
+                    num_cpus=resources.cpu, num_gpus=resources.gpu, resources=dict(resources.custom) or None,
+                    max_restarts=0, max_concurrency=HOST_CONCURRENCY,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, unit_of[process]),
+                ).remote(plan, secret, bus_keys[process])
+                place = ray.get(handle.where.remote(), timeout=self.config.start_timeout_s)
+                endpoint = ray.get(handle.reserve_endpoint.remote(wanted), timeout=self.config.start_timeout_s)
+                return _Host(process, handle, None, place, endpoint, incarnation)
+
+            for process in sorted(groups):
+                hosts[process] = create(process, 0, None)
+                log.info("process_group_placed", process=process, node_id=hosts[process].place.node_id,
+                         node_ip=hosts[process].place.node_ip, endpoint=hosts[process].endpoint)
+            self.placement = {name: host.place for name, host in hosts.items()}
+            driver_ip = ray.util.get_node_ip_address()
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((driver_ip, 0))
+                launcher_endpoint = f"tcp://{driver_ip}:{probe.getsockname()[1]}"
+            endpoints = {name: host.endpoint for name, host in hosts.items()}
+            endpoints[LAUNCHER_NODE] = launcher_endpoint
+            reason, code = asyncio.run(self._drive(topology, options, hosts, endpoints, bus_keys, parts_dir, create))
+        except (RayLaunchError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
+            reason, code = f"the Ray launch failed: {error}", 1
+            log.error("ray_launch_failed", reason=str(error))
+        finally:
+            for host in hosts.values():
+                ray.kill(host.handle, no_restart=True)
+            remove_placement_group(group)
+        if parts_dir is not None and options.log_path and parts_dir.exists():
+            report = merge_segments(sorted(parts_dir.glob("*.glog")), Path(options.log_path))
+            if report.torn_tail_bytes:
+                log.warning("a_process_left_a_torn_record_it_was_skipped", bytes=report.torn_tail_bytes)
+            shutil.rmtree(parts_dir, ignore_errors=True)
+        return RunResult(code, reason)
+
+    async def _drive(self, topology, options, hosts, endpoints, bus_keys, parts_dir, create) -> tuple[str, int]:
+        import ray
+
+        codec = Codec()
+        placement = {spec.name: spec.process for spec in topology.specs}
+        directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
+        transport = ZmqTransport(endpoints[LAUNCHER_NODE], endpoints, self.config.zmq, bus_keys[LAUNCHER_NODE])
+        recorder = EventLogWriter(parts_dir / f"{LAUNCHER_NODE}.glog") if parts_dir else None
+        node = Node(LAUNCHER_NODE, directory, clock=RealClock(), codec=codec, transport=transport,
+                    recorder=recorder, config=options.node)
+        node.add_actor(supervisor_spec(), topology.actor_seed(SUPERVISOR))
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(signum, node.resolve_stop, f"signal {signal.Signals(signum).name}",
+                                        128 + signum)
+            except (RuntimeError, ValueError):  # not the main thread (a test's driver)
+                pass
+        pulled: dict[tuple[str, int], int] = {}
+        last_lines: dict[str, list[str]] = {}
+
+        async def pull(host: _Host) -> None:
+            offset = pulled.get((host.name, host.incarnation), 0)
+            try:
+                data, lines = await asyncio.wait_for(asyncio.wrap_future(host.handle.pull.remote(offset).future()),
+                                                     self.config.pull_every_s * 4)
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as error:
+                log.debug("pull_failed", process=host.name, error=repr(error))
+                return  # a dead host is seen on its serve call; a slow one is pulled next time
+            last_lines[host.name] = lines
+            if data and parts_dir is not None:
+                with open(parts_dir / f"{host.name}.{host.incarnation}.glog", "ab") as part:
+                    part.write(data)
+                pulled[(host.name, host.incarnation)] = offset + len(data)
+
+        async def start(host: _Host) -> _Host:
+            await asyncio.wrap_future(host.handle.start.remote(endpoints, self.config.start_timeout_s).future())
+            return attrs.evolve(host, serving=host.handle.serve.remote())
+
+        await node.start()
+        try:
+            for name in sorted(hosts):
+                hosts[name] = await asyncio.wait_for(start(hosts[name]), self.config.start_timeout_s * 2)
+            if options.until_s is not None:
+                loop.call_later(options.until_s, node.resolve_stop, f"time limit of {options.until_s}s reached", 0)
+            assert node.stop_requested is not None
+            while not node.stop_requested.done():
+                # Pull first: what a group logged while starting is then known even if it dies at once.
+                await asyncio.gather(*(pull(host) for host in hosts.values()))
+                await self._check_hosts(topology, node, hosts, last_lines, create, start)
+                await asyncio.wait([node.stop_requested], timeout=self.config.pull_every_s)
+            return await node.stop_requested
+        except (RayLaunchError, ray.exceptions.RayError, asyncio.TimeoutError) as error:
+            return f"the Ray launch failed: {error!r}", 1
+        finally:
+            for host in hosts.values():
+                host.handle.stop.remote()
+            serving = [host.serving for host in hosts.values() if host.serving is not None]
+            if serving:
+                await asyncio.to_thread(ray.wait, serving, num_returns=len(serving), timeout=self.config.stop_timeout_s)
+            await asyncio.gather(*(pull(host) for host in hosts.values()))
+            await node.stop()
+
+    async def _check_hosts(self, topology, node, hosts, last_lines, create, start) -> None:
+        import ray
+
+        for name, host in list(hosts.items()):
+            ready, _ = ray.wait([host.serving], timeout=0)
+            if not ready:
+                continue
+            try:
+                ray.get(host.serving, timeout=self.config.stop_timeout_s)
+                why = "its node stopped by itself"
+            except ray.exceptions.RayError as error:
+                why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            specs = topology.processes()[name]
+            restartable = all(spec.restart.mode == "restart" for spec in specs)
+            allowed = min(spec.restart.max_restarts for spec in specs)
+            where = f"node {host.place.node_ip} (Ray node {host.place.node_id[:12]}, pid {host.place.pid})"
+            lines = last_lines.get(name, [])
+            log.error("process_group_died", process=name, node_ip=host.place.node_ip, node_id=host.place.node_id,
+                      why=why, last_lines=lines[-10:])
+            if restartable and self.restarts.get(name, 0) < allowed:
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                try:
+                    ray.kill(host.handle, no_restart=True)
+                    fresh = await asyncio.to_thread(create, name, host.incarnation + 1, host.endpoint)
+                    hosts[name] = await asyncio.wait_for(start(fresh), self.config.start_timeout_s * 2)
+                    self.placement[name] = fresh.place
+                    log.warning("process_group_restarted", process=name, restarts=self.restarts[name],
+                                node_ip=fresh.place.node_ip, node_id=fresh.place.node_id)
+                    continue
+                except (RayLaunchError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError,
+                        asyncio.TimeoutError) as error:
+                    why += f"; restarting it failed: {error}"
+            tail = "\n    ".join(lines[-10:]) or "(no output pulled)"
+            node.resolve_stop(f"process group {name} died on {where}: {why}; its last log lines:\n    {tail}", 1)
+            return

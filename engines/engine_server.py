@@ -10,6 +10,9 @@ Routes (SGLang shapes; see shared/reference/sglang.md):
 - POST /abort_request, /pause_generation, /continue_generation, /flush_cache (400 while requests are in flight and
   generation is not paused), /update_weights_from_disk, /update_weights_from_tensor, /release_memory_occupation,
   /resume_memory_occupation; GET /model_info, /health, /get_load (engine statistics).
+- GET /gyre/live_sequences: prompt + output so far of every generation in the engine (after a pause in place: what
+  a KV migration moves, partial outputs included). A cell that hosts this server as a child process asks it while
+  draining; SGLang has no such route, so against SGLang the cell aborts and the proxy re-prefills.
 - POST /gyre/kv/export, /gyre/kv/import, /gyre/kv/release: move one prefix's KV blocks between two embedded
   engines through Mooncake. The exporter pins the blocks and copies them into one contiguous region of its staging
   buffer (`staging_addr`, `staging_nbytes`); the importer reads that region with one transfer entry and scatters it
@@ -21,7 +24,8 @@ SGLang sends one entry per TP rank); `load_format` must be null or "safetensors_
 (bucketed updates); `weight_version` (int, or a string of one) tags the tokens generated afterwards.
 
 Errors: malformed JSON, unknown fields, bad values -> 400 {"error": {"message", "type"}}; a full queue -> 503; a
-broken engine -> 500. Handlers never let an exception escape to aiohttp.
+/generate while the engine's memory is released (its cell trains) -> 503 "engine_released", so that a call routed
+just before the cell drained is retried elsewhere rather than refused; a broken engine -> 500. Handlers never let an exception escape to aiohttp.
 
 Access: every route but /health needs `Authorization: Bearer <key>` (SGLang's header for its --api-key), compared in
 constant time; a missing or wrong key is 401. A server a cell hosts in its own process checks the run's engine token
@@ -204,6 +208,8 @@ class EngineServer:
         self.clock = clock
         self.tokenizer = engine.engine.tokenizer
         self._registered: Any = None  # the pool tensor and staging buffer registered with the agent
+        self._released: frozenset[str] = frozenset()
+        """Memory tags released through this server (the engine's own record lives in its worker thread)."""
 
     # ---- transfer-agent registration ----------------------------------------------------------------------
 
@@ -257,6 +263,9 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         started = self.clock()
         body = await _body(request, GENERATE_FIELDS, required=("input_ids",))
+        if self._released:
+            raise BadRequest(f"the engine's memory is released ({sorted(self._released)}): its cell is not serving; "
+                             "send the call to another engine", "engine_released", 503)
         input_ids = _token_ids(body["input_ids"])
         params, options = sampling_params_from_json(body.get("sampling_params"))
         rid = body.get("rid")
@@ -455,6 +464,7 @@ class EngineServer:
         body = await _body(request, frozenset({"tags"}))
         tags = self._memory_tags(body)
         await self.engine.release_memory(tags)
+        self._released |= frozenset({"weights", "kv_cache"} if tags is None else set(tags) - {"cuda_graph"})
         if tags is None or "kv_cache" in tags:
             # The agent's registration keeps the old pool tensor alive until now: peers never read freed memory.
             await self.unregister_pool()
@@ -462,7 +472,9 @@ class EngineServer:
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         body = await _body(request, frozenset({"tags"}))
-        await self.engine.resume_memory(self._memory_tags(body))
+        tags = self._memory_tags(body)
+        await self.engine.resume_memory(tags)
+        self._released = frozenset() if tags is None else self._released - set(tags)
         await self.register_pool()
         return web.json_response({"success": True, "message": "memory resumed"})
 
@@ -477,6 +489,11 @@ class EngineServer:
                 "engine": "gyre-embedded",
                 "vocab_size": spec.vocab_size,
                 "num_layers": spec.num_layers,
+                "hidden_size": spec.hidden_size,
+                "num_heads": spec.num_heads,
+                "num_kv_heads": spec.num_kv_heads,
+                "head_dim": spec.head_dim,
+                "ffn_size": spec.intermediate_size,
                 "max_context_tokens": engine.config.max_context_tokens,
                 "block_size_tokens": engine.config.block_size_tokens,
                 "kv_transfer": self.agent is not None,
@@ -491,6 +508,10 @@ class EngineServer:
     async def get_load(self, request: web.Request) -> web.Response:
         stats = await self.engine.stats()
         return web.json_response(attrs.asdict(stats))
+
+    async def live_sequences(self, request: web.Request) -> web.Response:
+        sequences = await self.engine.call(lambda engine: engine.live_sequences())
+        return web.json_response({"sequences": [list(sequences[rid]) for rid in sorted(sequences)]})
 
     # ---- KV export / import -------------------------------------------------------------------------------
 
@@ -616,6 +637,7 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/get_model_info", "model_info"),
     ("GET", "/health", "health"),
     ("GET", "/get_load", "get_load"),
+    ("GET", "/gyre/live_sequences", "live_sequences"),
     ("GET", "/flush_cache", "flush_cache"),
 )
 """Every route as (method, path, EngineServer method): the one table the app is built from, so the access rules
@@ -735,6 +757,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-exports", type=int, default=defaults.max_exports)
+    parser.add_argument("--kv-staging-tokens", type=int, default=None)
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop when the process that started this one ends (a cell hosting this server)")
+    parser.add_argument("--transfer-hostname", default=None,
+                        help="address Mooncake peers reach this server at (default: --host)")
     keys = parser.add_mutually_exclusive_group()
     keys.add_argument(
         "--api-key-file", metavar="PATH",
@@ -749,6 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                         help="a browser origin let in (repeatable); requests from any other origin get 403")
     args = parser.parse_args(argv)
+    if args.exit_with_parent:
+        _exit_with_parent()
     generated_dir: Path | None = None
     try:
         if args.api_key_file is not None:
@@ -772,6 +802,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """Send this process SIGTERM once its parent is gone (it is re-parented): a cell killed without stopping its
+    server must not leave it holding the port and the memory. A thread, since a pre-exec hook in the parent is not
+    safe in a process with threads."""
+    import signal
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.warning("engine_server_parent_gone", parent_pid=parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _serve(args: argparse.Namespace, api_key: str) -> None:
     config = EngineConfig(
         block_size_tokens=args.block_size,
@@ -783,13 +831,15 @@ def _serve(args: argparse.Namespace, api_key: str) -> None:
         dtype=args.dtype,
         num_threads=args.num_threads,
         seed=args.seed,
+        max_exports=args.max_exports,
+        kv_staging_tokens=args.kv_staging_tokens,
     )
     engine = AsyncEngine(EmbeddedEngine(args.model_dir, config))
     agent = None
     if args.kv_transfer:
-        from gyre.engines.transfer import TransferAgent
+        from gyre.engines.transfer import TransferAgent, TransferConfig
 
-        agent = TransferAgent()
+        agent = TransferAgent(TransferConfig(hostname=args.transfer_hostname or args.host))
     app = build_engine_app(engine, agent, model_path=args.model_dir, api_key=api_key,
                            allowed_origins=args.allow_origin)
 

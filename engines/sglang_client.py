@@ -16,6 +16,11 @@ client's `api_key`, the file `ClientConfig.api_key_file` names, or `run_token("e
 run derives alike, so in-run clients (the proxy's, the KV migrator's) and in-run servers (the cells') agree with no
 wiring. A refused key is `EngineUnauthorized` (a `RequestRejected`, 401).
 
+SGLang's versions differ (see shared/reference/sglang.md): servers up to 0.5.5 take no body on /pause_generation
+(and have no "in_place" mode) and some serve /get_model_info rather than /model_info. `ClientConfig.pause_body`
+False speaks to the former (an "in_place" pause is then `CapabilityMissing`, so a caller falls back to abort and
+re-prefill); `model_info` tries /model_info and falls back to /get_model_info on a 404.
+
 Log-probs: both engines report a sampled token's log-prob at the request's temperature (SGLang's default; see
 engines/temperature.py), which the trainer reproduces. Do not start SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB: its
 log-probs would then be taken at temperature 1 and no longer match the trainer's at other temperatures.
@@ -89,6 +94,9 @@ class ClientConfig:
     """A file holding the servers' key (a standalone engine server's key file, or the --api-key a real SGLang
     server was started with); None: the run's engine token, which every in-run engine server checks. The config
     names a file, never the key, because configs are recorded in event logs."""
+    pause_body: bool = True
+    """Send /pause_generation a {"mode"} body (SGLang >= 0.5.6 and Gyre's server). False for SGLang <= 0.5.5, whose
+    route takes no body and only aborts."""
 
 
 def check_api_key(key: str) -> str:
@@ -232,6 +240,11 @@ class SGLangClient:
         """Pause generation: "abort" ends running requests, "in_place" keeps them for continue_generation()."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+        if not self.config.pause_body:
+            if mode != "abort":
+                raise CapabilityMissing("/pause_generation", None,
+                                        f"{self.base_url} (SGLang <= 0.5.5) pauses by aborting only, not {mode!r}")
+            return await self._request("POST", "/pause_generation", None, self.config.control_timeout_s)
         return await self._post("/pause_generation", {"mode": mode}, self.config.control_timeout_s)
 
     async def continue_generation(self) -> dict[str, Any]:
@@ -320,7 +333,25 @@ class SGLangClient:
     # ---- status -------------------------------------------------------------------------------------------
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._get("/model_info")
+        """GET /model_info, or /get_model_info where the server has only that (older SGLang)."""
+        try:
+            return await self._get("/model_info")
+        except CapabilityMissing:
+            return await self._get("/get_model_info")
+
+    async def get_load(self) -> dict[str, Any]:
+        """GET /get_load: Gyre's server answers its EngineStats fields (running, waiting, free_blocks, ...); SGLang
+        answers its own load record (a list of per-rank dicts on recent versions)."""
+        return await self._get("/get_load")
+
+    async def live_sequences(self) -> list[list[int]]:
+        """Prompt + output so far of every generation in the engine (Gyre's server only; CapabilityMissing on
+        SGLang, which has no such route)."""
+        answer = await self._get("/gyre/live_sequences")
+        sequences = answer.get("sequences") if isinstance(answer, dict) else None
+        if not isinstance(sequences, list):
+            raise ServerError("/gyre/live_sequences", None, f"unexpected answer {answer!r:.200}")
+        return sequences
 
     async def health(self) -> bool:
         """True when the server answers /health with 200; False when it is down, starting or unhealthy."""

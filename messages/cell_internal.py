@@ -88,7 +88,7 @@ class SwitchFinished:
     """Sessions the KV migrator placed elsewhere (rollout -> train)."""
 
 
-@message("gyre.cell_internal.CellStatistics", version=2)
+@message("gyre.cell_internal.CellStatistics", version=3)
 class CellStatistics:
     """A cell's statistics (its answer to StatisticsAsked): cheap, it reads counters only."""
 
@@ -116,6 +116,14 @@ class CellStatistics:
     """Whether it holds a trainer now."""
     has_engine_memory: bool
     """Whether its engine holds weights and a KV pool now."""
+    engine_kind: str = "embedded"
+    """How it hosts its engine: "embedded" (in its process), "server" (a child process it launched) or "url"."""
+    engine_weight_updates: int = 0
+    """Weight updates its engine took while serving (not counting the load at a switch into rollout)."""
+    last_weight_update_path: str = ""
+    """How the last update reached the engine: "memory" (embedded), "disk" (update_weights_from_disk); "" = none."""
+    last_weight_update_s: float = 0.0
+    """Seconds the last update took, from the weights in hand to the engine holding them."""
 
 
 @message("gyre.cell_internal.WeightsDigestAsked")

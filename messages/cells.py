@@ -125,3 +125,20 @@ class SessionPlaced:
     """Session key (execution id)."""
     cell: str
     """Cell that holds its prefix now."""
+
+
+@message("gyre.cells.EngineServerFailed")
+class EngineServerFailed:
+    """Cell -> everyone: its engine server did not start, died or broke; the cell fails after this (its supervisor
+    decides what follows)."""
+
+    cell: str
+    """Cell name."""
+    engine_url: str
+    """The server's base URL ("" if it never got one)."""
+    reason: str
+    """What happened, in one line."""
+    exit_code: int
+    """The server process's exit code; -1 when it still runs or the cell did not launch it."""
+    last_output: tuple[str, ...]
+    """The last lines the server printed (bounded by the cell's EngineServerConfig.output_lines)."""

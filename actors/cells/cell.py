@@ -1,6 +1,12 @@
 """The cell actor: one slice of hardware that serves rollouts or trains, and switches between the two.
 
-Roles. In the rollout role the cell serves its embedded engine over HTTP (actors/cells/rollout_role.py) and reports load
+Engine kinds (`CellConfig.engine_kind`): "embedded" runs the engine in the cell's process and serves it over HTTP
+(actors/cells/rollout_role.py); "server" launches an engine server as a child process (Gyre's or SGLang's, see
+actors/cells/engine_process.py) and "url" uses one someone else runs; both of these drive it only over SGLang's
+HTTP API (actors/cells/server_host.py). A switch is ordered the same way for all three. A server that does not
+start, dies or breaks is published as EngineServerFailed (with its last output lines) and fails the cell.
+
+Roles. In the rollout role the cell serves its engine over HTTP and reports load
 every `report_interval_s`. In the train role it runs the claim loop (actors/cells/train_role.py). While it switches
 its role reads "switching". The core cell is a cell like the others with one difference: it always holds the
 trainer with the authoritative weights and optimizer state, registered with Mooncake for peers to pull, and it
@@ -48,7 +54,10 @@ from typing import Any
 import attrs
 import torch
 
+from gyre.actors.cells.engine_process import EMBEDDED, ENGINE_KINDS, URL, EngineServerConfig
+from gyre.actors.cells.engine_process import EngineServerFailed as ServerFailure
 from gyre.actors.cells.rollout_role import EngineWeights, PeerView, RecentSessions, RolloutHost
+from gyre.actors.cells.server_host import ServerRolloutHost
 from gyre.actors.cells.train_role import ClaimLoop, ClaimSettings, CoreSteps, TrainerHost
 from gyre.actors.cells.weight_pull import WeightPuller, WeightsUnavailable
 from gyre.engines.embedded_engine import EngineConfig
@@ -69,6 +78,7 @@ from gyre.messages.cells import (
     SWITCHING,
     TRAIN,
     CellDraining,
+    EngineServerFailed,
     LoadReport,
     MigrateSessions,
     RoleChanged,
@@ -98,7 +108,12 @@ class CellConfig:
     initial_role: str = attrs.field(default=ROLLOUT, validator=attrs.validators.in_(ROLES))
     """Role at start: "rollout" or "train"."""
     engine: EngineConfig = EngineConfig()
-    """The embedded engine's sizes and limits."""
+    """The engine's sizes and limits (embedded, or Gyre's engine server as flags)."""
+    engine_kind: str = attrs.field(default=EMBEDDED, validator=attrs.validators.in_(ENGINE_KINDS))
+    """"embedded" (the engine in this process), "server" (a child process this cell launches and stops) or "url"
+    (a server someone else runs, at engine_server.url)."""
+    engine_server: EngineServerConfig = EngineServerConfig()
+    """Kinds "server" and "url": the command line (preset, extra arguments) or URL, start and stop limits."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer's optimizer settings."""
     claimer: str = "claimer"
@@ -160,6 +175,8 @@ class CellConfig:
     """Steps between checkpoints (versions divisible by it are saved)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.engine_kind == URL and not self.engine_server.url:
+            raise ConfigError("engine_kind 'url' needs engine_server.url (the server's base URL)")
         if self.average_save_dir and self.trainer.average_decay <= 0:
             raise ConfigError("average_save_dir needs a trainer that keeps a weight average (trainer.average_decay > 0)")
 
@@ -180,7 +197,7 @@ class Cell(Actor):
         self.compute_lock = asyncio.Lock()
         self.agent: Any = None
         self.fence_scratch = torch.zeros(1, dtype=torch.int64)
-        self.rollout: RolloutHost | None = None
+        self.rollout: RolloutHost | ServerRolloutHost | None = None
         self.training: TrainerHost | None = None
         self.engine_weights: EngineWeights | None = None
         """Made with the engine host, at the start."""
@@ -201,6 +218,9 @@ class Cell(Actor):
         self.pending_switch: SwitchRole | None = None
         self.switches = 0
         self.switches_refused = 0
+        self.engine_weight_updates = 0
+        self.last_weight_update_s = 0.0
+        self.last_weight_update_path = ""
         self.puller = WeightPuller(self._ask_weight_source, self.name, config.pull_attempts, config.pull_retry_s,
                                    self.log)
         self.sessions = RecentSessions(config.session_ttl_s, config.max_sessions, self.clock.now)
@@ -243,6 +263,12 @@ class Cell(Actor):
         if self.agent is not None:
             self.agent.close()
             self.agent = None
+
+    def _engine_server_failed(self, error: ServerFailure) -> None:
+        """Tell everyone (the proxy stops routing here; an operator reads why) before the failure fails the cell."""
+        url = self.rollout.base_url if isinstance(self.rollout, ServerRolloutHost) else ""
+        code = -1 if error.exit_code is None else error.exit_code
+        self.publish(EngineServerFailed(self.name, url, str(error), code, error.last_output))
 
     async def guarded(self, work: Any) -> None:
         """Run a role's background work (a switch, the claim loop); if it fails, free the server, engine and
@@ -331,7 +357,11 @@ class Cell(Actor):
                 return
             await self.rollout.load_weights(weights, version)
             seconds = self.clock.now() - started
-            self.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4))
+            self.engine_weight_updates += 1
+            self.last_weight_update_s = seconds
+            self.last_weight_update_path = "memory" if isinstance(self.rollout, RolloutHost) else "disk"
+            self.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4),
+                          path=self.last_weight_update_path)
             self.tell_broker(WeightsLoaded(self.name, version, seconds))
 
     # ---- training -----------------------------------------------------------------------------------------
@@ -377,8 +407,16 @@ class Cell(Actor):
         started = self.clock.now()
         self.agent = await self.offload(TransferAgent, TransferConfig(hostname=config.host))
         self.agent.register_tensor(self.fence_scratch)
-        self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, config.host, config.port,
-                                   config.server_shutdown_s, self.offload, self.sessions)
+        if config.engine_kind == EMBEDDED:
+            self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, config.host, config.port,
+                                       config.server_shutdown_s, self.offload, self.sessions)
+        else:
+            self.rollout = ServerRolloutHost(
+                config.engine_kind, config.model_dir, self.spec, config.engine, config.engine_server, self.agent,
+                config.host, config.port, self.offload, self.sessions,
+                spawn=lambda work, name: self.spawn(self.guarded(work), name=f"{self.name}.{name}"),
+                report=self._engine_server_failed, clock=self.clock.now,
+            )
         if config.is_core:
             await self._build_trainer()
             assert self.training is not None
@@ -648,4 +686,8 @@ class Cell(Actor):
             switches_refused=self.switches_refused,
             has_trainer=self.training is not None,
             has_engine_memory=self.rollout is not None and self.rollout.has_memory,
+            engine_kind=self.config.engine_kind,
+            engine_weight_updates=self.engine_weight_updates,
+            last_weight_update_path=self.last_weight_update_path,
+            last_weight_update_s=self.last_weight_update_s,
         )

@@ -41,7 +41,7 @@ from gyre.engines.model_format import ModelSpec
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.cells import ROLLOUT, CellDraining, LoadReport, RoleChanged
 
-__all__ = ["EngineWeights", "PeerView", "RecentSessions", "RolloutHost"]
+__all__ = ["EngineWeights", "PeerView", "PullStaging", "RecentSessions", "RolloutHost"]
 
 log = structlog.get_logger(__name__)
 
@@ -107,7 +107,41 @@ class RecentSessions:
         return note_session
 
 
-class RolloutHost:
+class PullStaging:
+    """The registered staging buffer a satellite's engine host pulls flat weights from the core into (kept for the
+    next pull); shared by the embedded host and the server host (actors/cells/server_host.py)."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.pulled: torch.Tensor | None = None
+        """Registered staging buffer for flat weights pulled from the core (kept for the next pull)."""
+        self.pulled_version = -1
+
+    def pull_buffer(self, nbytes: int) -> torch.Tensor:
+        """The registered staging buffer for a pull of `nbytes` (fp32), made (or remade) to fit."""
+        if nbytes % 4:
+            raise WeightLayoutError(f"a flat fp32 weight buffer cannot be {nbytes} bytes")
+        if self.pulled is None or self.pulled.numel() * 4 != nbytes:
+            self.drop_pull_buffer()
+            buffer = torch.zeros(nbytes // 4, dtype=torch.float32)
+            self.agent.register_tensor(buffer)
+            self.pulled = buffer
+        return self.pulled
+
+    def drop_pull_buffer(self) -> None:
+        if self.pulled is not None:
+            self.agent.unregister_tensor(self.pulled)
+            self.pulled = None
+            self.pulled_version = -1
+
+    def pulled_digest(self) -> str:
+        if self.pulled is None or self.pulled_version < 0:
+            return ""
+        return hashlib.sha256(self.pulled.numpy().tobytes()).hexdigest()
+
+
+
+class RolloutHost(PullStaging):
     """One cell's inference engine and server; see the module docstring. Call from the cell's event loop."""
 
     def __init__(
@@ -121,10 +155,10 @@ class RolloutHost:
         offload: Offload,
         sessions: RecentSessions,
     ) -> None:
+        super().__init__(agent)
         self.sessions = sessions
         self.model_dir = model_dir
         self.engine_config = engine_config
-        self.agent = agent
         self.host = host
         self.port = port
         """Port to bind; after the first start, the port it got (reused so a cell keeps its URL if it can)."""
@@ -133,9 +167,6 @@ class RolloutHost:
         self.async_engine: AsyncEngine | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
-        self.pulled: torch.Tensor | None = None
-        """Registered staging buffer for flat weights pulled from the core (kept for the next pull)."""
-        self.pulled_version = -1
         self._memory_held = False
 
     # ---- state --------------------------------------------------------------------------------------------
@@ -280,29 +311,6 @@ class RolloutHost:
                 engine.continue_generation()
 
         await self.async_engine.call(swap)
-
-    def pull_buffer(self, nbytes: int) -> torch.Tensor:
-        """The registered staging buffer for a pull of `nbytes` (fp32), made (or remade) to fit."""
-        if nbytes % 4:
-            raise WeightLayoutError(f"a flat fp32 weight buffer cannot be {nbytes} bytes")
-        if self.pulled is None or self.pulled.numel() * 4 != nbytes:
-            self.drop_pull_buffer()
-            buffer = torch.zeros(nbytes // 4, dtype=torch.float32)
-            self.agent.register_tensor(buffer)
-            self.pulled = buffer
-        return self.pulled
-
-    def drop_pull_buffer(self) -> None:
-        if self.pulled is not None:
-            self.agent.unregister_tensor(self.pulled)
-            self.pulled = None
-            self.pulled_version = -1
-
-    def pulled_digest(self) -> str:
-        if self.pulled is None or self.pulled_version < 0:
-            return ""
-        return hashlib.sha256(self.pulled.numpy().tobytes()).hexdigest()
-
 
 class EngineWeights:
     """The newest weights for a cell's engine, as a Hugging Face state dict (`newest`): what the engine loads at a

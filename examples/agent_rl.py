@@ -65,7 +65,26 @@ from gyre.runtime import Topology  # noqa: E402
 # examples/toolbox: what agents and scorers are forked warm with
 from evaluate import AGENT_PRELOAD, SCORER_PRELOAD  # noqa: E402
 
-CELLS = ("core", "sat1", "sat2")
+def cell_names(count: int) -> tuple[str, ...]:
+    """The cells of a run of `count` (--cells): the core, then satellites sat1, sat2, ..."""
+    return ("core", *(f"sat{number}" for number in range(1, count)))
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """--cell-resources: "CPU=4,GPU=1,node_kind=1" -> {"CPU": 4.0, "GPU": 1.0, "node_kind": 1.0}."""
+    resources: dict[str, float] = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        name, equals, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        if not equals or not name.strip() or not (value >= 0.0 and math.isfinite(value)) or name.strip() in resources:
+            raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT[,NAME=AMOUNT...] with amounts >= 0, each NAME "
+                                             f"once, got {text!r}")
+        resources[name.strip()] = value
+    return resources
+
 TASK_SAMPLING = {"signal": SignalWeighted, "signal-per-token": SignalPerToken, "epoch": EpochOrder}
 """--task-sampling's choices: policies/task_sampling.py."""
 
@@ -146,6 +165,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--copy-gap-items", type=int, default=40, help="longest gap of those steps, in items")
     parser.add_argument("--copy-expression-share", type=float, default=0.2,
                         help="share of the gap stage's items that are calculator expressions like 53-8 (0: none)")
+    parser.add_argument("--cells", type=int, default=3,
+                        help="cells: the core and N-1 satellites (3 on this machine; as many as the cluster has)")
+    parser.add_argument("--cell-resources", type=parse_resources, default={}, metavar="CPU=N,GPU=N,NAME=N",
+                        help="what each cell reserves on its node under `gyre run --ray` (Ray's resource names; "
+                        "default 1 CPU)")
     parser.add_argument("--cell-cpu-cores", type=float, default=0.0,
                         help="cap each cell's process at this many cores (a cgroup quota: one device per cell, as on "
                         "a GPU cluster; 0: no cap)")
@@ -174,6 +198,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--agents-at-once must be >= 0 (0: two groups), got {args.agents_at_once}")
     if args.agents_at_once == 0:
         args.agents_at_once = 2 * args.group_size
+    if args.cells < 1:
+        parser.error(f"--cells must be >= 1 (the core), got {args.cells}")
+    args.cell_names = cell_names(args.cells)
+    unknown = set(c for c in args.async_train_cells.split(",") if c) - set(args.cell_names)
+    if unknown:
+        parser.error(f"--async-train-cells names cells the run does not have: {', '.join(sorted(unknown))}")
     if args.lr_warmup_steps < 0:
         parser.error(f"--lr-warmup-steps must be >= 0 (0: none), got {args.lr_warmup_steps}")
     if args.checkpoint_every < 0:
@@ -401,7 +431,7 @@ def topology(argv: list[str]) -> Topology:
     engine = cell_engine(args)
     trainer = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, num_threads=1, seed=args.seed)
     report = Path(args.report)
-    for name in CELLS:
+    for name in args.cell_names:
         # Satellites import megatron while they start rolling out, so a first switch into training is quick.
         # Only the core applies steps, so only the core keeps a weight average and saves weights.
         saves = {}
@@ -416,13 +446,17 @@ def topology(argv: list[str]) -> Topology:
                                           clip_low=args.clip_low, clip_high=args.clip_high, **saves))
         if args.cell_cpu_cores > 0:
             result.limit_cpu(name, args.cell_cpu_cores)
+        if args.cell_resources:
+            custom = {key: value for key, value in args.cell_resources.items() if key not in ("CPU", "GPU")}
+            result.resources(name, CPU=args.cell_resources.get("CPU", 1.0), GPU=args.cell_resources.get("GPU", 0.0),
+                             custom=custom)
     result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir))
     result.add("kv_migrator", KVMigrator, KVMigratorConfig(), process="control")
     result.add("weight_broker", WeightBroker, WeightBrokerConfig(), process="control")
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
         groups_per_step=args.groups_per_step, group_size=args.group_size, microstep_token_budget=8192,
         staleness=MaxVersionLag(args.staleness)), process="control")
-    result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=CELLS), process="control")
+    result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=args.cell_names), process="control")
     result.add("executor", Executor, ExecutorConfig(
         workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.agents_at_once,
         # The agent imports openai (~2 CPU-s a process): forked from a server that imported it once, it starts in
@@ -440,7 +474,8 @@ def topology(argv: list[str]) -> Topology:
         groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),
         seed=args.seed, stop_topology_when_done=False,
         sampling=TASK_SAMPLING[args.task_sampling]()), process="control")
-    monitor = RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=CELLS, core_cell=CELLS[0])
+    monitor = RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=args.cell_names,
+                               core_cell=args.cell_names[0])
     result.add("monitor", RunMonitor, monitor, process="control")
     return result
 

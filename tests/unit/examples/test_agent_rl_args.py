@@ -191,3 +191,37 @@ def test_the_headline_is_the_sampled_score_when_measured_else_the_greedy_one(age
     assert greedy_only["extra"]["success_measure"] == "greedy" and "sampled_temperature" not in greedy_only["extra"]
     nothing = agent_rl.headline_scores(agent_rl.NOT_SCORED, agent_rl.NOT_SCORED, None, None)  # --skip-eval
     assert nothing["extra"]["success_measure"] == "not scored"
+
+
+def test_the_cells_come_from_the_arguments_three_by_default(agent_rl) -> None:
+    assert agent_rl.parse_args([]).cell_names == ("core", "sat1", "sat2")
+    assert agent_rl.parse_args([]).cell_resources == {}
+    many = agent_rl.parse_args(["--cells", "64", "--cell-resources", "CPU=4,GPU=1,gpu_node=1"])
+    assert len(many.cell_names) == 64 and many.cell_names[0] == "core" and many.cell_names[-1] == "sat63"
+    assert many.cell_resources == {"CPU": 4.0, "GPU": 1.0, "gpu_node": 1.0}
+    assert agent_rl.parse_args(["--cells", "1"]).cell_names == ("core",)
+
+
+@pytest.mark.parametrize("argv", [["--cells", "0"], ["--cell-resources", "CPU"], ["--cell-resources", "GPU=-1"],
+                                  ["--cell-resources", "CPU=1,CPU=2"], ["--cell-resources", "CPU=nan"],
+                                  ["--cells", "2", "--policy", "async", "--async-train-cells", "core,sat2"]])
+def test_bad_cell_arguments_are_refused(agent_rl, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        agent_rl.parse_args(argv)
+    assert exit_info.value.code == 2
+
+
+def test_the_topology_has_the_cells_asked_for_with_their_resources(agent_rl, tmp_path: Path) -> None:
+    (tmp_path / "prepare.json").write_text('{"model_dir": "%s"}' % (tmp_path / "model"))
+    argv = ["--report", str(tmp_path), "--cells", "5", "--cell-resources", "CPU=2,GPU=1,big=1"]
+    topology = agent_rl.topology(argv)
+    cells = [spec.name for spec in topology.specs if spec.actor_cls.__name__ == "Cell"]
+    assert cells == ["core", "sat1", "sat2", "sat3", "sat4"]
+    assert {name: topology.resources_of(name).as_bundle() for name in cells} == {
+        name: {"CPU": 2.0, "GPU": 1.0, "big": 1.0} for name in cells}
+    assert topology.resources_of("control").as_bundle() == {"CPU": 1.0}
+    assert topology.spec("scheduler").config.expected_cells == tuple(cells)
+    assert topology.spec("monitor").config.cells == tuple(cells)
+    default = agent_rl.topology(["--report", str(tmp_path)])
+    assert [s.name for s in default.specs if s.actor_cls.__name__ == "Cell"] == ["core", "sat1", "sat2"]
+    assert default.resources_by_process == {}

@@ -40,7 +40,6 @@ from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleCh
 from gyre.messages.executions import ExecutionEnded, IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.runtime_control import StatisticsAsked
-from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, Topology, handler
 from gyre.runtime.testing import run_actors
 
@@ -74,9 +73,11 @@ class Recorder(Actor):
                 and all(getattr(m, k) == v for k, v in fields.items())]
 
 
-def topology(model_dir: str, rollout_cells: tuple[str, ...] = ("cell-a", "cell-b")) -> Topology:
+def topology(model_dir: str, rollout_cells: tuple[str, ...] = ("cell-a", "cell-b"),
+             engine_kind: str = "embedded") -> Topology:
     engine = EngineConfig(num_blocks=256, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
-    cells = dict(model_dir=model_dir, engine=engine, trainer=TrainerConfig(num_threads=1), report_interval_s=0.25)
+    cells = dict(model_dir=model_dir, engine=engine, trainer=TrainerConfig(num_threads=1), report_interval_s=0.25,
+                 engine_kind=engine_kind)
     result = Topology("switch", seed=0)
     result.add("recorder", Recorder)
     result.add("proxy", Proxy, ProxyConfig(model_dir=model_dir, http=ProxyHttpConfig(
@@ -100,8 +101,10 @@ async def engine_load(url: str) -> tuple[int, int]:
     return int(load["running"]) + int(load["waiting"]), int(load["generated_tokens_total"])
 
 
-@pytest.fixture(scope="module")
-def switched(tiny_model_dir):
+@pytest.fixture(scope="module", params=["embedded", "server"])
+def switched(request, tiny_model_dir):
+    """The switch rounds, with engines in the cells' processes and as engine server child processes (driven only
+    over HTTP)."""
     torch.set_num_threads(1)
     rng = random.Random(3)
     stop_ids = ChatTemplate.from_model_dir(tiny_model_dir).stop_token_ids
@@ -193,7 +196,8 @@ def switched(tiny_model_dir):
         return {"rounds": rounds, "switched_calls": switched_calls, "references": references,
                 "proxy": proxy_status, "live": live, "last": last, "other": other}
 
-    run = run_actors(topology(str(tiny_model_dir)), driver, transport="zmq", timeout_s=500)
+    run = run_actors(topology(str(tiny_model_dir), engine_kind=request.param), driver, transport="zmq",
+                     timeout_s=500)
     assert run.stop_reason is None, run.stop_reason
     return run.value
 

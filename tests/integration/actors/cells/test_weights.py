@@ -86,9 +86,10 @@ def make_group(name: str, seed: int, version: int) -> SamplesLanded:
     )
 
 
-def topology(model_dir: str, save_dir: Path) -> Topology:
+def topology(model_dir: str, save_dir: Path, engine_kind: str = "embedded") -> Topology:
     engine = EngineConfig(num_blocks=128, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
-    common = dict(model_dir=model_dir, engine=engine, trainer=TRAINER, report_interval_s=0.5)
+    common = dict(model_dir=model_dir, engine=engine, trainer=TRAINER, report_interval_s=0.5,
+                  engine_kind=engine_kind)
     result = Topology("weights", seed=0)
     result.add("recorder", Recorder)
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
@@ -119,9 +120,10 @@ async def roller_loaded(h, version: int, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory):
-    """Run the topology through three steps; return what the driver saw."""
+@pytest.fixture(scope="module", params=["embedded", "server"])
+def trained(request, tiny_model_dir, tmp_path_factory):
+    """Run the topology through three steps, with engines in the cells' processes or as engine server child
+    processes (weights then reach them through update_weights_from_disk); return what the driver saw."""
     torch.set_num_threads(1)
     groups = [make_group("g0", 0, version=0), make_group("g1", 1, version=0), make_group("g2", 2, version=1)]
 
@@ -164,9 +166,10 @@ def trained(tiny_model_dir, tmp_path_factory):
         return result
 
     save_dir = tmp_path_factory.mktemp("final")
-    run = run_actors(topology(str(tiny_model_dir), save_dir), driver, transport="zmq", timeout_s=400)
+    run = run_actors(topology(str(tiny_model_dir), save_dir, request.param), driver, transport="zmq",
+                     timeout_s=400)
     assert run.stop_reason is None, run.stop_reason
-    return groups, dict(run.value, save_dir=save_dir)
+    return groups, dict(run.value, save_dir=save_dir, engine_kind=request.param)
 
 
 def test_core_weights_equal_one_trainer_on_the_union(trained, tiny_model_dir):
@@ -224,3 +227,14 @@ def test_rollout_cell_pulls_each_version(trained):
     assert published == [0, 1, 2, 3]
     assert seen["broker"].cell_versions["roller"] == 3
 
+
+
+def test_each_engine_update_records_its_path_and_time(trained):
+    _, seen = trained
+    roller = seen["status"]["roller"]
+    assert roller.engine_kind == seen["engine_kind"]
+    assert roller.engine_weight_updates == 3  # versions 1, 2, 3 while serving
+    assert roller.last_weight_update_path == ("memory" if seen["engine_kind"] == "embedded" else "disk")
+    assert roller.last_weight_update_s > 0
+    print(f"\n{seen['engine_kind']}: last weight update {roller.last_weight_update_s:.4f} s "
+          f"({roller.last_weight_update_path})")

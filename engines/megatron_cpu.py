@@ -20,6 +20,17 @@ The shims:
    is passed). CPU: the same masks on the CPU. `fused_softmax` imports them by name, so it is patched too.
 5. `model_parallel_cuda_manual_seed` seeds CUDA generators. CPU: seed torch's CPU generator (the trainer does not
    call it, but shared megatron code might).
+6. Parallel paths: the pipeline schedules (`pipeline_parallel.schedules`) count tokens in
+   `torch.zeros(..., device="cuda")`; the point-to-point layer (`pipeline_parallel.p2p_communication`) allocates
+   receive buffers on `torch.cuda.current_device()` and calls `torch.cuda.synchronize()`; the tensor-parallel
+   gathers (`tensor_parallel.mappings`) and layers (`tensor_parallel.layers`) allocate their outputs on
+   `torch.cuda.current_device()`. CPU: those modules see `torch` through `_CpuTorch`, which forwards everything to
+   torch except that a CUDA device in a tensor factory becomes the CPU, `cuda.current_device()` answers "cpu" and
+   `cuda.synchronize()` does nothing. Only those modules' name `torch` is rebound: the rest of the process (and
+   what they evaluated at import) keeps the real module.
+7. `LanguageModule.setup_embeddings_and_output_layer` moves a tied model's embedding to CUDA (`weight.data.cuda()`)
+   before summing the first and last pipeline stages' copies. CPU: the original method runs with `Tensor.cuda`
+   answering the tensor itself for the length of the call (without CUDA it could only have raised).
 """
 
 from __future__ import annotations
@@ -70,6 +81,61 @@ def _cpu_manual_seed(seed: int, *args, **kwargs) -> None:
     torch.manual_seed(seed)
 
 
+_FACTORIES = frozenset({"zeros", "empty", "ones", "full", "tensor", "zeros_like", "empty_like", "ones_like"})
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or (isinstance(device, (str, torch.device)) and str(device).startswith("cuda")):
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda:
+    """torch.cuda as the pipeline code sees it on a machine without CUDA."""
+
+    def current_device(self) -> str:
+        return "cpu"
+
+    def synchronize(self, device=None) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """torch with CUDA tensor factories redirected to the CPU (shim 6)."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in _FACTORIES:
+            @functools.wraps(value)
+            def factory(*args, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _cpu_device(kwargs["device"])
+                return value(*args, **kwargs)
+
+            return factory
+        return value
+
+
+def _cpu_setup_embeddings(original):
+    @functools.wraps(original)
+    def setup(self, *args, **kwargs):
+        real_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = real_cuda
+
+    return setup
+
+
 def apply() -> bool:
     """Install the CPU shims if there is no CUDA device. Returns True when they are (or already were) installed."""
     global _applied
@@ -97,8 +163,19 @@ def apply() -> bool:
 
     if hasattr(tensor_parallel, "model_parallel_cuda_manual_seed"):
         tensor_parallel.model_parallel_cuda_manual_seed = _cpu_manual_seed
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import layers as tp_layers
+    from megatron.core.tensor_parallel import mappings as tp_mappings
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
+        LanguageModule.setup_embeddings_and_output_layer)
+    cpu_torch = _CpuTorch()
+    for module in (schedules, p2p_communication, tp_mappings, tp_layers):
+        module.torch = cpu_torch
     _applied = True
-    log.info("megatron_cpu_shims_applied", shims=5)
+    log.info("megatron_cpu_shims_applied", shims=7)
     return True
 
 

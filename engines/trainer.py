@@ -13,8 +13,17 @@ without) instead of one small tensor at a time. The order of the buffer is `para
 On a machine without CUDA, megatron-core runs on the CPU through the shims of `gyre.engines.megatron_cpu`, over a
 gloo process group; plain `torch.optim.AdamW` replaces Megatron's optimizer (which hard-codes CUDA) and gives the
 same updates. Any number of trainers may live in one process: the process group and megatron's parallel state are
-set up once (a group of one unless the caller set up another) and shared. Tensor and pipeline parallelism are not
-used by this trainer: data parallelism goes through the flat gradients instead.
+set up once (a group of one unless the caller set up another) and shared.
+
+Several processes can make one trainer: each calls `gyre.engines.parallel.init_parallel` and then builds a
+MegatronTrainer as above. The trainer reads the tensor, pipeline and data sizes from megatron's parallel state and
+holds its rank's shard: megatron's parallel layers split the matrices (tensor), megatron's pipeline schedule runs
+the stages (pipeline, one micro-batch per call so `loss_fn` still sees the whole batch), and the gradients of the
+data-parallel replicas are summed over megatron's data-parallel group before a step (`reduce_grads`). The flat
+buffers then hold the rank's shard; `hf_state_dict` and `load_hf_state_dict` take and give whole models and are
+collectives (every rank of the trainer calls them). Every rank must call the compute methods with the same batch
+(data-parallel ranks with their own rows). One process is the size-1 case of the same code, which is how the cells
+use it today.
 
 Core attention is torch's scaled_dot_product_attention by default (memory linear in sequence length, so long
 agent trajectories fit); megatron's own DotProductAttention stays available as `core_attention="local"`. With
@@ -33,7 +42,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from gyre.engines import megatron_cpu
+from gyre.engines import megatron_cpu, parallel
 from gyre.engines.errors import TrainerError
 from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
 from gyre.engines.weight_convert import hf_to_megatron, megatron_to_hf
@@ -113,7 +122,7 @@ _setup_lock = threading.Lock()
 
 def ensure_parallel_state() -> None:
     """Make sure torch.distributed and megatron's parallel state exist (a gloo group of one if nobody set up
-    one); refuse a process that uses tensor or pipeline parallelism, which this trainer does not implement."""
+    one, with `gyre.engines.parallel.init_parallel` for more)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -124,10 +133,6 @@ def ensure_parallel_state() -> None:
             log.info("process_group_started", backend="gloo", world_size=1)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if tp != 1 or pp != 1:
-        raise TrainerError(f"MegatronTrainer needs tensor and pipeline parallel size 1, found tp={tp} pp={pp}")
 
 
 def prepare_training_runtime() -> None:
@@ -175,9 +180,10 @@ def _sdpa_core_attention():
 
 
 def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa", device: str = "cpu"):
-    """A megatron-core GPTModel with the Qwen3 layout of `spec` (fp32, CPU initialisation, no fusions)."""
+    """A megatron-core GPTModel with the Qwen3 layout of `spec` (fp32, CPU initialisation, no fusions): this rank's
+    tensor shard of this rank's pipeline stage, as megatron's parallel state says."""
     prepare_training_runtime()  # a no-op after the first call in this process
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -213,6 +219,13 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32,
+        # Point-to-point sends one by one: gloo has no batched isend/irecv, and one micro-batch gains nothing.
+        batch_p2p_comm=False,
+        # The loss a caller's loss_fn returns is used as is (Gyre's losses carry their own normalisation).
+        calculate_per_token_loss=True,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -225,6 +238,10 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
             rotary_base=spec.rope_theta,
             # Tied (Qwen3-0.6B/1.7B/4B): one matrix embeds and scores, and its gradient sums both uses.
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            # Whole-vocabulary logits on every tensor rank, so token_logprobs is the same code at every size.
+            parallel_output=False,
         )
     return model.to(device)
 
@@ -258,12 +275,21 @@ class MegatronTrainer:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        prepare_training_runtime()
+        self.sizes = parallel.current_sizes()
+        """Tensor / pipeline / data parallel sizes of the process group this trainer is part of."""
+        self.sizes.check_fits(self.spec)
+        self._grads_reduced = False
+        """The data-parallel (and tied-embedding) gradient sums of `reduce_grads` are in the buffer."""
         self.model = build_gpt_model(self.spec, config.seed, config.core_attention, self.device.type)
         self.version = 0
         """Weight version: bumped by each applied optimizer step, or set by the loads."""
         self._average: torch.Tensor | None = None
         """The moving average of the weights (config.average_decay), flat like the parameters; None without one."""
         self._layout, self._params, self._grads, groups = self._flatten()
+        self._norm_slots = tuple(slot for slot in self._layout if self._counts_in_norm(slot.name))
+        self._qk_norm_slots = tuple(s for s in self._layout if s.name.endswith(("q_layernorm.weight",
+                                                                                "k_layernorm.weight")))
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
         self.load_hf_state_dict(load_hf_state_dict(self.model_dir), version=0)
@@ -294,6 +320,15 @@ class MegatronTrainer:
         groups = [{"params": [matrices]}, {"params": [vectors], "weight_decay": 0.0}]
         self._group_params = (matrices, vectors)
         return tuple(layout), params, grads, groups
+
+    def _counts_in_norm(self, name: str) -> bool:
+        """Whether this rank's copy of `name` enters the global gradient norm: a parameter replicated on the tensor
+        ranks counts on rank 0 only, and a tied model's last-stage copy of the embedding not at all."""
+        from megatron.core import parallel_state
+
+        if self.spec.tie_word_embeddings and name == "output_layer.weight":
+            return False
+        return parallel.split_dim(name) is not None or parallel_state.get_tensor_model_parallel_rank() == 0
 
     def param_layout(self) -> tuple[ParamSlot, ...]:
         """The order of `flat_params` / `grads_to_flat` (Megatron names)."""
@@ -328,6 +363,50 @@ class MegatronTrainer:
             raise TrainerError("temperatures must be finite and > 0")
         return temperatures.to(self.device)
 
+    def _pipeline(self, input_ids: torch.Tensor, lengths: torch.Tensor, temperatures: torch.Tensor | None,
+                  loss_fn: LossFn | None) -> dict:
+        """Run the batch through megatron's pipeline schedule as one micro-batch (backward too unless `loss_fn` is
+        None) and return what the last stage computed, on every stage: `logprobs`, or `loss` and `metrics`."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        found: dict = {}
+
+        def forward_step(data_iterator, model):
+            output = model(next(data_iterator), position_ids=None, attention_mask=None)
+
+            def loss_func(logits):
+                logprobs = token_logprobs(logits, input_ids, lengths, temperatures)
+                if loss_fn is None:
+                    found["logprobs"] = logprobs.detach().cpu()
+                    return logits.sum() * 0.0, torch.ones((), dtype=torch.int), {}
+                loss, metrics = self._check_loss(loss_fn(logprobs))
+                found["loss"] = float(loss.detach())
+                found["metrics"] = {k: (float(v.detach()) if isinstance(v, torch.Tensor) else v)
+                                    for k, v in dict(metrics).items()}
+                return loss, lengths.sum().to(torch.int), {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([input_ids]), model=[self.model], num_microbatches=1,
+            seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0], forward_only=loss_fn is None,
+        )
+        box = [found]
+        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        return box[0]
+
+    @staticmethod
+    def _check_loss(result) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TrainerError("loss_fn must return (loss, metrics)")
+        loss, metrics = result
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise TrainerError("loss_fn must return a scalar tensor that depends on the log-probs")
+        return loss, metrics
+
     def _logprobs(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, temperatures: torch.Tensor | None
     ) -> torch.Tensor:
@@ -346,6 +425,8 @@ class MegatronTrainer:
         temperatures = self._check_temperatures(temperatures, input_ids)
         self.model.eval()
         with torch.no_grad():
+            if self.sizes.pipeline > 1:
+                return self._pipeline(input_ids, lengths, temperatures, None)["logprobs"].to(source_device)
             return self._logprobs(input_ids, lengths, temperatures).to(source_device)
 
     def forward_backward(
@@ -356,14 +437,16 @@ class MegatronTrainer:
         (sum of lengths)."""
         input_ids, lengths = self._check_batch(input_ids, lengths)
         temperatures = self._check_temperatures(temperatures, input_ids)
+        if self._grads_reduced:
+            raise TrainerError("gradients were already reduced for a step: call optimizer_step or zero_grads first")
         self.model.train()
+        if self.sizes.pipeline > 1:
+            found = self._pipeline(input_ids, lengths, temperatures, loss_fn)
+            out = {**found["metrics"], "loss": found["loss"]}
+            out["num_tokens"] = int(lengths.sum())
+            return out
         logprobs = self._logprobs(input_ids, lengths, temperatures)
-        result = loss_fn(logprobs)
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise TrainerError("loss_fn must return (loss, metrics)")
-        loss, metrics = result
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
-            raise TrainerError("loss_fn must return a scalar tensor that depends on the log-probs")
+        loss, metrics = self._check_loss(loss_fn(logprobs))
         loss.backward()
         out = {k: (float(v.detach()) if isinstance(v, torch.Tensor) else v) for k, v in dict(metrics).items()}
         out["loss"] = float(loss.detach())
@@ -384,12 +467,56 @@ class MegatronTrainer:
 
     def zero_grads(self) -> None:
         self._grads.zero_()
+        self._grads_reduced = False
+
+    def reduce_grads(self) -> None:
+        """Sum the gradients of the data-parallel replicas (megatron's data-parallel group, one all-reduce of the
+        flat buffer, as megatron's DDP does per bucket), the tensor ranks' parts of the QK-norm gradients, and, for a tied model split across pipeline stages, the two
+        copies of the embedding's gradient (megatron's embedding group). Idempotent until the gradients are zeroed;
+        `optimizer_step` calls it. A no-op in a single process."""
+        if self._grads_reduced:
+            return
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.sizes.tensor > 1 and self._qk_norm_slots:
+            # QK-norm weights are replicated but each tensor rank normalises only its own heads, so each holds a
+            # part of their gradient (megatron's finalize_model_grads sums them the same way).
+            views = [self._grads[s.offset : s.offset + s.numel] for s in self._qk_norm_slots]
+            packed = torch.cat(views)
+            dist.all_reduce(packed, group=parallel_state.get_tensor_model_parallel_group())
+            for view, part in zip(views, packed.split([v.numel() for v in views])):
+                view.copy_(part)
+        if self.sizes.data > 1:
+            dist.all_reduce(self._grads, group=parallel_state.get_data_parallel_group())
+        if self.spec.tie_word_embeddings and self.sizes.pipeline > 1 and parallel_state.is_rank_in_embedding_group():
+            name = "embedding.word_embeddings.weight" if parallel_state.is_pipeline_first_stage() else \
+                "output_layer.weight"
+            slot = next(s for s in self._layout if s.name == name)
+            view = self._grads[slot.offset : slot.offset + slot.numel]
+            dist.all_reduce(view, group=parallel_state.get_embedding_group())
+        self._grads_reduced = True
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the (reduced) gradients: over this rank's shard, every tensor and pipeline rank,
+        each parameter counted once."""
+        if self.sizes.tensor == self.sizes.pipeline == 1:
+            return float(torch.linalg.vector_norm(self._grads))
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for slot in self._norm_slots:
+            squares += self._grads[slot.offset : slot.offset + slot.numel].double().square().sum()
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        return math.sqrt(float(squares))
 
     def optimizer_step(self, lr: float | None = None) -> dict:
         """Clip, apply AdamW, zero the gradients and bump the version. `lr` applies to this step only (a schedule
         passes it every step); without it the config's lr is used, ramped up over `lr_warmup_steps`. A step whose
         gradient norm is not finite is skipped (weights and version unchanged) and reported with skipped=True."""
-        grad_norm = float(torch.linalg.vector_norm(self._grads))
+        self.reduce_grads()
+        grad_norm = self.grad_norm()
         if not math.isfinite(grad_norm):
             self.zero_grads()
             log.warning("optimizer_step_skipped", grad_norm=grad_norm, version=self.version)
@@ -433,16 +560,21 @@ class MegatronTrainer:
         self._restart_average()
 
     def hf_state_dict(self, averaged: bool = False) -> dict[str, torch.Tensor]:
-        """The weights under HF Qwen3 names (copies); `averaged` gives the moving average instead of the live ones."""
-        if not averaged:
-            return {k: v.cpu() for k, v in megatron_to_hf(self.model.state_dict(), self.spec).items()}
-        flat = self.averaged_params()
+        """The weights under HF Qwen3 names (copies); `averaged` gives the moving average instead of the live ones.
+        With several ranks it is a collective, and every rank gets the whole model."""
+        flat = self.averaged_params() if averaged else self._params.detach()
         weights = {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self._layout}
-        return {k: v.cpu() for k, v in megatron_to_hf(weights, self.spec).items()}
+        return {k: v.cpu() for k, v in megatron_to_hf(parallel.gather_state(weights, self.spec), self.spec).items()}
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Load HF-named weights (optimizer moments are kept)."""
-        converted = hf_to_megatron(state, self.spec)
+        from megatron.core import parallel_state
+
+        converted = parallel.shard_state(
+            hf_to_megatron(state, self.spec), self.spec,
+            parallel_state.get_tensor_model_parallel_rank(), self.sizes.tensor,
+            parallel_state.get_pipeline_model_parallel_rank(), self.sizes.pipeline,
+        )
         with torch.no_grad():
             result = self.model.load_state_dict(converted, strict=False)
         missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]

@@ -1,0 +1,142 @@
+"""Tensor, pipeline and data parallelism (two processes over gloo each) against the one-process trainer, fp32.
+
+parallel_worker.py runs both ranks of every layout in one pair of processes (megatron's import is paid once);
+this file runs the same steps in one process and compares: loss and gradients within 1e-5, log-probs within 1e-5,
+and the weights after three AdamW steps within 1e-5. The steps use TrainerConfig's default lr (1e-4): Adam divides each
+gradient by its own running scale, so an element whose gradient is near zero moves by up to lr whatever its size,
+and the 1e-7 round-off by which a tensor-parallel sum differs from a one-process one can flip such a move (at lr 1e-3
+the tensor-parallel weights differ by 5e-5 after three steps; at 1e-4 by 5e-6). Tied models run at tensor 2 and pipeline 2 too (at pipeline 2
+the tied embedding lives on both stages and its gradient is summed across them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre.engines.model_format import PRESETS, init_model_dir, init_state_dict, save_hf_state_dict
+from gyre.engines.parallel import ParallelSizes, shard_state, unshard_state
+from gyre.engines.weight_convert import hf_to_megatron
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+TOL = 1e-5
+WORKER_TIMEOUT_S = 300  # two megatron imports and five layouts take ~40 s on two busy cores; a hang fails the test
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_dir(root: Path, preset: str) -> Path:
+    path = init_model_dir(root / preset, preset, seed=0)
+    state = init_state_dict(PRESETS[preset], seed=31, std=0.05)  # wider than init: gradients well above round-off
+    save_hf_state_dict(path, state)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("parallel-models")
+    return {"untied": str(model_dir(root, "tiny")), "tied": str(model_dir(root, "tiny-tied"))}
+
+
+@pytest.fixture(scope="module")
+def records(models, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("parallel-out") / "records.pt"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(port), str(out), json.dumps(models)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(2)]
+    try:
+        outputs = [p.communicate(timeout=WORKER_TIMEOUT_S)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> dict:
+    """The same steps in this process (world of one)."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        import parallel_worker as worker
+    finally:
+        sys.path.pop(0)
+    from gyre.engines.trainer import MegatronTrainer, TrainerConfig
+
+    torch.set_num_threads(2)
+    out = {}
+    for model in ("untied", "tied"):
+        trainer = MegatronTrainer(models[model], TrainerConfig(lr=worker.LR))
+        out[model] = worker.run_layout(trainer, rank=0, data=1)
+    return out
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2"])
+def test_two_process_layout_matches_one_process(records, reference, layout):
+    got = records[layout]
+    want = reference["tied" if layout.startswith("tied") else "untied"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < TOL
+    assert want["losses"][-1] < want["losses"][0]  # the steps changed something worth comparing
+    assert max(float(v.abs().max()) for v in want["grads"].values()) > 1e-3
+    assert max_diff(got["grads"], want["grads"]) < TOL
+    assert float((got["logprobs"] - want["logprobs"]).abs().max()) < TOL
+    assert max_diff(got["weights"], want["weights"]) < TOL
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-tied"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_shards_put_back_together_exactly(preset, tp, pp):
+    spec = PRESETS[preset]
+    full = hf_to_megatron(init_state_dict(spec, seed=4), spec)
+    shards = {(t, p): shard_state(full, spec, t, tp, p, pp) for t in range(tp) for p in range(pp)}
+    # Each rank holds a 1/tp slice of every split matrix and only its stage's layers.
+    assert sum(k.startswith("decoder.layers.") for k in shards[(0, 0)]) * pp == sum(
+        k.startswith("decoder.layers.") for k in full)
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert shards[(0, 0)][qkv].shape[0] * tp == full[qkv].shape[0]
+    back = unshard_state(shards, spec, tp, pp)
+    assert back.keys() == full.keys()
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    if spec.tie_word_embeddings and pp > 1:  # the last stage's copy of the embedding starts equal
+        assert torch.equal(shards[(0, pp - 1)]["output_layer.weight"],
+                           shards[(0, 0)]["embedding.word_embeddings.weight"])
+
+
+def test_gated_mlp_shard_holds_matching_gate_and_up_rows():
+    spec = PRESETS["tiny"]
+    full = hf_to_megatron(init_state_dict(spec, seed=4), spec)
+    fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    gate, up = full[fc1].chunk(2)
+    local = shard_state(full, spec, 1, 2, 0, 1)[fc1]
+    assert torch.equal(local, torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+
+
+def test_sizes_that_do_not_split_the_model_are_refused():
+    from gyre.engines.errors import TrainerError
+
+    with pytest.raises(TrainerError):
+        ParallelSizes(tensor=4).check_fits(PRESETS["tiny"])  # 2 KV heads over 4 ranks
+    with pytest.raises(TrainerError):
+        ParallelSizes(pipeline=3).check_fits(PRESETS["tiny"])  # 4 layers over 3 stages
+    with pytest.raises(TrainerError):
+        ParallelSizes(data=0)

@@ -366,13 +366,13 @@ class ServerRolloutHost(PullStaging):
 
     async def shutdown(self) -> int:
         """Abort what is in flight and release the server's memory (late arrivals aborted until that succeeds).
-        Returns the number aborted first (0 where the server does not say)."""
+        Returns 0: SGLang's /abort_request does not say how many it aborted."""
         assert self.client is not None
         client = self.client
         self._serving = False
         self.url = ""
         self.sessions.clear()
-        first = await client.abort(None)
+        await client.abort(None)
         for attempt in range(RELEASE_ATTEMPTS):
             try:
                 await client.release_memory(None)
@@ -385,7 +385,7 @@ class ServerRolloutHost(PullStaging):
                 await asyncio.sleep(0.02)
         self._memory_held = False
         log.info("engine_released", url=self.base_url)
-        return first
+        return 0
 
     async def close(self) -> None:
         """Stop serving and stop the server if the cell launched it (the cell is stopping)."""

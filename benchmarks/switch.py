@@ -16,7 +16,14 @@ Measured, per run:
   KV migrator (`prefix_reuse_after_switch`) and without it, when aborted calls and next turns re-prefill
   (`prefix_reuse_reprefill`). Without migration the new cell may still hold a shared prefix (the chat template's
   opening) from other sessions, so the baseline need not be 0;
-- lost requests: agent calls that failed, were refused or ended other than "stop"/"length", in both runs.
+- lost requests: agent calls that failed, were refused or ended other than "stop"/"length", in both runs;
+- weight_update_s: after the load, one weight update of a serving satellite (the model directory's weights as a new
+  version) through the path its engine kind takes: "disk" for a server engine (a versioned safetensors directory
+  written atomically, then pause in place -> update_weights_from_disk -> continue over HTTP), "memory" for an
+  embedded one.
+
+`engine_kind` "server" (the default) runs every cell's engine as a Gyre engine server child process driven only over
+SGLang's HTTP API; "embedded" keeps the engines in the cells' processes.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class SwitchBenchConfig:
     """Seeds the conversations' words and the calls' sampling seeds."""
     step_timeout_s: float = attrs.field(default=300.0, validator=_positive)
     """Bound on every wait of the driver (cells up, a switch, sessions served)."""
+    engine_kind: str = attrs.field(default="server", validator=attrs.validators.in_(("server", "embedded")))
+    """How the cells host their engines: "server" (child processes over HTTP) or "embedded"."""
 
 
 @attrs.frozen
@@ -103,6 +112,8 @@ class SwitchRunFigures:
     lost_requests: int
     partial_output_tokens: int
     """Tokens of partial output the migrator moved with in-flight calls (0 without migration)."""
+    weight_update_s: float = 0.0
+    """One weight update of a serving satellite after the load (see the module docstring)."""
 
 
 @attrs.frozen
@@ -122,6 +133,11 @@ class SwitchBenchResult:
     sessions: int
     max_new_tokens: int
     think_s: float
+    engine_kind: str
+    weight_update_s: float
+    """One weight update of a serving satellite, migrated run (see the module docstring)."""
+    weight_update_path: str
+    """"disk" (server engines) or "memory" (embedded)."""
     migrated: SwitchRunFigures
     reprefill: SwitchRunFigures
 
@@ -147,10 +163,11 @@ class _Recorder(Actor):
         return [m for m in self.roles if m.cell == cell]
 
 
-def _topology(model_dir: str, migrate: bool) -> Topology:
+def _topology(model_dir: str, migrate: bool, engine_kind: str = "server") -> Topology:
     # 1024 blocks of 16 tokens: room for every session's prefix on one cell (a full pool evicts migrated prefixes).
     engine = EngineConfig(num_blocks=1024, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
-    cells = dict(model_dir=model_dir, engine=engine, trainer=TrainerConfig(num_threads=1), report_interval_s=0.25)
+    cells = dict(model_dir=model_dir, engine=engine, trainer=TrainerConfig(num_threads=1), report_interval_s=0.25,
+                 engine_kind=engine_kind)
     topology = Topology("switch-bench", seed=0)
     topology.add("recorder", _Recorder)
     topology.add("proxy", Proxy, ProxyConfig(model_dir=model_dir, http=ProxyHttpConfig(max_context_tokens=1024)))
@@ -251,7 +268,21 @@ async def _switch(h: Any, recorder: Any, cell: str, role: str, timeout_s: float)
     return change.switch_s
 
 
-async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool) -> SwitchRunFigures:
+async def _weight_update_s(h: Any, recorder: Any, model_dir: str) -> float:
+    """Seconds of one weight update (the model directory's weights as the next version) of a serving satellite,
+    through its engine host's own path."""
+    from gyre.engines.model_format import load_hf_state_dict
+
+    cell = next(c for c in SATELLITES if recorder.role_changes(c) and recorder.role_changes(c)[-1].role == ROLLOUT)
+    rollout = h.actor(cell).rollout
+    weights = await asyncio.get_running_loop().run_in_executor(None, load_hf_state_dict, model_dir)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await rollout.load_weights(weights, rollout.weight_version + 1)
+    return loop.time() - started
+
+
+async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool, model_dir: str = "") -> SwitchRunFigures:
     import openai
 
     recorder: _Recorder = h.actor("recorder")
@@ -326,13 +357,14 @@ async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool) -> SwitchRunF
     # Agents see every failure (no SDK retries); the proxy's own count is the check.
     lost = max(sum(1 for call in calls if not call.ok), status.calls_failed + status.calls_rejected)
     partial = h.actor("kv_migrator").partial_output_tokens if migrate else 0
+    update_s = await _weight_update_s(h, recorder, model_dir) if model_dir else 0.0
     prompt, cached = resumed_prompt + next_prompt, resumed_cached + next_cached
     return SwitchRunFigures(
         migrate=migrate, rollout_to_train_s=tuple(to_train), train_to_rollout_s=tuple(to_rollout),
         prefix_reuse=cached / prompt if prompt else 0.0, resumed_prompt_tokens=resumed_prompt,
         resumed_cached_tokens=resumed_cached, next_turn_prompt_tokens=next_prompt,
         next_turn_cached_tokens=next_cached, sessions_moved=moved, calls_completed=sum(1 for c in calls if c.ok),
-        lost_requests=lost, partial_output_tokens=partial,
+        lost_requests=lost, partial_output_tokens=partial, weight_update_s=update_s,
     )
 
 
@@ -340,9 +372,10 @@ def _run_once(model_dir: str, config: SwitchBenchConfig, migrate: bool) -> Switc
     from gyre.runtime.testing import run_actors
 
     async def driver(h: Any) -> SwitchRunFigures:
-        return await _drive(h, config, migrate)
+        return await _drive(h, config, migrate, model_dir)
 
-    run = run_actors(_topology(model_dir, migrate), driver, timeout_s=config.step_timeout_s * (4 + 3 * config.repeats))
+    run = run_actors(_topology(model_dir, migrate, config.engine_kind), driver,
+                     timeout_s=config.step_timeout_s * (4 + 3 * config.repeats))
     if run.stop_reason is not None:
         raise RuntimeError(f"the bench topology stopped early: {run.stop_reason}")
     return run.value
@@ -370,7 +403,9 @@ def run_switch_bench(config: SwitchBenchConfig = SwitchBenchConfig(), model_dir:
         reprefill_rollout_to_train_s=statistics.median(reprefill.rollout_to_train_s),
         reprefill_train_to_rollout_s=statistics.median(reprefill.train_to_rollout_s),
         repeats=config.repeats, sessions=config.sessions, max_new_tokens=config.max_new_tokens,
-        think_s=config.think_s, migrated=migrated, reprefill=reprefill,
+        think_s=config.think_s, engine_kind=config.engine_kind, weight_update_s=migrated.weight_update_s,
+        weight_update_path="disk" if config.engine_kind == "server" else "memory",
+        migrated=migrated, reprefill=reprefill,
     )
 
 
@@ -381,7 +416,7 @@ def _handle(args: argparse.Namespace) -> int:
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     )
     config = SwitchBenchConfig(repeats=args.repeats, sessions=args.sessions, max_new_tokens=args.max_new_tokens,
-                               think_s=args.think_s, seed=args.seed)
+                               think_s=args.think_s, seed=args.seed, engine_kind=args.engine_kind)
     result = run_switch_bench(config, args.model_dir)
     if args.json:
         print(json.dumps(attrs.asdict(result), indent=2))
@@ -389,7 +424,10 @@ def _handle(args: argparse.Namespace) -> int:
         for name, value in attrs.asdict(result).items():
             if isinstance(value, dict):
                 continue
-            print(f"{name:30s} {value:.3f}" if isinstance(value, float) else f"{name:30s} {value}")
+            if isinstance(value, float):
+                print(f"{name:30s} {value:.3f}")
+            else:
+                print(f"{name:30s} {value}")
         for run in (result.migrated, result.reprefill):
             label = "migrated" if run.migrate else "reprefill"
             print(f"{label}: rollout->train s {[round(s, 3) for s in run.rollout_to_train_s]}, "
@@ -410,6 +448,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--think-s", type=float, default=0.3, help="pause between an agent's turns (default 0.3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=None, help="model directory (default: a fresh tiny model)")
+    p.add_argument("--engine-kind", choices=("server", "embedded"), default="server",
+                   help="cells' engines as server child processes over HTTP (default) or in their processes")
     p.set_defaults(func=_handle)
 
 

@@ -16,6 +16,8 @@ def test_the_bench_parses_its_command_line():
     register(parser.add_subparsers())
     args = parser.parse_args(["switch", "--json", "--repeats", "2", "--sessions", "3", "--think-s", "0.5"])
     assert (args.json, args.repeats, args.sessions, args.think_s, args.model_dir) == (True, 2, 3, 0.5, None)
+    assert args.engine_kind == "server"  # the HTTP path is what the bench exercises unless told otherwise
+    assert parser.parse_args(["switch", "--engine-kind", "embedded"]).engine_kind == "embedded"
     assert callable(args.func)
 
 
@@ -24,7 +26,7 @@ def test_one_round_trip_under_load(tiny_model_dir):
     result = run_switch_bench(config, tiny_model_dir)
     figures = attrs.asdict(result)
     for key in ("rollout_to_train_s", "train_to_rollout_s", "prefix_reuse_after_switch", "prefix_reuse_reprefill",
-                "lost_requests"):
+                "lost_requests", "weight_update_s"):
         assert key in figures
     assert result.lost_requests == 0
     for run in (result.migrated, result.reprefill):
@@ -34,3 +36,4 @@ def test_one_round_trip_under_load(tiny_model_dir):
         assert run.resumed_prompt_tokens + run.next_turn_prompt_tokens > 0
     assert result.prefix_reuse_after_switch >= 0.9
     assert result.prefix_reuse_reprefill < 0.5
+    assert result.engine_kind == "server" and result.weight_update_path == "disk" and result.weight_update_s > 0

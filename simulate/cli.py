@@ -1,0 +1,101 @@
+"""`gyre simulate`: compare scheduling policies on an emulated cluster before renting it (harness.py).
+
+    gyre simulate --workload terminalbench --hardware h200 --cells 8 --gpus-per-cell 8 \\
+        --model-active-params 22e9 --groups 64 --group-size 16 --staleness 1 --steps 20 --json --out sim/
+
+prints one line per policy (or, with --json, one object with elastic_hours, colocate_hours, async_best_hours and
+async_best_split (no streaming), async_streaming_best_hours and async_streaming_best_split, lower_bound_hours and
+wall_s), and with --out writes result.json and one role picture per policy (roles.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gyre.simulate.hardware import HARDWARE, ModelProfile
+from gyre.simulate.harness import Setup, compare
+from gyre.simulate.workloads import WORKLOADS
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("simulate", help="compare scheduling policies on emulated GPU cells (virtual time)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--out", default=None, help="folder for result.json and the role pictures")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="terminalbench")
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="h200")
+    p.add_argument("--cells", type=int, default=8)
+    p.add_argument("--gpus-per-cell", type=int, default=8)
+    p.add_argument("--model-active-params", type=float, default=22e9)
+    p.add_argument("--model-total-params", type=float, default=None,
+                   help="default: 235e9 for 22e9 active (Qwen3-235B-A22B), else equal to the active ones (dense)")
+    p.add_argument("--kv-bytes-per-token", type=float, default=None,
+                   help="default: Qwen3-235B's 192,512; for a dense model 2 x layers x kv heads x 128 x 2 bytes")
+    p.add_argument("--groups", type=int, default=64, help="groups per step")
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--staleness", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", action="append", default=[],
+                   help="run only policies whose name starts with this (elastic, colocate, async[, async-streaming[)")
+    p.set_defaults(func=_handle)
+
+
+def setup_from_args(args: argparse.Namespace) -> Setup:
+    for name in ("cells", "gpus_per_cell", "groups", "group_size", "steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"gyre simulate: --{name.replace('_', '-')} must be >= 1")
+    if args.staleness < 0:
+        raise SystemExit("gyre simulate: --staleness must be >= 0")
+    total = args.model_total_params
+    if total is None:
+        total = 235e9 if args.model_active_params == 22e9 else args.model_active_params
+    model_kwargs: dict[str, Any] = {"active_params": args.model_active_params, "total_params": total}
+    if args.kv_bytes_per_token is not None:
+        model_kwargs["kv_bytes_per_token"] = args.kv_bytes_per_token
+    try:
+        return Setup(workload=WORKLOADS[args.workload], hardware=args.hardware, cells=args.cells,
+                     gpus_per_cell=args.gpus_per_cell, model=ModelProfile(**model_kwargs), groups=args.groups,
+                     group_size=args.group_size, staleness=args.staleness, steps=args.steps, seed=args.seed)
+    except ValueError as error:
+        raise SystemExit(f"gyre simulate: {error}") from None
+
+
+def _handle(args: argparse.Namespace) -> int:
+    setup = setup_from_args(args)
+    try:
+        setup.cell_model()
+    except ValueError as error:
+        raise SystemExit(f"gyre simulate: {error}") from None
+    # The emulated actors log every switch and step; a comparison of 16 runs wants only its answer.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    result = compare(setup, tuple(args.only))
+    runs = result.pop("_runs")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        from gyre.simulate.pictures import draw_roles
+
+        draw_roles(runs, out / "roles.png")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{'policy':<28}{'hours':>8}{'s/step':>9}{'rollout':>9}{'busy h':>9}{'idle h':>9}{'switches':>9}")
+    for run in runs:
+        print(f"{run.name:<28}{run.hours:>8.2f}{run.seconds_per_step:>9.0f}{run.rollout_share:>9.2f}"
+              f"{run.busy_cell_hours:>9.1f}{run.idle_cell_hours:>9.1f}{run.switches:>9d}")
+    print(f"lower bound {result['lower_bound_hours']:.2f} h; elastic vs colocate "
+          f"{_ratio(result['elastic_vs_colocate'])}, vs the best streaming async ({result['async_streaming_best_split']}) "
+          f"{_ratio(result['elastic_vs_async_streaming_best'])}; {result['wall_s']:.0f} s", file=sys.stdout)
+    return 0
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "n/a"

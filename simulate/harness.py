@@ -1,0 +1,247 @@
+"""One emulated run per policy: the real scheduler (with the policy), micro-step claimer and task source, over
+emulated cells and agents, in virtual time (VirtualLauncher); and the comparison of every policy at one budget.
+
+Same GPU budget: every policy gets the same N cells of G GPUs. Same staleness: the claimer's MaxVersionLag(s) and
+the task source's bound `groups_ahead_for_staleness(s, groups_per_step)` are the same for all. Same work: the
+executions are drawn per group id (workloads.py), so group g000042 is the same in every run.
+
+The lower bound (`lower_bound`) no schedule beats: the larger of (a) all cell-time the work needs at the cells'
+best rates (decode at the most concurrent sequences the KV holds at the workload's mean context, prefill at its
+compute roofline, training at its utilization), spread over all N cells, and (b) the chain every run must walk:
+the shortest execution of the first step, then every step's training on all N cells plus its optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig, groups_ahead_for_staleness
+from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer
+from gyre.actors.training.scheduler import Scheduler, SchedulerConfig
+from gyre.messages.cells import ROLLOUT, TRAIN
+from gyre.messages.executions import TaskSpec
+from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy
+from gyre.policies.staleness import MaxVersionLag
+from gyre.runtime.errors import GyreError
+from gyre.runtime.launch import RunOptions, VirtualLauncher
+from gyre.runtime.topology import RestartPolicy, Topology
+from gyre.simulate.agents import EmulatedAgents, EmulatedAgentsConfig
+from gyre.simulate.cells import EmulatedCell, EmulatedCellConfig
+from gyre.simulate.hardware import HARDWARE, CellModel, ModelProfile
+from gyre.simulate.record import RunRecord
+from gyre.simulate.workloads import WORKLOADS, Workload
+
+class SimulationError(GyreError, RuntimeError):
+    """An emulated run that broke (an actor failed): a bug in the emulation or in the actor it drives."""
+
+
+__all__ = ["SimulationError", "Setup", "PolicyRun", "run_policy", "compare", "lower_bound", "policy_variants"]
+
+
+@attrs.frozen
+class Setup:
+    """Everything one comparison holds fixed."""
+
+    workload: Workload = WORKLOADS["terminalbench"]
+    hardware: str = "h200"
+    cells: int = 8
+    gpus_per_cell: int = 8
+    model: ModelProfile = ModelProfile()
+    groups: int = 64
+    """Groups per step."""
+    group_size: int = 16
+    staleness: int = 1
+    steps: int = 20
+    seed: int = 0
+    tick_s: float = 2.0
+    """Emulated cells' tick (engine.py)."""
+    microstep_tokens_per_gpu: int = 32768
+    """A micro-step's token budget per GPU of a cell (a cell's data-parallel ranks each take ~32k tokens)."""
+    until_s: float = 30 * 86400.0
+    """Virtual-time guard: a run that has not finished by then is reported unfinished."""
+
+    def cell_model(self) -> CellModel:
+        return CellModel(HARDWARE[self.hardware], self.gpus_per_cell, self.model)
+
+    @property
+    def cell_names(self) -> tuple[str, ...]:
+        return tuple(f"cell{index:02d}" for index in range(self.cells))
+
+    def mean_context_tokens(self) -> float:
+        """Context a live session holds on average: half the mean trajectory (contexts grow linearly)."""
+        plans = self.workload.plans("calibration", 256, self.seed)
+        return sum(p.trajectory_tokens for p in plans) / len(plans) / 2
+
+
+@attrs.frozen
+class PolicyRun:
+    """One policy's emulated run."""
+
+    name: str
+    finished: bool
+    hours: float
+    seconds_per_step: float
+    rollout_share: float
+    """Cell-time in the rollout role over all cell-time."""
+    busy_cell_hours: float
+    idle_cell_hours: float
+    switching_cell_hours: float
+    switches: int
+    executions: int
+    model_calls: int
+    trained_tokens: int
+    wall_s: float
+    intervals: tuple[tuple[str, str, float, float], ...] = ()
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in attrs.asdict(self).items() if k != "intervals"}
+
+
+def policy_variants(setup: Setup) -> list[tuple[str, Any, bool, dict[str, str]]]:
+    """(name, policy, streaming, initial roles) for elastic, colocate and async at every split, with and without
+    streaming micro-steps."""
+    names = setup.cell_names
+    variants: list[tuple[str, Any, bool, dict[str, str]]] = [
+        ("elastic", ElasticPolicy(), True, {n: TRAIN if i == 0 else ROLLOUT for i, n in enumerate(names)}),
+        ("colocate", ColocatePolicy(), True, {n: ROLLOUT for n in names}),
+    ]
+    for train in range(1, setup.cells):
+        roles = {n: TRAIN if i < train else ROLLOUT for i, n in enumerate(names)}
+        policy = AsyncPolicy(names[:train])
+        variants.append((f"async[{train}t/{setup.cells - train}r]", policy, False, roles))
+        variants.append((f"async-streaming[{train}t/{setup.cells - train}r]", policy, True, roles))
+    return variants
+
+
+def build_topology(setup: Setup, policy: Any, streaming: bool, roles: dict[str, str], record: RunRecord) -> Topology:
+    model = setup.cell_model()
+    context = setup.mean_context_tokens()
+    topology = Topology("simulate", seed=setup.seed)
+    stop = RestartPolicy("stop_topology")
+    names = setup.cell_names
+    topology.add("scheduler", Scheduler, SchedulerConfig(policy=policy, tick_s=5.0, expected_cells=names),
+                 restart=stop)
+    per_step = setup.groups * setup.group_size
+    topology.add("claimer", MicroStepClaimer, ClaimerConfig(
+        groups_per_step=setup.groups, group_size=setup.group_size,
+        microstep_token_budget=setup.microstep_tokens_per_gpu * setup.gpus_per_cell,
+        staleness=MaxVersionLag(setup.staleness), max_pending_executions=per_step * (setup.staleness + 2),
+        cell_silence_limit_s=None,
+    ), restart=stop)
+    tasks = tuple(TaskSpec(f"{setup.workload.name}-{i:04d}", "emulated", {}, ("agent",), ("scorer",), 3600.0, 1200.0)
+                  for i in range(max(1, setup.groups)))
+    ahead = groups_ahead_for_staleness(setup.staleness, setup.groups)
+    topology.add("task_source", TaskSource, TaskSourceConfig(
+        tasks=tasks, group_size=setup.group_size, groups_in_flight=ahead, executor="agents",
+        groups_per_step=setup.groups, max_groups_ahead_of_training=ahead, stop_topology_when_done=False,
+        seed=setup.seed,
+    ), restart=stop)
+    topology.add("agents", EmulatedAgents, EmulatedAgentsConfig(setup.workload, setup.seed, record=record),
+                 restart=stop)
+    for index, name in enumerate(names):
+        topology.add(name, EmulatedCell, EmulatedCellConfig(
+            model=model, initial_role=roles[name], is_core=index == 0, mean_context_tokens=context,
+            tick_s=setup.tick_s, core=names[0], stream_microsteps=streaming, last_step_id=setup.steps - 1,
+            record=record,
+        ), restart=stop)
+    return topology
+
+
+def run_policy(setup: Setup, name: str, policy: Any, streaming: bool, roles: dict[str, str]) -> PolicyRun:
+    record = RunRecord()
+    started = time.perf_counter()
+    result = VirtualLauncher().run(build_topology(setup, policy, streaming, roles, record),
+                                   RunOptions(until_s=setup.until_s))
+    if result.exit_code != 0:
+        raise SimulationError(f"{name}: the emulated run failed: {result.reason}")
+    wall_s = time.perf_counter() - started
+    last = setup.steps - 1
+    finished = last in record.step_times_s
+    end_s = record.step_times_s.get(last, max(record.step_times_s.values(), default=setup.until_s))
+    intervals = record.role_intervals(end_s)
+    total = setup.cells * end_s
+    by_role = {ROLLOUT: 0.0, TRAIN: 0.0, "switching": 0.0}
+    for _, role, start, end in intervals:
+        by_role[role] = by_role.get(role, 0.0) + end - start
+    busy = min(total, sum(record.busy_s.values()))
+    switches = sum(1 for _, _, role in record.role_changes if role == "switching")
+    return PolicyRun(
+        name=name, finished=finished, hours=end_s / 3600, seconds_per_step=end_s / max(1, len(record.step_times_s)),
+        rollout_share=by_role[ROLLOUT] / total if total else 0.0, busy_cell_hours=busy / 3600,
+        idle_cell_hours=(total - busy - by_role["switching"]) / 3600, switching_cell_hours=by_role["switching"] / 3600,
+        switches=switches, executions=record.executions_finished, model_calls=record.model_calls,
+        trained_tokens=record.trained_tokens, wall_s=wall_s, intervals=tuple(intervals),
+    )
+
+
+def lower_bound(setup: Setup) -> dict[str, float]:
+    """Hours no schedule beats (module docstring), with its two terms."""
+    model = setup.cell_model()
+    context = setup.mean_context_tokens()
+    sequences = max(1, min(model.max_running_requests, int(model.kv_capacity_tokens // context)))
+    decode_rate = model.decode_tokens_per_s(sequences, sequences * context)
+    rollout_s = train_s = 0.0
+    step_train_s: list[float] = []
+    shortest_first_step = float("inf")
+    for step in range(setup.steps):
+        step_tokens = 0
+        for g in range(setup.groups):
+            group_id = f"g{step * setup.groups + g:06d}"
+            for plan in setup.workload.plans(group_id, setup.group_size, setup.seed):
+                output = sum(plan.output_tokens)
+                prefill = plan.prompt_tokens + sum(plan.observation_tokens[:-1])
+                rollout_s += output / decode_rate + prefill / model.prefill_tokens_per_s
+                step_tokens += plan.trajectory_tokens
+                if step == 0:
+                    latency = plan.setup_s + sum(plan.tool_s) + output / model.decode_tokens_per_s(
+                        1, plan.trajectory_tokens / 2)
+                    shortest_first_step = min(shortest_first_step, latency)
+        step_train_s.append(model.train_s(step_tokens))
+        train_s += step_train_s[-1]
+    work_s = (rollout_s + train_s) / setup.cells
+    chain_s = shortest_first_step + sum(t / setup.cells + model.optimizer_step_s for t in step_train_s)
+    return {"lower_bound_hours": max(work_s, chain_s) / 3600, "work_bound_hours": work_s / 3600,
+            "chain_bound_hours": chain_s / 3600, "rollout_cell_hours": rollout_s / 3600,
+            "train_cell_hours": train_s / 3600}
+
+
+def compare(setup: Setup, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every policy variant (or those whose name starts with one of `only`), the lower bound, and the headline."""
+    started = time.perf_counter()
+    runs = [run_policy(setup, name, policy, streaming, roles)
+            for name, policy, streaming, roles in policy_variants(setup)
+            if not only or name.startswith(only)]
+    by_name = {run.name: run for run in runs}
+    result: dict[str, Any] = {"setup": _setup_summary(setup), **lower_bound(setup)}
+
+    def best(prefix: str) -> PolicyRun | None:
+        candidates = [r for r in runs if r.name.startswith(prefix + "[") and r.finished]
+        return min(candidates, key=lambda r: r.hours) if candidates else None
+
+    for key, run in (("elastic", by_name.get("elastic")), ("colocate", by_name.get("colocate")),
+                     ("async_best", best("async")), ("async_streaming_best", best("async-streaming"))):
+        result[f"{key}_hours"] = run.hours if run is not None and run.finished else None
+        if key.startswith("async"):
+            result[f"{key}_split"] = run.name[run.name.index("[") + 1:-1] if run is not None else None
+    elastic, colocate, strongest = result["elastic_hours"], result["colocate_hours"], result["async_streaming_best_hours"]
+    result["elastic_vs_colocate"] = colocate / elastic if elastic and colocate else None
+    result["elastic_vs_async_streaming_best"] = strongest / elastic if elastic and strongest else None
+    result["policies"] = [run.summary() for run in runs]
+    result["wall_s"] = time.perf_counter() - started
+    result["_runs"] = runs
+    return result
+
+
+def _setup_summary(setup: Setup) -> dict[str, Any]:
+    model = setup.cell_model()
+    return {
+        "workload": setup.workload.name, "hardware": setup.hardware, "cells": setup.cells,
+        "gpus_per_cell": setup.gpus_per_cell, "active_params": setup.model.active_params,
+        "total_params": setup.model.total_params, "groups": setup.groups, "group_size": setup.group_size,
+        "staleness": setup.staleness, "steps": setup.steps, "kv_capacity_tokens_per_cell": model.kv_capacity_tokens,
+        "capacity_sessions_per_cell": model.capacity_sessions(setup.mean_context_tokens()),
+        "weight_sync_s": round(model.weight_sync_s, 2), "prefill_tokens_per_s_per_cell": round(model.prefill_tokens_per_s),
+    }

@@ -388,3 +388,43 @@ def test_embedded_server_without_transfer_agent_lacks_kv_import(model_dir):
             await client.release_kv(export["handle"])
 
     run(main())
+
+
+def test_version_differences_of_sglang_are_named():
+    """SGLang <= 0.5.5: /pause_generation takes no body (and only aborts); some versions serve /get_model_info
+    instead of /model_info."""
+    bodies: list[bytes] = []
+
+    async def pause(request: web.Request) -> web.Response:
+        bodies.append(await request.read())
+        return web.json_response({"message": "paused"})
+
+    async def get_model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "/old", "is_generation": True})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/pause_generation", pause)
+        app.router.add_get("/get_model_info", get_model_info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with SGLangClient(url, config=ClientConfig(pause_body=False)) as client:
+                await client.pause("abort")
+                assert bodies == [b""]  # no body at all, not even {}
+                with pytest.raises(CapabilityMissing, match="aborting only"):
+                    await client.pause("in_place")
+                assert len(bodies) == 1  # refused before anything was sent
+                assert (await client.model_info())["model_path"] == "/old"  # /model_info 404 -> /get_model_info
+            async with SGLangClient(url) as client:
+                await client.pause("retract")
+                assert json.loads(bodies[-1]) == {"mode": "retract"}
+                with pytest.raises(CapabilityMissing):
+                    await client.live_sequences()  # a Gyre extension SGLang lacks
+        finally:
+            await runner.cleanup()
+
+    run(main())

@@ -38,7 +38,7 @@ def cluster() -> Iterator[Cluster]:
         ray.shutdown()
     nodes = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
-    nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources={"node_b": 1})
     nodes.wait_for_nodes()
     ray.init(address=nodes.address, log_to_driver=False)
     try:
@@ -50,8 +50,8 @@ def cluster() -> Iterator[Cluster]:
         nodes.shutdown()
 
 
-def _launch(file: Path, argv: list[str], log_path: Path) -> tuple[RayLauncher, object]:
-    launcher = RayLauncher(str(file), tuple(argv), None, "connected", RayLaunchConfig(place_timeout_s=30.0))
+def _launch(file: Path, argv: list[str], log_path: Path, place_timeout_s: float = 30.0) -> tuple[RayLauncher, object]:
+    launcher = RayLauncher(str(file), tuple(argv), None, "connected", RayLaunchConfig(place_timeout_s=place_timeout_s))
     result = launcher.run(load_topology_file(file, argv), RunOptions(log_path=str(log_path), until_s=60.0))
     return launcher, result
 
@@ -126,3 +126,28 @@ def test_gyre_run_with_ray_address_runs_against_the_cluster_as_it_is(cluster, tm
 
 def test_gyre_run_refuses_virtual_with_ray() -> None:
     assert gyre_cli(["run", str(PING_PONG), "--virtual", "--ray", "local"]) == 2
+
+
+def _node_with(resource: str) -> str:
+    return next(node["NodeID"] for node in ray.nodes() if node["Alive"] and resource in node["Resources"])
+
+
+def test_a_custom_resource_pins_a_group_and_a_pack_shares_one_node(cluster, tmp_path: Path) -> None:
+    launcher, result = _launch(CRASH, ["--rounds", "5", "--pong-needs", "node_b"], tmp_path / "pinned.glog")
+    assert result.exit_code == 0, result.reason
+    assert launcher.placement["pong"].node_id == _node_with("node_b")
+    assert launcher.placement["ping"].node_id != launcher.placement["pong"].node_id  # 1 CPU a node
+    launcher, result = _launch(CRASH, ["--rounds", "5", "--pack"], tmp_path / "packed.glog")
+    assert result.exit_code == 0, result.reason
+    assert launcher.placement["ping"].node_id == launcher.placement["pong"].node_id
+
+
+def test_resources_the_cluster_lacks_end_the_run_with_a_message_instead_of_waiting(cluster, tmp_path: Path) -> None:
+    launcher, result = _launch(CRASH, ["--pong-gpus", "1"], tmp_path / "gpu.glog", place_timeout_s=3.0)
+    assert result.exit_code == 1
+    assert "could not reserve" in result.reason and "'GPU': 1.0" in result.reason
+    assert launcher.placement == {}
+    assert not (tmp_path / "gpu.glog.parts").exists()
+    # The reservation was given back: the next run places as usual.
+    launcher, result = _launch(CRASH, ["--rounds", "3"], tmp_path / "after.glog")
+    assert result.exit_code == 0, result.reason

@@ -9,8 +9,12 @@ of actors/ because no wing imports another; an eval that serves a model through 
 here too (not built yet: `--agent` names only agents that need no model).
 
 Built-in agents: `oracle` runs each task's solution/solve.sh (mounted read-only at /solution), `noop` does nothing
-(a task set's verifiers must give it 0). Any other value is a command line (split like a shell would), run in the
-task's workdir with the instruction appended as its last argument.
+(a task set's verifiers must give it 0), `mini-swe-agent` runs the PyPI package's `mini` command unchanged (yolo
+mode, exit when done) with its litellm model `openai/<--model-name>` pointed at `--model-url` through the variables
+litellm reads (OPENAI_BASE_URL, OPENAI_API_KEY); inside the bubblewrap sandbox that URL is reached through the
+sandbox's forwarder, the only network there is. Any other value is a command line (split like a shell would), run
+in the task's workdir with the instruction appended as its last argument. `--model-url` names an OpenAI-compatible
+server that needs no per-execution key (training runs give each execution its own key through the proxy).
 
 A task counts as a success when its reward is >= 1 (Harbor's "resolved"); a dropped execution (the verifier
 crashed or hung) is reported as such and counts as a failure in the success rate, which is over all tasks.
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -42,16 +47,34 @@ from gyre.runtime.validators import count
 
 __all__ = ["EvalDriver", "EvalDriverConfig", "agent_task_specs", "register", "run_eval"]
 
-BUILTIN_AGENTS = ("oracle", "noop")
+BUILTIN_AGENTS = ("oracle", "noop", "mini-swe-agent")
+MINI_SWE_AGENT_ENV = {
+    "MSWEA_CONFIGURED": "true",  # skip its first-run set-up dialogue
+    "MSWEA_COST_TRACKING": "ignore_errors",  # a local model has no price in litellm's table
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm would fetch its price table from the internet at import
+}
+"""What mini-swe-agent (and the litellm inside it) needs to run offline, unattended."""
 NO_MODEL_URL = "http://127.0.0.1:9/v1"
 """What the built-in agents get as their model URL: port 9 (discard) on loopback, where nothing answers."""
 
 
-def agent_task_specs(task_dir: str | Path, agent: str) -> tuple[TaskSpec, ...]:
+def mini_swe_agent_argv(model_name: str) -> tuple[str, ...]:
+    """mini-swe-agent's own command line, unattended; the executor appends the instruction after `-t`."""
+    mini = shutil.which("mini")
+    if mini is None:
+        raise ValueError("the mini-swe-agent agent needs the PyPI package mini-swe-agent (its `mini` command)")
+    return (sys.executable, mini, "--yolo", "--exit-immediately", "--model", f"openai/{model_name}",
+            "--output", "/tmp/mini-swe-agent.traj.json", "--task")
+
+
+def agent_task_specs(task_dir: str | Path, agent: str, model_name: str = "gyre") -> tuple[TaskSpec, ...]:
     """The task set at `task_dir` as TaskSpecs that run `agent` (module docstring). Raises HarborTaskError."""
     tasks = load_harbor_tasks(task_dir)
     if agent == "oracle":
         return tuple(harbor_task_spec(t, ("bash", "/solution/solve.sh"), with_solution=True) for t in tasks)
+    if agent == "mini-swe-agent":
+        argv = mini_swe_agent_argv(model_name)
+        return tuple(attrs.evolve(harbor_task_spec(t, argv), env={**t.env, **MINI_SWE_AGENT_ENV}) for t in tasks)
     argv = ("true",) if agent == "noop" else tuple(shlex.split(agent))
     if not argv:
         raise ValueError("--agent is empty")
@@ -66,6 +89,8 @@ class EvalDriverConfig:
     """The task set."""
     attempts: int = attrs.field(default=1, validator=count)
     """Executions per task."""
+    model_url: str = ""
+    """OpenAI-compatible base URL (ending in /v1) handed to agents; "" = none (the built-in agents need none)."""
 
 
 class EvalDriver(Actor):
@@ -81,7 +106,8 @@ class EvalDriver(Actor):
 
     @handler(IssueKey)
     def on_issue_key(self, msg: IssueKey) -> KeyIssued:
-        return KeyIssued("no-model", NO_MODEL_URL, NO_MODEL_URL.removesuffix("/v1"))
+        url = self.config.model_url or NO_MODEL_URL
+        return KeyIssued("no-model", url, url.removesuffix("/v1"))
 
     @handler(RevokeKey)
     def on_revoke_key(self, msg: RevokeKey) -> None:
@@ -108,9 +134,10 @@ class EvalDriver(Actor):
 
 
 def run_eval(task_dir: str | Path, agent: str, sandbox: str = "bubblewrap", *, attempts: int = 1,
-             max_concurrent: int = 4, workspace_root: str = "", log_path: str = "") -> dict[str, Any]:
+             max_concurrent: int = 4, workspace_root: str = "", log_path: str = "", model_url: str = "",
+             model_name: str = "gyre") -> dict[str, Any]:
     """Run `agent` on the task set; {"success_rate", "mean_reward", "tasks": [{task_id, reward, success, ...}]}."""
-    specs = agent_task_specs(task_dir, agent)
+    specs = agent_task_specs(task_dir, agent, model_name)
     with tempfile.TemporaryDirectory(prefix="gyre-eval-") as scratch:
         log_file = log_path or str(Path(scratch) / "eval.glog")
         root = workspace_root or str(Path(scratch) / "executions")
@@ -121,7 +148,7 @@ def run_eval(task_dir: str | Path, agent: str, sandbox: str = "bubblewrap", *, a
             max_concurrent=max_concurrent, sandbox=sandbox_config))
         topology.add("evaluator", Evaluator, EvaluatorConfig(builder="driver", max_concurrent=max_concurrent,
                                                              sandbox=sandbox_config))
-        topology.add("driver", EvalDriver, EvalDriverConfig(specs, attempts))
+        topology.add("driver", EvalDriver, EvalDriverConfig(specs, attempts, model_url))
         limit_s = sum(s.timeout_s + s.scorer_timeout_s for s in specs) * attempts + 60.0
         result = InProcessLauncher().run(topology, RunOptions(log_path=log_file, until_s=limit_s))
         return _report(specs, attempts, log_file, result.reason)
@@ -176,10 +203,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("eval", help="run an agent on a Harbor task set (no training) and report")
     parser.add_argument("tasks", help="a Harbor task directory, or a directory of them")
     parser.add_argument("--agent", default="oracle",
-                        help="oracle (each task's solution/solve.sh), noop, or a command line run in the sandbox")
+                        help="oracle (each task's solution/solve.sh), noop, mini-swe-agent, or a command line")
     parser.add_argument("--sandbox", choices=SANDBOX_KINDS, default="bubblewrap")
     parser.add_argument("--attempts", type=int, default=1, help="executions per task")
     parser.add_argument("--max-concurrent", type=int, default=4, help="executions (and verifiers) at once")
+    parser.add_argument("--model-url", default="", help="OpenAI-compatible base URL (…/v1) for agents that need a model")
+    parser.add_argument("--model-name", default="gyre", help="the model name agents ask for")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(func=_command)
 
@@ -189,7 +218,7 @@ def _command(args: argparse.Namespace) -> int:
         configure_logging("warning")
     try:
         report = run_eval(args.tasks, args.agent, args.sandbox, attempts=args.attempts,
-                          max_concurrent=args.max_concurrent)
+                          max_concurrent=args.max_concurrent, model_url=args.model_url, model_name=args.model_name)
     except (HarborTaskError, ValueError, OSError) as error:
         print(f"gyre eval: {error}", file=sys.stderr)
         return 2

@@ -115,6 +115,12 @@ class SandboxConfig:
     """CPU quota of a sandbox whose request names none, in cores."""
     bwrap: str = "bwrap"
     """The bubblewrap program."""
+    hidden_paths: tuple[str, ...] = ("/root",)
+    """Host directories every sandbox sees as empty (root's home: its keys and caches are no agent's business)."""
+    exposed_paths: tuple[str, ...] = ()
+    """Host directories bound read-only at their own path even inside a hidden one. The running interpreter's
+    installation and this package's folder are always exposed: sandbox_init runs on them (and agents such as
+    mini-swe-agent run as `sys.executable ...`, e.g. on a pyenv Python under /root)."""
 
 
 @attrs.frozen
@@ -246,13 +252,19 @@ async def _open_bubblewrap(config: SandboxConfig, request: SandboxRequest) -> Pr
                            "--unshare-net", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
         args += _root_binds()
         args += ["--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run"]
-        for hidden in request.hide:
+        hidden_paths = (*config.hidden_paths, *request.hide)
+        for hidden in hidden_paths:
             if os.path.isdir(hidden) and not _under(hidden, "/tmp") and not _under(hidden, "/run"):
-                args += ["--tmpfs", hidden]
+                args += ["--perms", "0755", "--tmpfs", hidden]
         # bwrap makes missing mount points 0700 root, which the sandbox's uid could not pass: make them 0755 first.
-        mount_points = [workdir, *(p for _, p in request.read_only_mounts + request.writable_mounts)]
-        for directory in _directories_to_make(mount_points, request.hide):
+        always = (os.path.realpath(sys.base_prefix), str(INIT_SCRIPT.parent))
+        exposed = [p for p in dict.fromkeys((*always, *config.exposed_paths))
+                   if os.path.isdir(p) and any(_under(p, h) for h in hidden_paths)]
+        mount_points = [workdir, *(p for _, p in request.read_only_mounts + request.writable_mounts), *exposed]
+        for directory in _directories_to_make(mount_points, hidden_paths):
             args += ["--perms", "0755", "--dir", directory]
+        for path in exposed:
+            args += ["--ro-bind", path, path]
         args += ["--bind", request.workspace, workdir]
         for host_path, inside in request.read_only_mounts:
             args += ["--ro-bind", host_path, inside]

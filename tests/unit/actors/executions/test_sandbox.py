@@ -144,6 +144,17 @@ def test_identity_and_environment(tmp_path: Path) -> None:
 
 
 @needs_bwrap
+def test_roots_home_is_hidden_but_the_interpreter_runs(tmp_path: Path) -> None:
+    code, out = asyncio.run(run_in(SandboxRequest(
+        (sys.executable, "-c", "import os; print(sorted(os.listdir('/root')))"), ENV, str(tmp_path), "/app")))
+    assert code == 0, out
+    visible = eval(out)
+    host_only = set(os.listdir("/root")) - {Path(os.path.realpath(sys.base_prefix)).relative_to("/root").parts[0]} \
+        if os.path.realpath(sys.base_prefix).startswith("/root/") else set(os.listdir("/root"))
+    assert not host_only & set(visible), visible
+
+
+@needs_bwrap
 def test_fork_bomb_is_bounded(tmp_path: Path) -> None:
     code = (
         "import os, time\n"

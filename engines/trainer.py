@@ -53,6 +53,7 @@ __all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "bui
 log = structlog.get_logger(__name__)
 
 CORE_ATTENTION = ("sdpa", "local")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, Mapping[str, Any]]"]
 
@@ -90,7 +91,15 @@ class TrainerConfig:
     the main job's tasks it scored within the noise of the last weights: BENCHMARKS.md, session 10). It costs one
     more copy of the parameters, so only the cell that applies the steps (the core) should keep one."""
 
+    precision: str = "fp32"
+    """"fp32": one copy of the weights, fp32 everywhere (the CPU setting). "bf16": the model computes in bfloat16
+    (weights, activations and gradients, as megatron's `bf16=True`), while the optimizer, the flat buffers and every
+    import and export keep fp32 master weights and fp32 gradient sums (megatron's mixed-precision recipe): updates
+    too small for bfloat16 still accumulate. Meant for GPUs; it also runs, slowly, on the CPU."""
+
     def __attrs_post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise TrainerError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.core_attention not in CORE_ATTENTION:
             raise TrainerError(f"core_attention must be one of {sorted(CORE_ATTENTION)}, got {self.core_attention!r}")
         if self.device not in (None, "cpu", "cuda"):
@@ -179,7 +188,8 @@ def _sdpa_core_attention():
     return SDPACoreAttention
 
 
-def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa", device: str = "cpu"):
+def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa", device: str = "cpu",
+                    dtype: torch.dtype = torch.float32):
     """A megatron-core GPTModel with the Qwen3 layout of `spec` (fp32, CPU initialisation, no fusions): this rank's
     tensor shard of this rank's pipeline stage, as megatron's parallel state says."""
     prepare_training_runtime()  # a no-op after the first call in this process
@@ -212,7 +222,8 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
         qk_layernorm=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
         # Fused kernels are CUDA-only; the unfused paths are exact.
         masked_softmax_fusion=False,
@@ -221,7 +232,7 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
         gradient_accumulation_fusion=False,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=dtype,
         # Point-to-point sends one by one: gloo has no batched isend/irecv, and one micro-batch gains nothing.
         batch_p2p_comm=False,
         # The loss a caller's loss_fn returns is used as is (Gyre's losses carry their own normalisation).
@@ -281,7 +292,8 @@ class MegatronTrainer:
         self.sizes.check_fits(self.spec)
         self._grads_reduced = False
         """The data-parallel (and tied-embedding) gradient sums of `reduce_grads` are in the buffer."""
-        self.model = build_gpt_model(self.spec, config.seed, config.core_attention, self.device.type)
+        self.model = build_gpt_model(self.spec, config.seed, config.core_attention, self.device.type,
+                                     PRECISIONS[config.precision])
         self.version = 0
         """Weight version: bumped by each applied optimizer step, or set by the loads."""
         self._average: torch.Tensor | None = None
@@ -304,13 +316,20 @@ class MegatronTrainer:
         total = sum(p.numel() for _, p in ordered)
         params = torch.zeros(total, dtype=torch.float32, device=self.device)
         grads = torch.zeros(total, dtype=torch.float32, device=self.device)
+        # In fp32 the model's parameters are views of the master buffers themselves; in bf16 of bf16 twins, which
+        # `_sync_model_weights` refreshes from the master and `_collect_grads` empties into the fp32 sums.
+        mixed = self.config.precision != "fp32"
+        dtype = PRECISIONS[self.config.precision]
+        self._model_params = torch.zeros(total, dtype=dtype, device=self.device) if mixed else params
+        self._model_grads = torch.zeros(total, dtype=dtype, device=self.device) if mixed else grads
         layout, offset = [], 0
         for name, p in ordered:
             n = p.numel()
-            view = params[offset : offset + n].view_as(p)
+            params[offset : offset + n].copy_(p.data.reshape(-1))
+            view = self._model_params[offset : offset + n].view_as(p)
             view.copy_(p.data)
             p.data = view
-            p.grad = grads[offset : offset + n].view_as(p)
+            p.grad = self._model_grads[offset : offset + n].view_as(p)
             layout.append(ParamSlot(name, tuple(p.shape), offset, n))
             offset += n
         split = sum(p.numel() for _, p in ordered if p.dim() >= 2)
@@ -320,6 +339,22 @@ class MegatronTrainer:
         groups = [{"params": [matrices]}, {"params": [vectors], "weight_decay": 0.0}]
         self._group_params = (matrices, vectors)
         return tuple(layout), params, grads, groups
+
+    @property
+    def _mixed(self) -> bool:
+        return self._model_params is not self._params
+
+    def _sync_model_weights(self) -> None:
+        # Before every forward, not after every write: a transfer engine may write the master buffer directly
+        # (param_buffer), and a bf16 cast-copy costs little next to a forward.
+        if self._mixed:
+            with torch.no_grad():
+                self._model_params.copy_(self._params)
+
+    def _collect_grads(self) -> None:
+        if self._mixed:
+            self._grads.add_(self._model_grads.float())
+            self._model_grads.zero_()
 
     def _counts_in_norm(self, name: str) -> bool:
         """Whether this rank's copy of `name` enters the global gradient norm: a parameter replicated on the tensor
@@ -424,6 +459,7 @@ class MegatronTrainer:
         input_ids, lengths = self._check_batch(input_ids, lengths)
         temperatures = self._check_temperatures(temperatures, input_ids)
         self.model.eval()
+        self._sync_model_weights()
         with torch.no_grad():
             if self.sizes.pipeline > 1:
                 return self._pipeline(input_ids, lengths, temperatures, None)["logprobs"].to(source_device)
@@ -440,14 +476,17 @@ class MegatronTrainer:
         if self._grads_reduced:
             raise TrainerError("gradients were already reduced for a step: call optimizer_step or zero_grads first")
         self.model.train()
+        self._sync_model_weights()
         if self.sizes.pipeline > 1:
             found = self._pipeline(input_ids, lengths, temperatures, loss_fn)
+            self._collect_grads()
             out = {**found["metrics"], "loss": found["loss"]}
             out["num_tokens"] = int(lengths.sum())
             return out
         logprobs = self._logprobs(input_ids, lengths, temperatures)
         loss, metrics = self._check_loss(loss_fn(logprobs))
         loss.backward()
+        self._collect_grads()
         out = {k: (float(v.detach()) if isinstance(v, torch.Tensor) else v) for k, v in dict(metrics).items()}
         out["loss"] = float(loss.detach())
         out["num_tokens"] = int(lengths.sum())
@@ -575,11 +614,20 @@ class MegatronTrainer:
             parallel_state.get_tensor_model_parallel_rank(), self.sizes.tensor,
             parallel_state.get_pipeline_model_parallel_rank(), self.sizes.pipeline,
         )
+        # Into the fp32 master buffer by layout (the model's copy follows at the next forward): loading through the
+        # bf16 model would round the weights.
+        slots = {slot.name: slot for slot in self._layout}
+        missing, unexpected = sorted(set(slots) - set(converted)), sorted(set(converted) - set(slots))
+        if missing or unexpected:
+            raise TrainerError(f"weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        for name, tensor in converted.items():
+            if tuple(tensor.shape) != slots[name].shape:
+                raise TrainerError(f"{name} has shape {tuple(tensor.shape)}, expected {slots[name].shape}")
         with torch.no_grad():
-            result = self.model.load_state_dict(converted, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
-        if missing or result.unexpected_keys:
-            raise TrainerError(f"weights do not fit the model: missing {missing}, unexpected {result.unexpected_keys}")
+            for name, tensor in converted.items():
+                slot = slots[name]
+                self._params[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
+        self._sync_model_weights()
         if version is not None:
             self.version = version
         self._restart_average()

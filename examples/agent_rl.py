@@ -45,6 +45,7 @@ sys.path.insert(0, str(HERE / "toolbox"))
 sys.path.insert(0, str(HERE))
 
 from gyre.actors.cells.cell import Cell, CellConfig  # noqa: E402
+from gyre.actors.cells.engine_process import EngineServerConfig  # noqa: E402
 from gyre.actors.executions.evaluator import Evaluator, EvaluatorConfig  # noqa: E402
 from gyre.actors.executions.executor import Executor, ExecutorConfig  # noqa: E402
 from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig  # noqa: E402
@@ -179,6 +180,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save the weights every N steps to REPORT/checkpoints/vNNNNN (0: never); "
                         "benchmarks/studies/average_checkpoints.py averages them afterwards")
+    parser.add_argument("--engine-kind", choices=("server", "embedded"), default="server",
+                        help="each cell's engine: a server child process driven over SGLang's HTTP API (default) or "
+                        "in the cell's own process")
+    parser.add_argument("--engine-preset", choices=("gyre", "sglang"), default="gyre",
+                        help="the server the cells launch with --engine-kind server: Gyre's engine server (CPU) or "
+                        "SGLang (python -m sglang.launch_server, on a GPU node)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                        help="an argument passed through to every engine server's command line (repeatable), e.g. "
+                        "--engine-arg=--mem-fraction-static --engine-arg=0.6")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
@@ -429,6 +439,7 @@ def topology(argv: list[str]) -> Topology:
     # The event log goes into the report: `gyre replay` / `gyre log` debug the very run the report describes.
     result = Topology("agent_rl", seed=args.seed, log_path=str(Path(args.report) / "events.glog"))
     engine = cell_engine(args)
+    engine_server = EngineServerConfig(preset=args.engine_preset, extra_args=tuple(args.engine_arg))
     trainer = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, num_threads=1, seed=args.seed)
     report = Path(args.report)
     for name in args.cell_names:
@@ -442,6 +453,7 @@ def topology(argv: list[str]) -> Topology:
                 saves["average_save_dir"] = str(report / "final_model_average")
         cell_trainer = attrs.evolve(trainer, average_decay=args.weight_average_decay) if name == "core" else trainer
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
+                                          engine_kind=args.engine_kind, engine_server=engine_server,
                                           trainer=cell_trainer, prepare_trainer_at_start=True,
                                           clip_low=args.clip_low, clip_high=args.clip_high, **saves))
         if args.cell_cpu_cores > 0:
@@ -507,6 +519,7 @@ def finish(argv: list[str], run_result) -> int:
         "elastic_keeps_a_rollout_cell": args.elastic_keep_a_rollout_cell, "group_size": args.group_size,
         "groups_per_step": args.groups_per_step, "agents_at_once": args.agents_at_once, "staleness": args.staleness,
         "cell_cpu_cores": args.cell_cpu_cores,
+        "engine_kind": args.engine_kind,
         "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
         "sft_epochs": args.sft_epochs,
         "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,

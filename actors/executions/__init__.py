@@ -1,6 +1,7 @@
 """The executions wing: the task source (which groups run, within the staleness bound), the executor (agent
 processes in their own process groups and workspaces, with time limits; forked warm by `warm_launcher.py`) and the
-evaluator (scorers on the preserved workspace; a crash or hang drops the execution)."""
+evaluator (scorers on the preserved workspace; a crash or hang drops the execution). Both run their commands
+through `sandbox.py` (backends none and bubblewrap); `harbor.py` loads Harbor task directories into TaskSpecs."""
 
 from gyre.runtime.exports import lazy_exports
 

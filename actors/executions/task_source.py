@@ -29,6 +29,10 @@ TaskSpec mapping (actors never import examples; the topology file converts). For
              scorer_argv=task.scorer_argv, timeout_s=..., scorer_timeout_s=...)
 
 The executor appends the prompt as the last argument, so options of the agent go before it.
+
+For a Harbor task directory (or a directory of them), `gyre.actors.executions.harbor` makes the TaskSpecs:
+`harbor_task_spec(task, agent_argv)` for each of `load_harbor_tasks(path)`; they need an executor and an evaluator
+with the bubblewrap sandbox (the `none` sandbox refuses their groups: it cannot mount the workspace at /app).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ refuses what it cannot honour."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import shutil
@@ -148,7 +149,7 @@ def test_roots_home_is_hidden_but_the_interpreter_runs(tmp_path: Path) -> None:
     code, out = asyncio.run(run_in(SandboxRequest(
         (sys.executable, "-c", "import os; print(sorted(os.listdir('/root')))"), ENV, str(tmp_path), "/app")))
     assert code == 0, out
-    visible = eval(out)
+    visible = ast.literal_eval(out)
     host_only = set(os.listdir("/root")) - {Path(os.path.realpath(sys.base_prefix)).relative_to("/root").parts[0]} \
         if os.path.realpath(sys.base_prefix).startswith("/root/") else set(os.listdir("/root"))
     assert not host_only & set(visible), visible

@@ -1,6 +1,6 @@
 """`gyre model ...`: create a model directory, inspect it, and score token ids with any of the three engines.
 
-    gyre model init DIR --preset tiny|small|tiny-tied [--seed N]
+    gyre model init DIR --preset tiny|small|tiny-tied|tiny-moe [--seed N]
     gyre model info DIR
     gyre model logprobs DIR --backend embedded|megatron|transformers --tokens FILE   (FILE: JSON list of ids, or -)
 
@@ -121,7 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init = commands.add_parser("init", help="write a freshly initialised model directory")
     init.add_argument("dir", help="directory to create (existing files of the model format are overwritten)")
     init.add_argument("--preset", default="tiny",
-                      help="model preset: tiny, small or tiny-tied (tied embeddings, as Qwen3-0.6B) (default tiny)")
+                      help="model preset: tiny, small, tiny-tied (tied embeddings, as Qwen3-0.6B) or tiny-moe "
+                           "(qwen3_moe, 8 experts top 2) (default tiny)")
     init.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     init.set_defaults(func=_init)
 

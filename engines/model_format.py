@@ -40,7 +40,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 @attrs.frozen
 class ModelSpec:
-    """The shape of a Qwen3 dense model: everything an engine needs to build it (read from config.json)."""
+    """The shape of a Qwen3 model, dense or MoE: everything an engine needs to build it (read from config.json)."""
 
     hidden_size: int
     """Width of the residual stream."""
@@ -66,6 +66,19 @@ class ModelSpec:
     """The output layer reuses the input embedding matrix (HF `tie_word_embeddings`; Qwen3-0.6B/1.7B/4B): the
     checkpoint has no lm_head.weight, and the trainer keeps one matrix that both ends update."""
 
+    num_experts: int = 0
+    """Experts per sparse MLP layer (HF qwen3_moe `num_experts`); 0: a dense model (model_type qwen3)."""
+    num_experts_per_tok: int = 0
+    """Experts the router picks per token (top-k); used only when num_experts > 0."""
+    moe_ffn_size: int = 0
+    """Width of each expert's gated MLP (HF `moe_intermediate_size`); dense layers keep ffn_size."""
+    decoder_sparse_step: int = 1
+    """Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (HF's rule)."""
+    mlp_only_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    """Layers that keep a dense MLP in a MoE model."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to one (HF `norm_topk_prob`; Qwen3-MoE: true)."""
+
     def __attrs_post_init__(self) -> None:
         # Sizes first: a config.json from elsewhere may hold a string or a zero, and the head check divides.
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "vocab_size"):
@@ -76,7 +89,27 @@ class ModelSpec:
             raise ModelFormatError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if type(self.tie_word_embeddings) is not bool:
             raise ModelFormatError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        if type(self.norm_topk_prob) is not bool:
+            raise ModelFormatError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        for name in ("num_experts", "num_experts_per_tok", "moe_ffn_size", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (1 if name == "decoder_sparse_step" else 0):
+                raise ModelFormatError(f"{name} must be a non-negative int (step: positive), got {value!r}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_ffn_size > 0):
+            raise ModelFormatError(
+                f"a MoE model needs 0 < num_experts_per_tok <= num_experts and moe_ffn_size > 0, got "
+                f"{self.num_experts_per_tok}, {self.num_experts}, {self.moe_ffn_size}")
+        if any(type(i) is not int or not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ModelFormatError(f"mlp_only_layers must hold layer indices, got {self.mlp_only_layers!r}")
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` has experts (transformers' Qwen3MoeDecoderLayer rule)."""
+        return (self.is_moe and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
     @property
     def num_params(self) -> int:
         return sum(math.prod(shape) for shape in hf_param_shapes(self).values())
@@ -84,9 +117,21 @@ class ModelSpec:
     def config_dict(self, eos_token_id: int | None = None, pad_token_id: int | None = None) -> dict:
         """config.json contents (Qwen3Config). Both the new (`dtype`, `rope_parameters`) and the legacy
         (`torch_dtype`, `rope_theta`) keys are written so that older readers and SGLang find what they expect."""
+        moe = {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_ffn_size,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "norm_topk_prob": self.norm_topk_prob,
+            # Training adds no load-balancing loss (see the trainer); inference never reads it.
+            "router_aux_loss_coef": 0.0,
+            "output_router_logits": False,
+        } if self.is_moe else {}
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            **moe,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.ffn_size,
@@ -119,8 +164,17 @@ class ModelSpec:
     def from_config_dict(cls, config: Mapping) -> "ModelSpec":
         if not isinstance(config, Mapping):
             raise ModelFormatError(f"config.json must hold a JSON object, got {type(config).__name__}")
-        if config.get("model_type") != "qwen3":
-            raise ModelFormatError(f"model_type must be 'qwen3', got {config.get('model_type')!r}")
+        model_type = config.get("model_type")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ModelFormatError(f"model_type must be 'qwen3' or 'qwen3_moe', got {model_type!r}")
+        moe = {}
+        if model_type == "qwen3_moe":
+            moe = {"num_experts": config.get("num_experts", 0),
+                   "num_experts_per_tok": config.get("num_experts_per_tok", 0),
+                   "moe_ffn_size": config.get("moe_intermediate_size", 0),
+                   "decoder_sparse_step": config.get("decoder_sparse_step", 1),
+                   "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
+                   "norm_topk_prob": config.get("norm_topk_prob", False)}
         if config.get("attention_bias", False):
             raise ModelFormatError("attention_bias=True is not supported by Gyre's Qwen3 layout")
         if config.get("use_sliding_window", False):
@@ -146,6 +200,7 @@ class ModelSpec:
                 rope_theta=float(theta),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=config.get("tie_word_embeddings", False),
+                **moe,
             )
         except ModelFormatError:
             raise
@@ -177,6 +232,10 @@ PRESETS: dict[str, ModelSpec] = {
     # tie survives every engine, the trainer's updates and both weight conversions.
     "tiny-tied": ModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=384,
                            tie_word_embeddings=True),
+    # "tiny" as Qwen3-MoE: 8 experts of width 96, top-2 with renormalised weights; layer 0 stays dense and every
+    # layer after it is sparse, so both MLP kinds and the mlp_only_layers rule are exercised.
+    "tiny-moe": ModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=384,
+                          num_experts=8, num_experts_per_tok=2, moe_ffn_size=96, mlp_only_layers=(0,)),
 }
 
 
@@ -197,11 +256,20 @@ def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.q_norm.weight": (spec.head_dim,),
                 p + "self_attn.k_norm.weight": (spec.head_dim,),
                 p + "post_attention_layernorm.weight": (h,),
-                p + "mlp.gate_proj.weight": (spec.ffn_size, h),
-                p + "mlp.up_proj.weight": (spec.ffn_size, h),
-                p + "mlp.down_proj.weight": (h, spec.ffn_size),
             }
         )
+        if spec.is_sparse_layer(i):
+            # The checkpoint layout of Qwen3-30B-A3B: one router, then each expert's three matrices.
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                m = spec.moe_ffn_size
+                shapes.update({x + "gate_proj.weight": (m, h), x + "up_proj.weight": (m, h),
+                               x + "down_proj.weight": (h, m)})
+        else:
+            f = spec.ffn_size
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})
     shapes["model.norm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)

@@ -50,14 +50,27 @@ class Qwen3Spec:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    num_experts: int = 0
+    """Experts per sparse layer (qwen3_moe); 0: dense."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """transformers' Qwen3MoeDecoderLayer rule for which layers have experts."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_config(cls, config: Mapping) -> Qwen3Spec:
         if not isinstance(config, Mapping):
             raise ModelFormatError(f"config.json must hold a JSON object, got {type(config).__name__}")
         model_type = config.get("model_type")
-        if model_type != "qwen3":
-            raise ModelFormatError(f"config.json model_type is {model_type!r}; this engine runs 'qwen3' only")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ModelFormatError(f"config.json model_type is {model_type!r}; this engine runs 'qwen3' and "
+                                   "'qwen3_moe' only")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if not isinstance(rope, Mapping):
             raise ModelFormatError(f"rope parameters must be a JSON object, got {rope!r}")
@@ -85,6 +98,14 @@ class Qwen3Spec:
                 rope_theta=float(rope_theta),
                 max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                **({} if model_type == "qwen3" else {
+                    "num_experts": int(config.get("num_experts", 0)),
+                    "num_experts_per_tok": int(config.get("num_experts_per_tok", 0)),
+                    "moe_intermediate_size": int(config.get("moe_intermediate_size", 0)),
+                    "decoder_sparse_step": int(config.get("decoder_sparse_step", 1)),
+                    "mlp_only_layers": tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+                    "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                }),
             )
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
             raise ModelFormatError(f"config.json lacks or mangles a Qwen3 field: {error}") from None
@@ -92,6 +113,10 @@ class Qwen3Spec:
                      "head_dim"):
             if getattr(spec, name) <= 0:
                 raise ModelFormatError(f"{name} must be positive, got {getattr(spec, name)}")
+        if spec.num_experts and not (0 < spec.num_experts_per_tok <= spec.num_experts
+                                     and spec.moe_intermediate_size > 0 and spec.decoder_sparse_step > 0):
+            raise ModelFormatError("a qwen3_moe config needs 0 < num_experts_per_tok <= num_experts, "
+                                   "moe_intermediate_size > 0 and decoder_sparse_step > 0")
         if spec.num_heads % spec.num_kv_heads:
             raise ModelFormatError(
                 f"num_attention_heads {spec.num_heads} is not a multiple of num_key_value_heads {spec.num_kv_heads}"
@@ -128,6 +153,14 @@ class Qwen3Spec:
             shapes[p + "self_attn.o_proj.weight"] = (h, self.num_heads * hd)
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
+            if self.is_sparse_layer(i):
+                m = self.moe_intermediate_size
+                shapes[p + "mlp.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    shapes[f"{p}mlp.experts.{e}.gate_proj.weight"] = (m, h)
+                    shapes[f"{p}mlp.experts.{e}.up_proj.weight"] = (m, h)
+                    shapes[f"{p}mlp.experts.{e}.down_proj.weight"] = (h, m)
+                continue
             shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
             shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
             shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
@@ -167,7 +200,9 @@ def read_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 class _Layer:
-    __slots__ = ("input_norm", "post_norm", "qkv", "o", "q_norm", "k_norm", "qk_norm", "gate_up", "down")
+    # router, expert_gate_up [E, 2m, h] and expert_down [E, h, m] are set on sparse layers only (else None).
+    __slots__ = ("input_norm", "post_norm", "qkv", "o", "q_norm", "k_norm", "qk_norm", "gate_up", "down", "router",
+                 "expert_gate_up", "expert_down")
 
 
 @attrs.frozen
@@ -245,16 +280,24 @@ class Qwen3Paged:
         self._lm_head = self._embed if s.tie_word_embeddings else torch.zeros(s.vocab_size, h, dtype=dt)
         self._final_norm = torch.ones(h, dtype=dt)
         self._layers = []
-        for _ in range(s.num_layers):
+        for index in range(s.num_layers):
             layer = _Layer()
+            layer.router = layer.expert_gate_up = layer.expert_down = None
             layer.input_norm = torch.ones(h, dtype=dt)
             layer.post_norm = torch.ones(h, dtype=dt)
             layer.qkv = torch.zeros((s.num_heads + 2 * s.num_kv_heads) * hd, h, dtype=dt)
             layer.o = torch.zeros(h, s.num_heads * hd, dtype=dt)
             layer.q_norm = torch.ones(hd, dtype=dt)
             layer.k_norm = torch.ones(hd, dtype=dt)
-            layer.gate_up = torch.zeros(2 * s.intermediate_size, h, dtype=dt)
-            layer.down = torch.zeros(h, s.intermediate_size, dtype=dt)
+            if s.is_sparse_layer(index):
+                m = s.moe_intermediate_size
+                layer.gate_up = layer.down = None
+                layer.router = torch.zeros(s.num_experts, h, dtype=dt)
+                layer.expert_gate_up = torch.zeros(s.num_experts, 2 * m, h, dtype=dt)
+                layer.expert_down = torch.zeros(s.num_experts, h, m, dtype=dt)
+            else:
+                layer.gate_up = torch.zeros(2 * s.intermediate_size, h, dtype=dt)
+                layer.down = torch.zeros(h, s.intermediate_size, dtype=dt)
             self._layers.append(layer)
             self._refresh_qk_norm(layer)
 
@@ -301,6 +344,16 @@ class Qwen3Paged:
             return layer.q_norm
         if leaf == "self_attn.k_norm.weight":
             return layer.k_norm
+        if leaf == "mlp.gate.weight":
+            return layer.router
+        if leaf.startswith("mlp.experts."):
+            expert, m = int(parts[5]), s.moe_intermediate_size
+            kind = parts[6]
+            if kind == "gate_proj":
+                return layer.expert_gate_up[expert, :m]
+            if kind == "up_proj":
+                return layer.expert_gate_up[expert, m:]
+            return layer.expert_down[expert]
         if leaf == "mlp.gate_proj.weight":
             return layer.gate_up[:inter]
         if leaf == "mlp.up_proj.weight":
@@ -583,6 +636,9 @@ class Qwen3Paged:
                 attn = self._attention(plan, index, q, k, v, k_pool, v_pool, num_tokens, bs)
                 x = torch.addmm(x, attn, layer.o.t())
                 h = self._rms_norm(x, layer.post_norm)
+                if layer.router is not None:
+                    x = x + self._experts(h, layer)
+                    continue
                 gate_up = F.linear(h, layer.gate_up)
                 gate, up = gate_up.chunk(2, dim=-1)
                 x = torch.addmm(x, F.silu(gate) * up, layer.down.t())
@@ -595,6 +651,33 @@ class Qwen3Paged:
             rows = x.index_select(0, plan.logit_rows)
             rows = self._rms_norm(rows, self._final_norm)
             return F.linear(rows, self._lm_head).float()
+
+    def _experts(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """A sparse layer's MLP as transformers' Qwen3MoeSparseMoeBlock computes it: softmax over every expert's
+        router logit (float32), the top k, renormalised when norm_topk_prob, then the weighted sum of the chosen
+        experts' gated MLPs. Tokens are grouped per expert so each expert runs one matrix product per step."""
+        s = self.spec
+        probs = F.softmax(F.linear(h, layer.router), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(s.num_experts_per_tok, dim=-1)
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype)
+        out = torch.zeros_like(h)
+        flat_expert = chosen.reshape(-1)
+        order = flat_expert.argsort(stable=True)
+        counts = torch.bincount(flat_expert, minlength=s.num_experts).tolist()
+        token_of = order // s.num_experts_per_tok
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            picks = order[start : start + count]
+            tokens = token_of[start : start + count]
+            start += count
+            gate, up = F.linear(h.index_select(0, tokens), layer.expert_gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, layer.expert_down[expert])
+            out.index_add_(0, tokens, y * weights.reshape(-1)[picks].unsqueeze(-1))
+        return out
 
     def _attention(
         self,

@@ -15,6 +15,14 @@ Pure tensor reshuffling (no megatron import), so the weight broker and the tests
 | model.norm.weight                                  | decoder.final_layernorm.weight                         |
 | lm_head.weight                                     | output_layer.weight                                    |
 
+A sparse layer of a Qwen3-MoE model (`spec.is_sparse_layer(i)`) has instead of the MLP rows above:
+
+| layers.i.mlp.gate.weight                           | decoder.layers.i.mlp.router.weight                     |
+| layers.i.mlp.experts.e.{gate,up}_proj.weight       | decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight |
+| layers.i.mlp.experts.e.down_proj.weight            | decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight |
+
+(megatron's SequentialMLP, one MLP module per expert, the local spec's layout without grouped GEMM).
+
 `linear_qkv` interleaves per KV group g: rows [q heads of g | k_g | v_g], each head head_dim rows, because
 megatron splits the fused projection group by group (so tensor parallelism can shard whole groups).
 `linear_fc1` is cat([gate, up]). (*) With the Transformer Engine layer spec (GPU) the two pre-norms are fused into
@@ -38,8 +46,26 @@ from gyre.engines.model_format import ModelSpec, check_state_dict
 __all__ = ["ConversionError", "hf_to_megatron", "megatron_param_names", "megatron_to_hf"]
 
 
-def _layer_names(i: int, fused_norms: bool) -> dict[str, str]:
+def _expert_names(spec: ModelSpec, i: int) -> list[tuple[str, str, str, str]]:
+    """(hf prefix, megatron fc1, megatron fc2, hf router) per expert of sparse layer i."""
+    d = f"decoder.layers.{i}.mlp.experts.local_experts."
+    return [(f"model.layers.{i}.mlp.experts.{e}.", f"{d}{e}.linear_fc1.weight", f"{d}{e}.linear_fc2.weight",
+             f"model.layers.{i}.mlp.gate.weight") for e in range(spec.num_experts)]
+
+
+def _layer_names(i: int, fused_norms: bool, sparse: bool = False) -> dict[str, str]:
     d = f"decoder.layers.{i}."
+    if sparse:
+        return {
+            "input_norm": d + ("self_attention.linear_qkv.layer_norm_weight" if fused_norms
+                               else "input_layernorm.weight"),
+            "qkv": d + "self_attention.linear_qkv.weight",
+            "proj": d + "self_attention.linear_proj.weight",
+            "q_norm": d + "self_attention.q_layernorm.weight",
+            "k_norm": d + "self_attention.k_layernorm.weight",
+            "mlp_norm": d + "pre_mlp_layernorm.weight",  # a MoE layer's norm is never fused into a linear
+            "router": d + "mlp.router.weight",
+        }
     return {
         "input_norm": d + ("self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"),
         "qkv": d + "self_attention.linear_qkv.weight",
@@ -56,7 +82,11 @@ def megatron_param_names(spec: ModelSpec, fused_norms: bool = False) -> list[str
     """Every Megatron weight name of `spec` (no `_extra_state`)."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(spec.num_layers):
-        names.extend(_layer_names(i, fused_norms).values())
+        sparse = spec.is_sparse_layer(i)
+        names.extend(_layer_names(i, fused_norms, sparse).values())
+        if sparse:
+            for _, fc1, fc2, _ in _expert_names(spec, i):
+                names.extend([fc1, fc2])
     names.append("decoder.final_layernorm.weight")
     return names if spec.tie_word_embeddings else [*names, "output_layer.weight"]
 
@@ -78,7 +108,8 @@ def hf_to_megatron(
     per_group = spec.num_heads // groups
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"].clone()}
     for i in range(spec.num_layers):
-        p, names = f"model.layers.{i}.", _layer_names(i, fused_norms)
+        sparse = spec.is_sparse_layer(i)
+        p, names = f"model.layers.{i}.", _layer_names(i, fused_norms, sparse)
         h = spec.hidden_size
         q = hf[p + "self_attn.q_proj.weight"].reshape(groups, per_group * hd, h)
         k = hf[p + "self_attn.k_proj.weight"].reshape(groups, hd, h)
@@ -89,6 +120,12 @@ def hf_to_megatron(
         out[names["q_norm"]] = hf[p + "self_attn.q_norm.weight"].clone()
         out[names["k_norm"]] = hf[p + "self_attn.k_norm.weight"].clone()
         out[names["mlp_norm"]] = hf[p + "post_attention_layernorm.weight"].clone()
+        if sparse:
+            out[names["router"]] = hf[p + "mlp.gate.weight"].clone()
+            for x, fc1, fc2, _ in _expert_names(spec, i):
+                out[fc1] = torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0)
+                out[fc2] = hf[x + "down_proj.weight"].clone()
+            continue
         out[names["fc1"]] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
         out[names["fc2"]] = hf[p + "mlp.down_proj.weight"].clone()
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
@@ -111,14 +148,13 @@ def megatron_to_hf(
     per_group = spec.num_heads // groups
     out = {"model.embed_tokens.weight": weights["embedding.word_embeddings.weight"].detach().clone()}
     for i in range(spec.num_layers):
-        p, names = f"model.layers.{i}.", _layer_names(i, fused_norms)
+        sparse = spec.is_sparse_layer(i)
+        p, names = f"model.layers.{i}.", _layer_names(i, fused_norms, sparse)
         qkv = weights[names["qkv"]].detach()
         if tuple(qkv.shape) != ((per_group + 2) * groups * hd, h):
             raise ConversionError(f"{names['qkv']} has shape {tuple(qkv.shape)}, which does not fit {spec}")
         qkv = qkv.reshape(groups, (per_group + 2) * hd, h)
         q, k, v = qkv.split([per_group * hd, hd, hd], dim=1)
-        fc1 = weights[names["fc1"]].detach()
-        gate, up = fc1.split([spec.ffn_size, spec.ffn_size], dim=0)
         out[p + "input_layernorm.weight"] = weights[names["input_norm"]].detach().clone()
         out[p + "self_attn.q_proj.weight"] = q.reshape(-1, h).clone()
         out[p + "self_attn.k_proj.weight"] = k.reshape(-1, h).clone()
@@ -127,6 +163,14 @@ def megatron_to_hf(
         out[p + "self_attn.q_norm.weight"] = weights[names["q_norm"]].detach().clone()
         out[p + "self_attn.k_norm.weight"] = weights[names["k_norm"]].detach().clone()
         out[p + "post_attention_layernorm.weight"] = weights[names["mlp_norm"]].detach().clone()
+        if sparse:
+            out[p + "mlp.gate.weight"] = weights[names["router"]].detach().clone()
+            for x, fc1, fc2, _ in _expert_names(spec, i):
+                gate, up = weights[fc1].detach().split([spec.moe_ffn_size, spec.moe_ffn_size], dim=0)
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate.clone(), up.clone()
+                out[x + "down_proj.weight"] = weights[fc2].detach().clone()
+            continue
+        gate, up = weights[names["fc1"]].detach().split([spec.ffn_size, spec.ffn_size], dim=0)
         out[p + "mlp.gate_proj.weight"] = gate.clone()
         out[p + "mlp.up_proj.weight"] = up.clone()
         out[p + "mlp.down_proj.weight"] = weights[names["fc2"]].detach().clone()

@@ -157,3 +157,28 @@ def test_tied_preset_writes_a_checkpoint_without_lm_head(tmp_path):
     model_format.check_state_dict(spec, load_hf_state_dict(tmp_path))
     with pytest.raises(ModelFormatError):  # an untied checkpoint does not fit a tied spec
         model_format.check_state_dict(spec, init_state_dict(PRESETS["tiny"]))
+
+
+def test_moe_preset_writes_a_qwen3_moe_directory(tmp_path):
+    init_model_dir(tmp_path, preset="tiny-moe", seed=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"], config["mlp_only_layers"]) == (8, 2, [0])
+    spec = ModelSpec.from_model_dir(tmp_path)
+    assert spec == PRESETS["tiny-moe"]
+    assert [spec.is_sparse_layer(i) for i in range(4)] == [False, True, True, True]
+    state = load_hf_state_dict(tmp_path)
+    model_format.check_state_dict(spec, state)
+    assert "model.layers.0.mlp.gate_proj.weight" in state and "model.layers.1.mlp.gate_proj.weight" not in state
+    assert state["model.layers.2.mlp.experts.7.down_proj.weight"].shape == (128, 96)
+    assert state["model.layers.3.mlp.gate.weight"].shape == (8, 128)
+
+
+def test_moe_configs_that_cannot_route_are_refused():
+    base = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, ffn_size=8)
+    for bad in ({"num_experts": 4, "num_experts_per_tok": 5, "moe_ffn_size": 8},
+                {"num_experts": 4, "num_experts_per_tok": 2, "moe_ffn_size": 0},
+                {"num_experts": 4, "num_experts_per_tok": 2, "moe_ffn_size": 8, "decoder_sparse_step": 0},
+                {"num_experts": 4, "num_experts_per_tok": 2, "moe_ffn_size": 8, "mlp_only_layers": (2,)}):
+        with pytest.raises(ModelFormatError):
+            ModelSpec(**base, **bad)

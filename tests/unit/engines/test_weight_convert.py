@@ -16,10 +16,14 @@ SPECS = [
     # Multi-head attention (one query head per group).
     ModelSpec(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=4, head_dim=8, ffn_size=24, vocab_size=20),
     PRESETS["tiny-tied"],
+    PRESETS["tiny-moe"],
+    # MoE with every second layer sparse and unnormalised top-k weights.
+    ModelSpec(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, ffn_size=24, vocab_size=20,
+              num_experts=3, num_experts_per_tok=1, moe_ffn_size=8, decoder_sparse_step=2, norm_topk_prob=False),
 ]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["tiny", "gqa3", "mha", "tied"])
+@pytest.mark.parametrize("spec", SPECS, ids=["tiny", "gqa3", "mha", "tied", "moe", "moe-step2"])
 @pytest.mark.parametrize("fused_norms", [False, True])
 def test_round_trip_is_bit_exact(spec, fused_norms):
     hf = init_state_dict(spec, seed=7)

@@ -468,7 +468,8 @@ def topology(argv: list[str]) -> Topology:
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
         groups_per_step=args.groups_per_step, group_size=args.group_size, microstep_token_budget=8192,
         staleness=MaxVersionLag(args.staleness)), process="control")
-    result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=args.cell_names), process="control")
+    result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=args.cell_names),
+               process="control")
     result.add("executor", Executor, ExecutorConfig(
         workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.agents_at_once,
         # The agent imports openai (~2 CPU-s a process): forked from a server that imported it once, it starts in

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import os
 import shutil
 import signal
@@ -43,7 +42,6 @@ import socket
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,7 +50,7 @@ import structlog
 
 from gyre.runtime.clock import RealClock
 from gyre.runtime.codec import Codec
-from gyre.runtime.errors import ConfigError, GyreError
+from gyre.runtime.errors import GyreError
 from gyre.runtime.event_log import EventLogWriter, merge_segments
 from gyre.runtime.launch import LAUNCHER_NODE, RunOptions, RunResult, supervisor_spec
 from gyre.runtime.node import Node, NodeConfig
@@ -86,11 +84,27 @@ def start_ray(address: str) -> bool:
     if ray.is_initialized():
         return False
     if address == "local":
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
     else:
-        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        check_ray_address(address)
+        # Each host's stderr comes to the driver's, prefixed with its Ray worker, as local children's do.
+        ray.init(address=address, configure_logging=False)
     return True
+
+
+#: How long a cluster address may take to accept a TCP connection; ray.init itself retries a dead address for minutes.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def check_ray_address(address: str) -> None:
+    """A HOST:PORT address must accept a connection now (ray.init would retry for minutes without saying why)."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or "://" in address:
+        return  # "auto", ray://..., and the like: Ray's own resolution
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise ConnectionError(f"no Ray cluster answers at {address} ({error})") from error
 
 
 @attrs.frozen
@@ -338,7 +352,10 @@ class RayLauncher:
         if topology.cpu_cores_by_process:
             log.warning("cpu_limits_not_applied", launcher="ray", limits=topology.cpu_cores_by_process,
                         why="Ray reserves CPU per group (Topology.resources); cgroup quotas are the local launcher's")
-        connected = start_ray(self.address)
+        try:
+            connected = start_ray(self.address)
+        except (ConnectionError, RuntimeError, ValueError) as error:  # what ray.init raises for a cluster not there
+            return RunResult(1, f"could not connect to Ray at {self.address!r}: {error}")
         try:
             return self._run(topology, options)
         finally:

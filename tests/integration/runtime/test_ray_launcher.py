@@ -151,3 +151,4 @@ def test_resources_the_cluster_lacks_end_the_run_with_a_message_instead_of_waiti
     # The reservation was given back: the next run places as usual.
     launcher, result = _launch(CRASH, ["--rounds", "3"], tmp_path / "after.glog")
     assert result.exit_code == 0, result.reason
+

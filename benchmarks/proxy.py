@@ -10,6 +10,14 @@ embedded engine on a tiny model (`--engine embedded`), in which case the direct 
 Concurrency: `concurrent_sessions` executions each send one call at the same moment; the backend holds every call
 until all of them are in flight (or a deadline passes), so they are provably open together; the result counts the
 calls that completed with 200 and the peak number in flight.
+
+Hostile (`--hostile`, the Hardening issue's done-when): the proxy (default ProxyHttpConfig, scripted backend, the
+model's real template) runs in a process of its own, so that its resident memory is its own. Rounds of bad requests
+go at it at once: tool parameters nested 500 deep, 10 MB prompts, a 3 MB prompt (under the body bound, over the
+character bound), a 300K-character prompt (within the character bound: tokenised on a worker thread, then too many
+tokens), JSON nested 990 deep, a lone surrogate, connections that never finish their request head. Meanwhile
+/health is asked every 20 ms. Reported: /health's latency at rest and under attack, each bad request's status,
+and the server's RSS before, at its peak and after.
 """
 
 from __future__ import annotations
@@ -17,21 +25,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
-import sys
+import multiprocessing
+import secrets
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import attrs
-import structlog
 
 from gyre.actors.serving.backends import BackendRequest, BackendResult, GenerateBackend
 from gyre.actors.serving.http_app import PROXY_SERVICE, ProxyHttpConfig, build_proxy_app
 from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
 
-__all__ = ["ProxyBenchConfig", "ProxyBenchResult", "ScriptedBackend", "run_proxy_bench", "register"]
+__all__ = [
+    "ProxyBenchConfig",
+    "ProxyBenchResult",
+    "HostileBenchConfig",
+    "HostileBenchResult",
+    "ScriptedBackend",
+    "run_proxy_bench",
+    "run_hostile_bench",
+    "register",
+]
 
 
 @attrs.frozen
@@ -293,16 +309,219 @@ def run_proxy_bench(
         return asyncio.run(_run(config, init_model_dir(Path(tmp) / "model", "tiny", seed=0)))
 
 
+@attrs.frozen
+class HostileBenchConfig:
+    rounds: int = 5
+    """Rounds of bad requests; each round sends them all at once."""
+    huge_prompts_per_round: int = 2
+    """10 MB prompts per round (finding 2)."""
+    nested_per_round: int = 4
+    """Requests per round whose tool parameters nest 500 levels (finding 1)."""
+    slow_connections: int = 50
+    """Connections that send half a request head and wait (finding 8); the server closes them after
+    `header_read_timeout_s`, so the attack lasts at least that long."""
+    header_read_timeout_s: float = ProxyHttpConfig().header_read_timeout_s
+    """The server's header_read_timeout_s (its default; the other bounds are always the defaults)."""
+    health_interval_s: float = 0.02
+    """How often /health is asked during the attack."""
+    settle_s: float = 2.0
+    """Wait after the attack before the last RSS reading."""
+
+
+@attrs.frozen
+class HostileBenchResult:
+    health_p50_ms_at_rest: float
+    health_p50_ms_under_attack: float
+    health_p99_ms_under_attack: float
+    health_max_ms_under_attack: float
+    health_answers_under_attack: int
+    """/health answers received while bad requests were in flight."""
+    statuses: dict[str, list[int]]
+    """Bad request kind -> the statuses it got (a 5xx is a finding)."""
+    slow_connections_closed: int
+    """Of the half-sent request heads, how many the server closed."""
+    rss_start_mb: float
+    """The server process's resident memory before the attack."""
+    rss_peak_mb: float
+    """The highest reading during the attack (sampled with /health)."""
+    rss_after_mb: float
+    """After the attack and `settle_s`."""
+    rss_growth_mb: float
+    """rss_after_mb - rss_start_mb."""
+    attack_s: float
+    """Wall time of the attack."""
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _hostile_server(model_dir: str, api_key: str, header_read_timeout_s: float, pipe: Any) -> None:
+    """The proxy as a server process: default HTTP config, the scripted backend; sends its port, serves until told."""
+    from gyre.engines.chat_template import ChatTemplate
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging("warning")
+
+    async def serve() -> None:
+        from aiohttp import web
+
+        from gyre.actors.serving.http_app import runner_options
+
+        template = ChatTemplate.from_model_dir(model_dir)
+        backend = ScriptedBackend(tuple(template.encode("ok")) + (template.stop_token_ids[0],))
+        sessions = ProxySessions(template)
+        sessions.issue_key("hostile", "bench", api_key=api_key)
+        config = ProxyHttpConfig(header_read_timeout_s=header_read_timeout_s)
+        app = build_proxy_app(config, sessions, backend, lambda m: None, clock=time.monotonic)
+        runner = web.AppRunner(app, access_log=None, **runner_options(config))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        pipe.send(runner.addresses[0][1])
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, pipe.recv)  # until the bench says stop
+        await runner.cleanup()
+
+    asyncio.run(serve())
+
+
+def _hostile_bodies() -> dict[str, bytes]:
+    def chat(content: str) -> bytes:
+        return json.dumps({"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": content}]}).encode()
+
+    opening = '{"type": "object", "x": ' * 500
+    nested_tool = ('{"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": '
+                   '[{"type": "function", "function": {"name": "f", "parameters": ' + opening + '"leaf"' + "}" * 500
+                   + "}}]}").encode()
+    return {
+        "nested_tool_parameters": nested_tool,
+        "prompt_10mb": chat("w " * (5 * 2**20)),
+        "prompt_3mb": chat("w " * (3 * 2**19)),
+        "prompt_300k_chars": chat("word " * 60_000),
+        "json_990_deep": b'{"model": "gyre", "messages": [], "x": ' + b"[" * 990 + b"]" * 990 + b"}",
+        "lone_surrogate": b'{"model": "gyre", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800"}]}',
+    }
+
+
+async def _attack(config: HostileBenchConfig, base_url: str, api_key: str, pid: int) -> HostileBenchResult:
+    import aiohttp
+
+    bodies = _hostile_bodies()
+    timeout = aiohttp.ClientTimeout(total=600)
+    health_rest: list[float] = []
+    health_attack: list[float] = []
+    rss_readings: list[float] = []
+    statuses: dict[str, list[int]] = {name: [] for name in bodies}
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+
+        async def health() -> float:
+            start = time.perf_counter()
+            async with http.get(base_url + "/health") as response:
+                await response.read()
+            return time.perf_counter() - start
+
+        for _ in range(50):
+            health_rest.append(await health())
+            await asyncio.sleep(config.health_interval_s)
+        rss_start = _rss_mb(pid)
+
+        async def bad(name: str) -> None:
+            headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+            try:
+                async with http.post(base_url + "/v1/chat/completions", data=bodies[name], headers=headers) as response:
+                    await response.read()
+                    statuses[name].append(response.status)
+            except aiohttp.ClientError:
+                statuses[name].append(0)  # the server closed the connection (413 with the body unread)
+
+        async def slow_connection() -> bool:
+            host, port = base_url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n")
+            await writer.drain()
+            closed = await reader.read(1) == b""
+            writer.close()
+            return closed
+
+        async def rounds() -> None:
+            names = (["nested_tool_parameters"] * config.nested_per_round + ["prompt_10mb"]
+                     * config.huge_prompts_per_round + ["prompt_3mb", "prompt_300k_chars", "json_990_deep",
+                                                        "lone_surrogate"])
+            for _ in range(config.rounds):
+                await asyncio.gather(*(bad(name) for name in names))
+
+        started = time.perf_counter()
+        slow = [asyncio.ensure_future(slow_connection()) for _ in range(config.slow_connections)]
+        attack = asyncio.ensure_future(rounds())
+        # /health throughout: while the rounds run and until the server has closed every half-sent head.
+        while not attack.done() or not all(task.done() for task in slow):
+            health_attack.append(await health())
+            rss_readings.append(_rss_mb(pid))
+            await asyncio.sleep(config.health_interval_s)
+        await attack
+        closed = sum(await asyncio.gather(*slow))
+        attack_s = time.perf_counter() - started
+        await asyncio.sleep(config.settle_s)
+        rss_after = _rss_mb(pid)
+    return HostileBenchResult(
+        health_p50_ms_at_rest=_percentile_ms(health_rest, 0.5),
+        health_p50_ms_under_attack=_percentile_ms(health_attack, 0.5),
+        health_p99_ms_under_attack=_percentile_ms(health_attack, 0.99),
+        health_max_ms_under_attack=max(health_attack) * 1000.0,
+        health_answers_under_attack=len(health_attack),
+        statuses=statuses,
+        slow_connections_closed=closed,
+        rss_start_mb=round(rss_start, 1),
+        rss_peak_mb=round(max(rss_readings + [rss_after]), 1),
+        rss_after_mb=round(rss_after, 1),
+        rss_growth_mb=round(rss_after - rss_start, 1),
+        attack_s=round(attack_s, 2),
+    )
+
+
+def run_hostile_bench(
+    config: HostileBenchConfig = HostileBenchConfig(), model_dir: str | Path | None = None
+) -> HostileBenchResult:
+    """Bad requests against a proxy server process (see the module doc); builds a tiny model when `model_dir` is
+    None."""
+    if model_dir is None:
+        from gyre.engines.model_format import init_model_dir
+
+        with tempfile.TemporaryDirectory(prefix="gyre-proxy-bench-") as tmp:
+            return run_hostile_bench(config, init_model_dir(Path(tmp) / "model", "tiny", seed=0))
+    api_key = "bench-" + secrets.token_urlsafe(18)
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    server = context.Process(target=_hostile_server, args=(str(model_dir), api_key, config.header_read_timeout_s, theirs), daemon=True)
+    server.start()
+    try:
+        if not ours.poll(300):
+            raise RuntimeError("the proxy server did not start")
+        port = ours.recv()
+        return asyncio.run(_attack(config, f"http://127.0.0.1:{port}", api_key, server.pid))
+    finally:
+        ours.send("stop")
+        server.join(30)
+        if server.is_alive():
+            server.kill()
+
+
 def _handle(args: argparse.Namespace) -> int:
-    # Keep stdout for the result (structlog prints to stdout by default) and the per-key lines out of the way.
-    structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-    )
-    config = ProxyBenchConfig(
-        calls=args.calls, concurrent_sessions=args.sessions, engine=args.engine, max_new_tokens=args.max_new_tokens
-    )
-    result = run_proxy_bench(config, args.model_dir)
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging("warning")  # logs go to stderr; stdout carries only the result
+    result: Any
+    if args.hostile:
+        result = run_hostile_bench(HostileBenchConfig(rounds=args.rounds), args.model_dir)
+    else:
+        config = ProxyBenchConfig(
+            calls=args.calls, concurrent_sessions=args.sessions, engine=args.engine, max_new_tokens=args.max_new_tokens
+        )
+        result = run_proxy_bench(config, args.model_dir)
     if args.json:
         print(json.dumps(attrs.asdict(result), indent=2))
     else:
@@ -320,4 +539,7 @@ def register(subparsers: Any) -> None:
                    help="zero-latency scripted backend (default) or the real embedded engine")
     p.add_argument("--model-dir", default=None, help="model directory (default: a fresh tiny model)")
     p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--hostile", action="store_true",
+                   help="bad requests instead: /health latency and server memory under attack (see the module doc)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of bad requests with --hostile (default 5)")
     p.set_defaults(func=_handle)

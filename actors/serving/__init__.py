@@ -10,12 +10,15 @@ errors, the engine backends and `engine_generate`), `cli.py` (`gyre serve`).
 The path of a model call, file by file. Each file is entered once on the way in and left once on the way out; a file
 calls only the files below it:
 1. `http_app.py` (`ProxyService._model_call`): the API key (a lookup in `sessions.ProxySessions`, which returns at
-   once), the X-Gyre-* labels, the bound on calls in flight, the body read; then `api.answer(body, context, runner)`.
+   once), the X-Gyre-* labels, the bound on calls in flight, the body read within its size and time bounds and
+   decoded within the JSON bounds (`_api_common.loads_bounded`; every bound is a ProxyHttpConfig field); then
+   `api.answer(body, context, runner, limits)`.
 2. `openai_api.py` or `anthropic_api.py` (`answer`): parse the body into a `ChatRequest`, `runner.complete(...)`,
    shape the `ChatOutcome` into the API's JSON (`completion_body`, `message_body`); a refusal (`ApiError`) or an
    unexpected error becomes an `Answer` in the API's error shape here.
-3. `sessions.py` (`CallRunner.complete`): the model check, the prompt ids (`ExecutionSession.render`, reusing the
-   ids of generated turns), the context check, the sampling parameters; `backend.generate(BackendRequest)`; the
+3. `sessions.py` (`CallRunner.complete`): the model check, the prompt's characters against their bound, the
+   prompt ids (`ExecutionSession.render`, reusing the ids of generated turns; on a worker thread for a large
+   prompt, under the session's lock), the context check, the sampling parameters; `backend.generate(BackendRequest)`; the
    decoded text cut at a stop string and split into tool calls; the turn recorded for id reuse; the
    `ModelCallCompleted` handed to `on_call_completed` (in the actor, `Proxy._call_completed`, which sends it to the
    proxy's own inbox and returns); the `ChatOutcome`.

@@ -1,6 +1,7 @@
 """The proxy's HTTP face: OpenAI and Anthropic chat APIs over token-in/token-out generation.
 
-This layer is HTTP only: the routes, the bounds (bodies, calls in flight), the API key, the X-Gyre-* labels, and
+This layer is HTTP only: the routes, the bounds (ProxyHttpConfig lists them all: request heads and bodies in size
+and time, JSON depth and strings, calls in flight), the API key, the X-Gyre-* labels, and
 the response (JSON, or server-sent events written as the API module yields them). It hands the decoded body to the
 API module (`openai_api.answer`, `anthropic_api.answer`), which parses it, makes the call through the sessions'
 `CallRunner` and shapes the answer; the path as a whole is in the package doc (gyre.actors.serving).
@@ -167,6 +168,30 @@ class HttpStatistics:
     """Streamed calls whose client left before the generation finished (aborted, neither recorded nor emitted)."""
 
 
+TRIM_AFTER_BODY_BYTES = 2**20
+"""After a call whose body was larger, freed heap memory is handed back to the OS (`_release_freed_memory`)."""
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc only; elsewhere nothing to do
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed memory for reuse, and once a large block was freed it serves the next large ones from the
+    heap instead of mmap, so a few megabyte-sized bodies leave the process that much bigger for good; malloc_trim
+    returns the free pages (a few ms, only after large bodies)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -316,6 +341,8 @@ class ProxyService:
             return self._refuse(request, api, refusal, short_error(error))
         finally:
             self._in_flight -= 1
+            if (request.content_length or 0) > TRIM_AFTER_BODY_BYTES:
+                _release_freed_memory()
 
     async def _respond(self, request: web.Request, answer: Any) -> web.StreamResponse:
         """Send what the API module's `answer` yields: an Answer alone as JSON; stream bytes as server-sent events,

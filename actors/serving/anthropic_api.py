@@ -470,6 +470,7 @@ _ERROR_TYPES = {
     "not_found": "not_found_error",
     "too_large": "request_too_large",
     "overloaded": "overloaded_error",
+    "timeout": "invalid_request_error",
     "server": "api_error",
 }
 

@@ -373,9 +373,12 @@ class ProxyService:
         try:
             session = self._authenticate(request)
             body = await self._read_json(request)
+            answer = await anthropic_api.count_tokens_answer(body, session, self.runner)
         except ApiError as error:
             return self._refuse(request, anthropic_api, error)
-        answer = await anthropic_api.count_tokens_answer(body, session, self.runner)
+        except Exception as error:  # this layer's own failure (the API module answers for its own)
+            refusal = ApiError("server", f"internal error: {type(error).__name__}")
+            return self._refuse(request, anthropic_api, refusal, short_error(error))
         if answer.status >= 400:
             self._count(answer, request)
         return web.json_response(answer.body, status=answer.status)

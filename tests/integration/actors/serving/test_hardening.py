@@ -269,11 +269,12 @@ def test_connections_that_do_not_finish_their_headers_are_closed(server: Server)
         connection.close()
 
 
-def test_a_body_that_does_not_arrive_in_time_gets_408(server: Server) -> None:
-    key = server.key("slow-body")
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"])
+def test_a_body_that_does_not_arrive_in_time_gets_408(server: Server, path: str) -> None:
+    key = server.key(f"slow-body{path}")
     connection = _connect(server)
     connection.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\n".encode() + b"Host: proxy\r\nContent-Type: application/json\r\n"
         + f"Authorization: Bearer {key}\r\nContent-Length: 100000\r\n\r\n".encode() + b'{"model": "gyre"'
     )
     answer = _read_all(connection)

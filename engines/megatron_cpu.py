@@ -24,13 +24,17 @@ The shims:
    `torch.zeros(..., device="cuda")`; the point-to-point layer (`pipeline_parallel.p2p_communication`) allocates
    receive buffers on `torch.cuda.current_device()` and calls `torch.cuda.synchronize()`; the tensor-parallel
    gathers (`tensor_parallel.mappings`) and layers (`tensor_parallel.layers`) allocate their outputs on
-   `torch.cuda.current_device()`. CPU: those modules see `torch` through `_CpuTorch`, which forwards everything to
+   `torch.cuda.current_device()`; the MoE router, experts and helpers (`transformer.moe.router`, `.experts`,
+   `.moe_utils`) move the router weight and allocate on it too. CPU: those modules see `torch` through `_CpuTorch`, which forwards everything to
    torch except that a CUDA device in a tensor factory becomes the CPU, `cuda.current_device()` answers "cpu" and
    `cuda.synchronize()` does nothing. Only those modules' name `torch` is rebound: the rest of the process (and
    what they evaluated at import) keeps the real module.
 7. `LanguageModule.setup_embeddings_and_output_layer` moves a tied model's embedding to CUDA (`weight.data.cuda()`)
    before summing the first and last pipeline stages' copies. CPU: the original method runs with `Tensor.cuda`
    answering the tensor itself for the length of the call (without CUDA it could only have raised).
+8. Without Transformer Engine, `transformer.moe.moe_utils` never defines `te_general_gemm` but its router GEMM
+   tests `te_general_gemm is not None` (a NameError in megatron-core 0.16.1). CPU: define it as None, which
+   selects the plain torch path that was meant.
 """
 
 from __future__ import annotations
@@ -171,11 +175,17 @@ def apply() -> bool:
 
     LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
         LanguageModule.setup_embeddings_and_output_layer)
+    from megatron.core.transformer.moe import experts as moe_experts
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import router as moe_router
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     cpu_torch = _CpuTorch()
-    for module in (schedules, p2p_communication, tp_mappings, tp_layers):
+    for module in (schedules, p2p_communication, tp_mappings, tp_layers, moe_router, moe_experts, moe_utils):
         module.torch = cpu_torch
     _applied = True
-    log.info("megatron_cpu_shims_applied", shims=7)
+    log.info("megatron_cpu_shims_applied", shims=8)
     return True
 
 

@@ -74,6 +74,9 @@ class ParallelSizes:
             problems.append(f"vocab_size {spec.vocab_size} is not a multiple of tensor size {self.tensor}")
         if spec.num_layers % self.pipeline:
             problems.append(f"num_layers {spec.num_layers} is not a multiple of pipeline size {self.pipeline}")
+        if spec.is_moe and self.tensor > 1:
+            # The shard layout above knows no expert weights, and expert parallelism is not wired up yet.
+            problems.append("a qwen3_moe model trains at tensor size 1 only (pipeline and data parallel work)")
         if problems:
             raise TrainerError("; ".join(problems))
 

@@ -198,10 +198,7 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    if core_attention == "sdpa":
-        layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention()
-    elif core_attention != "local":
+    if core_attention not in CORE_ATTENTION:
         raise TrainerError(f"core_attention must be one of {CORE_ATTENTION}, got {core_attention!r}")
     if device == "cuda":
         # Megatron's CUDA RNG tracker needs its states registered before any forward (dropout forks it).
@@ -237,12 +234,25 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
         batch_p2p_comm=False,
         # The loss a caller's loss_fn returns is used as is (Gyre's losses carry their own normalisation).
         calculate_per_token_loss=True,
+        **_moe_config(spec),
     )
+    if spec.is_moe:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layer_specs = list(block_spec.layer_specs)
+        model_spec = block_spec
+    else:
+        model_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        layer_specs = [model_spec]
+    if core_attention == "sdpa":
+        for layer_spec in layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_core_attention()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=model_spec,
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             position_embedding_type="rope",
@@ -255,6 +265,34 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
             parallel_output=False,
         )
     return model.to(device)
+
+
+def _moe_config(spec: ModelSpec) -> dict:
+    """TransformerConfig fields of a Qwen3-MoE model (none for a dense one).
+
+    Routing as transformers' Qwen3MoeSparseMoeBlock: with norm_topk_prob the top-k weights are renormalised, which
+    is megatron's top-k-then-softmax (`moe_router_pre_softmax=False`); without it they are the full softmax's
+    (`pre_softmax=True`). Dropless (no capacity factor), so no token is skipped and log-probs match inference.
+    Router behaviour in training: no load-balancing loss (`moe_router_load_balancing_type="none"`, coefficient 0),
+    the router learns only through the policy loss, as inference routes. Why: Gyre trains with RL on trajectories
+    the rollout engines scored, and an auxiliary loss would pull the router away from the routing that produced
+    them; pretrained MoE checkpoints arrive balanced, and short RL runs do not unbalance them much. Router replay
+    (forcing the rollout's expert choice) is not done: the trainer recomputes routing from the same weights, so the
+    choice matches the engine's except where near-tied router logits flip under round-off."""
+    if not spec.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.num_experts_per_tok,
+        moe_ffn_hidden_size=spec.moe_ffn_size,
+        moe_layer_freq=[1 if spec.is_sparse_layer(i) else 0 for i in range(spec.num_layers)],
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+    )
 
 
 def token_logprobs(
@@ -283,9 +321,6 @@ class MegatronTrainer:
         self.model_dir = Path(model_dir)
         self.config = config
         self.spec = ModelSpec.from_model_dir(self.model_dir)
-        if self.spec.is_moe:
-            # The embedded engine and weight_convert handle qwen3_moe; megatron's MoE layers are not wired here yet.
-            raise TrainerError(f"{self.model_dir} is a qwen3_moe model; the trainer does not train MoE models yet")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))

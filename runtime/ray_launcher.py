@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import os
 import shutil
 import signal
@@ -71,20 +72,29 @@ class RayLaunchError(GyreError, RuntimeError):
     """Ray could not place or start the run (resources the cluster does not have, a host that failed to start)."""
 
 
-def start_ray(address: str) -> bool:
+def start_ray(address: str, demand: dict[str, float] | None = None) -> bool:
     """Connect this driver to Ray: `address` of a running cluster ("auto" finds one), or "local" to start one on
-    this machine on 127.0.0.1 only. Returns whether this call connected (so the caller disconnects at the end); a
-    driver already connected (a test's cluster) is left as it is."""
-    if "ray" not in sys.modules:
+    this machine on 127.0.0.1 only, offering at least `demand` (the topology's total CPU and custom resources:
+    "local" runs any topology on one machine, as the local launcher does, Ray's CPUs being scheduling tokens; GPUs
+    are what Ray finds). Returns whether this call connected (so the caller disconnects at the end); a driver
+    already connected (a test's cluster) is left as it is."""
+    on_loopback = address == "local" or address.rpartition(":")[0] in ("127.0.0.1", "localhost")
+    if on_loopback and "ray" not in sys.modules:
         # Read once when ray is imported: without it Ray rewrites 127.0.0.1 to the machine's interface address and
         # a local cluster listening on loopback is never found (../shared/reference/ray.md, benchmarks/bus.py).
+        # Never for a cluster elsewhere: the driver's own address would then be 127.0.0.1, which its hosts on other
+        # machines cannot reach.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return False
     if address == "local":
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, configure_logging=False)
+        demand = dict(demand or {})
+        cpus = max(os.cpu_count() or 1, math.ceil(demand.pop("CPU", 0.0)))
+        demand.pop("GPU", None)
+        ray.init(include_dashboard=False, configure_logging=False, num_cpus=cpus,
+                 resources=demand or None)
     else:
         check_ray_address(address)
         # Each host's stderr comes to the driver's, prefixed with its Ray worker, as local children's do.
@@ -352,8 +362,12 @@ class RayLauncher:
         if topology.cpu_cores_by_process:
             log.warning("cpu_limits_not_applied", launcher="ray", limits=topology.cpu_cores_by_process,
                         why="Ray reserves CPU per group (Topology.resources); cgroup quotas are the local launcher's")
+        demand: dict[str, float] = {}
+        for process in topology.processes():
+            for key, amount in topology.resources_of(process).as_bundle().items():
+                demand[key] = demand.get(key, 0.0) + amount
         try:
-            connected = start_ray(self.address)
+            connected = start_ray(self.address, demand)
         except (ConnectionError, RuntimeError, ValueError) as error:  # what ray.init raises for a cluster not there
             return RunResult(1, f"could not connect to Ray at {self.address!r}: {error}")
         try:

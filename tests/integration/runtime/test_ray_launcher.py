@@ -152,3 +152,16 @@ def test_resources_the_cluster_lacks_end_the_run_with_a_message_instead_of_waiti
     launcher, result = _launch(CRASH, ["--rounds", "3"], tmp_path / "after.glog")
     assert result.exit_code == 0, result.reason
 
+
+
+def test_gyre_run_ray_local_starts_a_loopback_ray_that_offers_what_the_topology_reserves(tmp_path: Path) -> None:
+    # A custom resource no machine has: `local` offers the topology's own demand, so any topology runs on one machine.
+    completed = subprocess.run(
+        [sys.executable, "-m", "gyre.runtime.cli", "run", str(CRASH), "--ray", "local", "--log",
+         str(tmp_path / "local.glog"), "--", "--rounds", "5", "--pong-needs", "made_up_accelerator"],
+        cwd=tmp_path, env={k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
+        capture_output=True, text=True, timeout=90,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "rally over: pong returned 5 of 5 (exit 0)" in completed.stderr
+    assert '"node_ip": "127.0.0.1"' in completed.stderr and "process_group_placed" in completed.stderr

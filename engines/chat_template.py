@@ -100,6 +100,8 @@ CHAT_TEMPLATE = (
 )
 
 _ROLES = ("system", "user", "assistant", "tool")
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+"""tokenizer_config.json entries that transformers hands to chat templates as variables."""
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
@@ -245,9 +247,13 @@ class ChatTemplate:
     other template, and False forces Jinja everywhere (the tests compare the two).
     """
 
-    def __init__(self, tokenizer: Tokenizer, source: str = CHAT_TEMPLATE, fast_path: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, source: str = CHAT_TEMPLATE, fast_path: bool = True,
+                 special_tokens: Mapping[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        """Template variables such as bos_token and eos_token (tokenizer_config.json's strings): transformers
+        passes them to every render, and Llama-style templates open with `{{ bos_token }}`."""
         self.fast_path = fast_path and source == CHAT_TEMPLATE
         """Whether renders try `render_builtin_text` before Jinja."""
         self._template = compile_template(source)
@@ -281,7 +287,15 @@ class ChatTemplate:
             source = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
         if not isinstance(source, str):
             raise ChatTemplateError(f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)")
-        return cls(Tokenizer.from_file(str(tokenizer_file)), source)
+        special: dict[str, str] = {}
+        if config_file.is_file():
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            for name in SPECIAL_TOKEN_NAMES:
+                value = config.get(name)
+                value = value.get("content") if isinstance(value, Mapping) else value  # AddedToken form
+                if isinstance(value, str):
+                    special[name] = value
+        return cls(Tokenizer.from_file(str(tokenizer_file)), source, special_tokens=special)
 
     # -- text ------------------------------------------------------------------------------------------------
 
@@ -297,15 +311,19 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
+        """The conversation's text. `template_kwargs` reach the template as variables, as in transformers'
+        apply_chat_template (`enable_thinking=False` for Qwen3's templates, say)."""
         checked = [_check_message(m) for m in messages]
-        if self.fast_path:
+        if self.fast_path and not template_kwargs:
             text = render_builtin_text(checked, tools, add_generation_prompt)
             if text is not None:
                 return text
         try:
             return self._template.render(
-                messages=checked, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt
+                **self.special_tokens, **template_kwargs,
+                messages=checked, tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt,
             )
         except (jinja2.exceptions.TemplateError, TypeError) as error:
             # TypeError: data the template cannot combine (a tool description that is a number, say).
@@ -318,9 +336,10 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> list[int]:
         """The whole conversation's ids; equals transformers' apply_chat_template on the same model directory."""
-        return self.encode(self.render_text(messages, tools, add_generation_prompt))
+        return self.encode(self.render_text(messages, tools, add_generation_prompt, **template_kwargs))
 
     def system_ids(self, tools: Sequence[Mapping[str, Any]] | None = None, system_text: str | None = None) -> list[int]:
         """The system turn (empty when there is neither a system text nor tools)."""

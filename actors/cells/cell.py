@@ -87,6 +87,7 @@ from gyre.messages.cells import (
     SwitchRole,
 )
 from gyre.messages.executions import ExecutionEnded
+from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
 from gyre.runtime.errors import ConfigError
@@ -186,7 +187,7 @@ class Cell(Actor):
 
     config_cls = CellConfig
     subscriptions = (RoleChanged, LoadReport, CellDraining, SessionPlaced, WeightsPublished, StepReady,
-                     ExecutionEnded)
+                     ExecutionEnded, ModelCallCompleted)
 
     async def on_start(self) -> None:
         config = self.config
@@ -332,7 +333,8 @@ class Cell(Actor):
         """In the rollout role: start loading newer weights into the engine unless that is already under way."""
         if self.role != ROLLOUT or (self._weights_task is not None and not self._weights_task.done()):
             return
-        self._weights_task = self.spawn(self._load_newer_weights(), name=f"{self.name}.weights")
+        # Guarded: an engine server that breaks under an update fails the cell with its resources freed.
+        self._weights_task = self.spawn(self.guarded(self._load_newer_weights()), name=f"{self.name}.weights")
 
     async def _settle_engine_weights(self) -> None:
         """Wait for a load under way to end (a switch must not stop the engine under it)."""
@@ -626,6 +628,13 @@ class Cell(Actor):
     def on_session_placed(self, msg: SessionPlaced) -> None:
         if msg.cell == self.name:
             self.sessions.seen(msg.session)
+
+    @handler(ModelCallCompleted)
+    def on_model_call_completed(self, msg: ModelCallCompleted) -> None:
+        # An embedded engine's server notes each call's session as it arrives; a server engine runs in another
+        # process, so the cell learns its sessions from the proxy's record of each call it served.
+        if msg.cell == self.name and self.config.engine_kind != EMBEDDED:
+            self.sessions.seen(msg.execution_id)
 
     @handler(ExecutionEnded)
     def on_execution_ended(self, msg: ExecutionEnded) -> None:

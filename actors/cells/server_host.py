@@ -53,7 +53,9 @@ from gyre.engines.sglang_client import (
     API_KEY_PURPOSE,
     CapabilityMissing,
     ClientConfig,
+    EngineUnreachable,
     RequestRejected,
+    ServerError,
     SGLangClient,
     SGLangError,
 )
@@ -221,7 +223,11 @@ class ServerRolloutHost(PullStaging):
     async def stats(self) -> EngineStats | None:
         if self.client is None:
             return None
-        load = await self.client.get_load()
+        try:
+            load = await self.client.get_load()
+        except SGLangError as error:  # a dead server is the watcher's to report; a load report can go without
+            log.warning("engine_stats_unavailable", url=self.base_url, error=str(error))
+            return None
         if isinstance(load, dict) and "running" in load and "free_blocks" in load:
             load = dict(load, memory_released=tuple(load.get("memory_released", ())))
             return EngineStats(**{field.name: load[field.name] for field in attrs.fields(EngineStats)})
@@ -426,7 +432,11 @@ class ServerRolloutHost(PullStaging):
         started = self._clock()
         if path is None:
             path = await self._offload(self.weights_dir.write, weights, version)
-        await self.client.update_weights_from_disk(path, weight_version=version)
+        try:
+            await self.client.update_weights_from_disk(path, weight_version=version)
+        except (ServerError, EngineUnreachable) as error:  # 5xx or gone: the server broke, not the request
+            raise self._failure(f"the engine server failed a weight update: {error}", self.exit_code_or_none()
+                                ) from error
         self._weight_version = version
         self.weight_updates += 1
         self.last_weight_update_s = self._clock() - started

@@ -138,8 +138,8 @@ def test_a_server_that_dies_is_reported_and_the_cell_restarts_with_a_new_one(tin
         await h.wait_until(lambda: recorder.of(RoleChanged), timeout_s=120, what="cell up")
         pid = h.actor("cell-a").rollout.process.pid
         os.kill(pid, signal.SIGKILL)  # the server this test's cell started: its own child
-        await h.wait_until(lambda: recorder.of(EngineServerFailed), timeout_s=60, what="failure report")
-        await h.wait_until(lambda: len(recorder.of(RoleChanged)) >= 2, timeout_s=120, what="restarted")
+        await h.wait_until(lambda: recorder.of(EngineServerFailed), timeout_s=120, what="failure report")
+        await h.wait_until(lambda: len(recorder.of(RoleChanged)) >= 2, timeout_s=240, what="restarted")
         url = recorder.of(RoleChanged)[-1].engine_url
         async with SGLangClient(url) as client:
             out = await client.generate([5, 6, 7], {"max_new_tokens": 2, "temperature": 0.0})

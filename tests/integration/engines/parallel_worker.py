@@ -1,9 +1,9 @@
 """One rank of a two-process trainer, for test_parallel.py: run as `python3 parallel_worker.py RANK PORT OUT MODELS`.
 
-For each layout (tensor 2, pipeline 2, data 2, and tied models at tensor 2 and pipeline 2) it joins megatron's
+For each layout (tensor 2, pipeline 2, data 2; tied models at tensor 2 and pipeline 2; MoE at pipeline 2 and data 2) it joins megatron's
 parallel state over gloo, builds a MegatronTrainer, and records what the test compares with a one-process trainer:
 the loss, the full gradients after the reduction, the log-probs, and the full weights after three optimizer steps.
-Rank 0 saves the records to OUT (torch.save). MODELS is a JSON object {"untied": dir, "tied": dir}.
+Rank 0 saves the records to OUT (torch.save). MODELS is a JSON object {"untied": dir, "tied": dir, "moe": dir}.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ LAYOUTS = {  # name: (model, tensor, pipeline, data)
     "dp2": ("untied", 1, 1, 2),
     "tied_tp2": ("tied", 2, 1, 1),
     "tied_pp2": ("tied", 1, 2, 1),
+    "moe_pp2": ("moe", 1, 2, 1),
+    "moe_dp2": ("moe", 1, 1, 2),
 }
 STEPS = 3
 LR = 1e-4  # TrainerConfig's default; see test_parallel.py on Adam and round-off

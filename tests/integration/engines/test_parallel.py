@@ -6,7 +6,8 @@ and the weights after three AdamW steps within 1e-5. The steps use TrainerConfig
 gradient by its own running scale, so an element whose gradient is near zero moves by up to lr whatever its size,
 and the 1e-7 round-off by which a tensor-parallel sum differs from a one-process one can flip such a move (at lr 1e-3
 the tensor-parallel weights differ by 5e-5 after three steps; at 1e-4 by 5e-6). Tied models run at tensor 2 and pipeline 2 too (at pipeline 2
-the tied embedding lives on both stages and its gradient is summed across them).
+the tied embedding lives on both stages and its gradient is summed across them), and the MoE model at pipeline 2
+and data 2 (tensor parallelism of experts is not wired up; ParallelSizes refuses it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gyre.engines.weight_convert import hf_to_megatron
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 TOL = 1e-5
-WORKER_TIMEOUT_S = 300  # two megatron imports and five layouts take ~40 s on two busy cores; a hang fails the test
+WORKER_TIMEOUT_S = 300  # two megatron imports and seven layouts take ~40 s on two busy cores; a hang fails the test
 
 
 def free_port() -> int:
@@ -46,7 +47,8 @@ def model_dir(root: Path, preset: str) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("parallel-models")
-    return {"untied": str(model_dir(root, "tiny")), "tied": str(model_dir(root, "tiny-tied"))}
+    return {"untied": str(model_dir(root, "tiny")), "tied": str(model_dir(root, "tiny-tied")),
+            "moe": str(model_dir(root, "tiny-moe"))}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def reference(models) -> dict:
 
     torch.set_num_threads(2)
     out = {}
-    for model in ("untied", "tied"):
+    for model in ("untied", "tied", "moe"):
         trainer = MegatronTrainer(models[model], TrainerConfig(lr=worker.LR))
         out[model] = worker.run_layout(trainer, rank=0, data=1)
     return out
@@ -91,10 +93,10 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2", "moe_pp2", "moe_dp2"])
 def test_two_process_layout_matches_one_process(records, reference, layout):
     got = records[layout]
-    want = reference["tied" if layout.startswith("tied") else "untied"]
+    want = reference[layout.split("_")[0] if "_" in layout else "untied"]
     assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < TOL
     assert want["losses"][-1] < want["losses"][0]  # the steps changed something worth comparing
     assert max(float(v.abs().max()) for v in want["grads"].values()) > 1e-3

@@ -11,8 +11,8 @@ without CURVE (`ipc_plain_*`: only the socket file's mode keeps other processes 
 difference) and tcp:// on 127.0.0.1 + CURVE (`tcp_curve_*`, a run across machines on one). Each figure is the
 median over every repeat of every cycle.
 
-Ray side: `ray.init(num_cpus=2)` kept on 127.0.0.1 (see `_RayBaseline`), one remote actor with a method, sequential
-`ray.get(a.m.remote(x))` round trips.
+Ray side: `ray.init(address="local", num_cpus=2)` (a cluster of its own, even when another runs on the machine), kept
+on 127.0.0.1 (see `_RayBaseline`), one remote actor with a method, sequential `ray.get(a.m.remote(x))` round trips.
 
 Floors: the same round trips as a plain pyzmq + msgpack loop between two processes, without any runtime: blocking
 calls (`raw_zmq_*`), and asyncio with a reader callback on the socket (`raw_asyncio_*`, the shape gyre has), measured
@@ -183,7 +183,7 @@ class _RayBaseline:
         import ray
 
         self._ray = ray
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
         address = self.node_address = ray.nodes()[0]["NodeManagerAddress"]
         if address != "127.0.0.1":
             ray.shutdown()

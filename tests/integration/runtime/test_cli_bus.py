@@ -9,11 +9,21 @@ import pytest
 
 from gyre.runtime import Codec, cli_run, read_log
 from gyre.runtime.launch import LocalProcessLauncher
+from gyre.runtime.logs import configure_logging
 from gyre.runtime.testing import gyre_cli
 
 pytestmark = pytest.mark.timeout(120)
 
 PING_PONG = Path(__file__).resolve().parents[3] / "examples" / "ping_pong.py"
+
+
+@pytest.fixture(autouse=True)
+def _logging_back_on_the_real_stderr(capsys):
+    """`gyre run` in-process points structlog at the stderr capsys captures, which closes after the test: later
+    tests' log lines would then raise. Point it back."""
+    yield
+    with capsys.disabled():
+        configure_logging()
 
 
 def test_gyre_run_over_tcp_completes_and_merges_its_log(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 
 from gyre.runtime.ray_launcher import check_ray_address
+from gyre.runtime.logs import configure_logging
 from gyre.runtime.testing import gyre_cli
+
+
+@pytest.fixture(autouse=True)
+def _logging_back_on_the_real_stderr(capsys):
+    """`gyre run` in-process points structlog at the stderr capsys captures, which closes after the test: later
+    tests' log lines would then raise. Point it back."""
+    yield
+    with capsys.disabled():
+        configure_logging()
 
 
 def _closed_address() -> str:

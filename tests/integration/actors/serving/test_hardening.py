@@ -99,7 +99,8 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> ObservedTemplate:
     return ObservedTemplate(plain.tokenizer, plain.source)
 
 
-CONFIG = ProxyHttpConfig(max_context_tokens=4096, header_read_timeout_s=0.5, body_read_timeout_s=0.5)
+# Short read timeouts for the slow-client tests, long enough that a loaded machine does not close a real client.
+CONFIG = ProxyHttpConfig(max_context_tokens=4096, header_read_timeout_s=2.0, body_read_timeout_s=1.0)
 
 
 @pytest.fixture(scope="module")

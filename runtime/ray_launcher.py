@@ -93,7 +93,8 @@ def start_ray(address: str, demand: dict[str, float] | None = None) -> bool:
         demand = dict(demand or {})
         cpus = max(os.cpu_count() or 1, math.ceil(demand.pop("CPU", 0.0)))
         demand.pop("GPU", None)
-        ray.init(include_dashboard=False, configure_logging=False, num_cpus=cpus,
+        # address="local": a fresh instance even where a cluster already runs on this machine (Ray would join it).
+        ray.init(address="local", include_dashboard=False, configure_logging=False, num_cpus=cpus,
                  resources=demand or None)
     else:
         check_ray_address(address)

@@ -239,6 +239,10 @@ def render_builtin_text(
     return "".join(parts)
 
 
+ENCODE_WITHOUT_GIL_CHARS = 16384
+"""Texts at least this long are tokenised with the GIL released (below it, encode_batch's overhead is not worth it)."""
+
+
 class ChatTemplate:
     """Renders conversations to token ids, whole or one message at a time, with identical results.
 
@@ -300,7 +304,12 @@ class ChatTemplate:
     # -- text ------------------------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, special-token strings included, no BOS/EOS added (as apply_chat_template does)."""
+        """Token ids of `text`, special-token strings included, no BOS/EOS added (as apply_chat_template does).
+
+        A long text goes through `encode_batch`, which releases the GIL while it tokenises (`encode` holds it), so a
+        large prompt rendered on the proxy's worker thread does not stall the event loop; the ids are the same."""
+        if len(text) >= ENCODE_WITHOUT_GIL_CHARS:
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

@@ -79,7 +79,7 @@ def _parse_block(body: str) -> ToolCall | None:
     """One block's body -> a call, or None when it is not {"name": str, "arguments": object}."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # model output nested past Python's recursion limit is no call either
         return None
     if not isinstance(value, dict):
         return None
@@ -91,11 +91,15 @@ def _parse_block(body: str) -> ToolCall | None:
         # Some models double-encode the arguments; accept a string that holds a JSON object.
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(name=name, arguments_json=json.dumps(arguments, ensure_ascii=False))
+    try:
+        arguments_json = json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
+    return ToolCall(name=name, arguments_json=arguments_json)
 
 
 def parse_tool_calls(text: str) -> ParsedOutput:

@@ -286,3 +286,14 @@ def test_unusual_shapes_fall_back_to_jinja(chat_template, jinja_template, messag
     assert render_builtin_text(messages, tools, False) is None
     assert _render_or_error(chat_template, messages, tools, False) == _render_or_error(
         jinja_template, messages, tools, False)
+
+
+def test_long_texts_tokenise_without_the_gil_to_the_same_ids(chat_template):
+    """Texts from ENCODE_WITHOUT_GIL_CHARS on go through encode_batch (which releases the GIL); the ids must not
+    change at the threshold or beyond it."""
+    from gyre.engines.chat_template import ENCODE_WITHOUT_GIL_CHARS
+
+    unit = "calc 12+3 <|im_start|> word\n"
+    for chars in (ENCODE_WITHOUT_GIL_CHARS - 1, ENCODE_WITHOUT_GIL_CHARS, 10 * ENCODE_WITHOUT_GIL_CHARS):
+        text = (unit * (chars // len(unit) + 1))[:chars]
+        assert chat_template.encode(text) == chat_template.tokenizer.encode(text, add_special_tokens=False).ids

@@ -111,3 +111,14 @@ def test_render_then_parse_round_trips(content: str, calls: list[ToolCall]) -> N
     assert parsed.content == content
     for call in calls:
         assert render_tool_call(call.name, call.arguments) in text
+
+
+def test_arguments_nested_past_the_recursion_limit_stay_as_text() -> None:
+    """Model output is untrusted input too: JSON nested ~5000 deep makes json raise RecursionError, which must leave
+    the block as text (like any invalid call), never escape as a 500 from the proxy."""
+    body = '{"name": "calc", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
+    parsed = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert parsed.tool_calls == ()
+    assert body in parsed.content
+    wrapped = json.dumps({"name": "calc", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"})
+    assert parse_tool_calls(f"<tool_call>{wrapped}</tool_call>").tool_calls == ()

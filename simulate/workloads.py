@@ -129,4 +129,6 @@ class ExecutionPlan:
 WORKLOADS = {
     "terminalbench": Workload("terminalbench", turns_median=30.0, turns_cap=100),
     "swe": Workload("swe", turns_median=60.0, turns_sigma=0.5, turns_cap=250),
+    # DeepSWE's recipe (Qwen3-32B, R2E-Gym): ~30 turns a rollout within a 32k-token context budget.
+    "deepswe": Workload("deepswe", turns_median=30.0, turns_sigma=0.5, turns_cap=100, context_cap_tokens=32768),
 }

@@ -43,6 +43,9 @@ class EmulatedAgentsConfig:
     task_source: str = "task_source"
     record: Any = None
     """A RunRecord (record.py)."""
+    admit_up_to_capacity: bool = False
+    """Place a session only on a cell with free capacity (capacity_requests minus the sessions placed there); the
+    rest wait, counted as CallsWaitingForCell. False: always place (sticky routing with no admission bound)."""
 
 
 @attrs.define
@@ -90,6 +93,9 @@ class EmulatedAgents(Actor):
                 waiting.append(session)
                 continue
             cell = max(self.rollout_cells, key=lambda c: (self.rollout_cells[c] - self.placed.get(c, 0), c))
+            if self.config.admit_up_to_capacity and self.placed.get(cell, 0) >= self.rollout_cells[cell]:
+                waiting.append(session)
+                continue
             self.placed[cell] = self.placed.get(cell, 0) + 1
             batches.setdefault(cell, []).append(session)
         for cell, batch in sorted(batches.items()):
@@ -113,7 +119,7 @@ class EmulatedAgents(Actor):
         self.placed[msg.cell] = max(0, self.placed.get(msg.cell, 0) - len(msg.finished) - len(msg.returned))
         for session in msg.finished:
             self._finished(session)
-        if msg.returned:
+        if msg.returned or (msg.finished and self.unplaced):
             self._place(list(self.unplaced) + list(msg.returned))
 
     def _finished(self, session: Session) -> None:

@@ -42,6 +42,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--staleness", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admit-up-to-capacity", action="store_true",
+                   help="the emulated proxy places a session only on a cell with free capacity; the rest wait")
     p.add_argument("--only", action="append", default=[],
                    help="run only policies whose name starts with this (elastic, colocate, async[, async-streaming[)")
     p.set_defaults(func=_handle)
@@ -62,7 +64,8 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
     try:
         return Setup(workload=WORKLOADS[args.workload], hardware=args.hardware, cells=args.cells,
                      gpus_per_cell=args.gpus_per_cell, model=ModelProfile(**model_kwargs), groups=args.groups,
-                     group_size=args.group_size, staleness=args.staleness, steps=args.steps, seed=args.seed)
+                     group_size=args.group_size, staleness=args.staleness, steps=args.steps, seed=args.seed,
+                     admit_up_to_capacity=args.admit_up_to_capacity)
     except ValueError as error:
         raise SystemExit(f"gyre simulate: {error}") from None
 

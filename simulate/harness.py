@@ -60,6 +60,8 @@ class Setup:
     """Emulated cells' tick (engine.py)."""
     microstep_tokens_per_gpu: int = 32768
     """A micro-step's token budget per GPU of a cell (a cell's data-parallel ranks each take ~32k tokens)."""
+    admit_up_to_capacity: bool = False
+    """The emulated agents' admission bound (agents.py)."""
     until_s: float = 30 * 86400.0
     """Virtual-time guard: a run that has not finished by then is reported unfinished."""
 
@@ -139,7 +141,8 @@ def build_topology(setup: Setup, policy: Any, streaming: bool, roles: dict[str, 
         groups_per_step=setup.groups, max_groups_ahead_of_training=ahead, stop_topology_when_done=False,
         seed=setup.seed,
     ), restart=stop)
-    topology.add("agents", EmulatedAgents, EmulatedAgentsConfig(setup.workload, setup.seed, record=record),
+    topology.add("agents", EmulatedAgents, EmulatedAgentsConfig(setup.workload, setup.seed, record=record,
+                                                                admit_up_to_capacity=setup.admit_up_to_capacity),
                  restart=stop)
     for index, name in enumerate(names):
         topology.add(name, EmulatedCell, EmulatedCellConfig(

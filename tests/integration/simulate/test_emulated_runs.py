@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from gyre.runtime.cli import main as gyre_main
@@ -79,3 +80,16 @@ def test_cli_json_and_pictures(tmp_path, capsys) -> None:
 def test_cli_refuses_a_model_that_does_not_fit(capsys) -> None:
     with pytest.raises(SystemExit, match="no KV room"):
         gyre_main(["simulate", "--hardware", "h100", "--gpus-per-cell", "2", "--steps", "1"])
+
+
+def test_admission_bound_keeps_sessions_within_capacity() -> None:
+    # One rollout cell (97 sessions of KV) with up to 768 sessions in flight: without the bound it takes them all and
+    # thrashes its prefix cache (each call re-prefills the evicted share); with it the rest wait at the emulated
+    # proxy, and the same work takes less time (5.6 h against 4.3 h when written).
+    setup = Setup(groups=24, group_size=16, steps=2, cells=2, gpus_per_cell=8)
+    name, policy, streaming, roles = [v for v in policy_variants(setup) if v[0] == "async[1t/1r]"][0]
+    loose = run_policy(setup, name, policy, streaming, roles)
+    bounded = run_policy(attrs.evolve(setup, admit_up_to_capacity=True), name, policy, streaming, roles)
+    assert loose.finished and bounded.finished
+    assert bounded.executions >= setup.steps * setup.groups * setup.group_size
+    assert bounded.hours < 0.9 * loose.hours

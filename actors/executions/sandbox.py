@@ -258,8 +258,11 @@ async def _open_bubblewrap(config: SandboxConfig, request: SandboxRequest) -> Pr
                 args += ["--perms", "0755", "--tmpfs", hidden]
         # bwrap makes missing mount points 0700 root, which the sandbox's uid could not pass: make them 0755 first.
         always = (os.path.realpath(sys.base_prefix), str(INIT_SCRIPT.parent))
+        # Exposed again where the sandbox covers the host: a hidden path, and its private /tmp and /run (a checkout
+        # or a virtual environment under /tmp, as CI's clone may be, must still run sandbox_init).
+        covered = (*hidden_paths, "/tmp", "/run")
         exposed = [p for p in dict.fromkeys((*always, *config.exposed_paths))
-                   if os.path.isdir(p) and any(_under(p, h) for h in hidden_paths)]
+                   if os.path.isdir(p) and any(_under(p, h) for h in covered)]
         mount_points = [workdir, *(p for _, p in request.read_only_mounts + request.writable_mounts), *exposed]
         for directory in _directories_to_make(mount_points, hidden_paths):
             args += ["--perms", "0755", "--dir", directory]

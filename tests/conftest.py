@@ -6,9 +6,16 @@ that change weights must copy it first (`copy_model_dir`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
+from typing import Iterator, Mapping, Sequence
 
 import pytest
 
@@ -75,3 +82,52 @@ def kills_its_warm_launcher() -> str:
             os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(600)
     """)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _engine_servers(model_dir: Path, logs: Path, servers: Mapping[str, Sequence[str]]) -> Iterator[dict[str, str]]:
+    """Start one `python -m gyre.engines.engine_server` process per name (its extra flags beside it), wait until all
+    answer /health, yield name -> base URL, and stop them. The servers check this process's engine token, which the
+    proxy, the migrator and the clients run in this process send by default, as a cell's in-run server would."""
+    from gyre.engines.sglang_client import SGLangClient
+    from gyre.runtime.run_secrets import run_token
+
+    procs, urls = [], {}
+    env = dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine"))
+    try:
+        for name, extra in servers.items():
+            port = _free_port()
+            argv = [sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(model_dir),
+                    "--port", str(port), "--num-threads", "1", "--num-blocks", "512", *extra]
+            with open(logs / f"{name}.log", "w") as out:
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
+            urls[name] = f"http://127.0.0.1:{port}"
+
+        async def wait() -> None:
+            for url in urls.values():
+                async with SGLangClient(url) as client:
+                    await client.wait_healthy(timeout_s=180)
+
+        asyncio.run(wait())
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def engine_servers():
+    """`with engine_servers(model_dir, logs_dir, {name: extra_flags}) as urls:` engine servers in processes of
+    their own (see `_engine_servers`)."""
+    return _engine_servers

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import traceback
 from typing import Any, Awaitable, Callable
 
@@ -26,13 +22,12 @@ import pytest
 from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig, assign_sessions, extend_with_in_flight
 from gyre.actors.serving.proxy import Proxy, ProxyConfig
 from gyre.actors.serving.http_app import ProxyHttpConfig
-from gyre.engines.sglang_client import SGLangClient, auth_headers
+from gyre.engines.sglang_client import auth_headers
 from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, MigrateSessions, RoleChanged, SessionsMigrated
 from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, InProcessLauncher, RunOptions, Topology, handler
-from gyre.runtime.run_secrets import run_token
 
 MAX_CONTEXT_TOKENS = 2048
 BLOCK_TOKENS = 16
@@ -64,46 +59,12 @@ def test_in_flight_sequences_extend_the_sessions_they_continue() -> None:
     assert extend_with_in_flight(prefixes, ()) == prefixes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    logs = tmp_path_factory.mktemp("engine-logs")
-    procs, urls = [], {}
-    for name, kv in (("cell-a", True), ("cell-b", True), ("cell-c", False)):
-        port = free_port()
-        argv = [sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(tiny_model_dir),
-                "--port", str(port), "--num-threads", "1", "--num-blocks", "512",
-                "--max-context", str(MAX_CONTEXT_TOKENS), "--block-size", str(BLOCK_TOKENS)]
-        procs.append(
-            subprocess.Popen(argv + (["--kv-transfer"] if kv else []), stdout=open(logs / f"{name}.log", "w"),
-                             stderr=subprocess.STDOUT,
-                             # The servers check this process's engine token, which the proxy and the migrator
-                             # (run in this process) send by default, as a cell's in-run server would.
-                             env=dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine")))
-        )
-        urls[name] = f"http://127.0.0.1:{port}"
-
-    async def wait() -> None:
-        for url in urls.values():
-            async with SGLangClient(url) as client:
-                await client.wait_healthy(timeout_s=180)
-
-    try:
-        asyncio.run(wait())
+def engines(tiny_model_dir, tmp_path_factory, engine_servers) -> dict[str, str]:
+    flags = ["--max-context", str(MAX_CONTEXT_TOKENS), "--block-size", str(BLOCK_TOKENS)]
+    servers = {"cell-a": [*flags, "--kv-transfer"], "cell-b": [*flags, "--kv-transfer"], "cell-c": flags}
+    with engine_servers(tiny_model_dir, tmp_path_factory.mktemp("engine-logs"), servers) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 SCENARIOS: dict[str, Callable[["Driver"], Awaitable[Any]]] = {}

@@ -10,11 +10,6 @@ tokens of an unswitched run (greedy decoding), served last by cell-b from the mi
 from __future__ import annotations
 
 import asyncio
-import os
-import random
-import socket
-import subprocess
-import sys
 import traceback
 from typing import Any, Awaitable, Callable
 
@@ -33,7 +28,6 @@ from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import ProxyStatistics
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, InProcessLauncher, RunOptions, Topology, handler
-from gyre.runtime.run_secrets import run_token
 
 MAX_CONTEXT_TOKENS = 2048
 BLOCK_TOKENS = 16
@@ -41,46 +35,12 @@ MAX_TOKENS = 300
 PAUSE_AFTER_TOKENS = 40
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    logs = tmp_path_factory.mktemp("engine-logs")
-    procs, urls = [], {}
-    for name, kv in (("cell-a", True), ("cell-b", True)):
-        port = free_port()
-        argv = [sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(tiny_model_dir),
-                "--port", str(port), "--num-threads", "1", "--num-blocks", "512",
-                "--max-context", str(MAX_CONTEXT_TOKENS), "--block-size", str(BLOCK_TOKENS)]
-        procs.append(
-            subprocess.Popen(argv + (["--kv-transfer"] if kv else []), stdout=open(logs / f"{name}.log", "w"),
-                             stderr=subprocess.STDOUT,
-                             # The servers check this process's engine token, which the proxy and the migrator
-                             # (run in this process) send by default, as a cell's in-run server would.
-                             env=dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine")))
-        )
-        urls[name] = f"http://127.0.0.1:{port}"
-
-    async def wait() -> None:
-        for url in urls.values():
-            async with SGLangClient(url) as client:
-                await client.wait_healthy(timeout_s=180)
-
-    try:
-        asyncio.run(wait())
+def engines(tiny_model_dir, tmp_path_factory, engine_servers) -> dict[str, str]:
+    flags = ["--max-context", str(MAX_CONTEXT_TOKENS), "--block-size", str(BLOCK_TOKENS), "--kv-transfer"]
+    with engine_servers(tiny_model_dir, tmp_path_factory.mktemp("engine-logs"),
+                        {"cell-a": flags, "cell-b": flags}) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 SCENARIOS: dict[str, Callable[["Driver"], Awaitable[Any]]] = {}

@@ -9,11 +9,8 @@ the in-process launcher; the driver runs the scenario and stores what it saw.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import socket
-import subprocess
-import sys
 import threading
 import traceback
 from typing import Any, Awaitable, Callable
@@ -53,42 +50,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+def engines(tiny_model_dir, tmp_path_factory, engine_servers) -> dict[str, str]:
     """Two engine servers (cells "cell-a" and "cell-b"), each in its own process; yields name -> base URL."""
-    logs = tmp_path_factory.mktemp("engine-logs")
-    procs, urls = [], {}
-    for name in ("cell-a", "cell-b"):
-        port = free_port()
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(tiny_model_dir),
-                 "--port", str(port), "--num-threads", "1", "--num-blocks", "512",
-                 "--max-context", str(MAX_CONTEXT_TOKENS)],
-                stdout=open(logs / f"{name}.log", "w"),
-                stderr=subprocess.STDOUT,
-                # The servers check this process's engine token, which the proxy (run in this process) and the
-                # reference clients send by default, as a cell's in-run server would.
-                env=dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine")),
-            )
-        )
-        urls[name] = f"http://127.0.0.1:{port}"
-
-    async def wait() -> None:
-        for url in urls.values():
-            async with SGLangClient(url) as client:
-                await client.wait_healthy(timeout_s=180)
-
-    try:
-        asyncio.run(wait())
+    flags = ["--max-context", str(MAX_CONTEXT_TOKENS)]
+    with engine_servers(tiny_model_dir, tmp_path_factory.mktemp("engine-logs"),
+                        {"cell-a": flags, "cell-b": flags}) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 # ---- the driver ------------------------------------------------------------------------------------------------

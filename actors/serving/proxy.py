@@ -26,7 +26,8 @@ While no cell accepts a session's calls, they wait (up to `no_cell_wait_s`) for 
 retry). How many wait so is published as CallsWaitingForCell whenever it changes: demand that no cell sees, which a
 scheduler needs once every cell has left rollout. When the proxy stops (the end of a run stops the engines too),
 calls that wait for a cell or would resume get 503 "the proxy is stopping" at once, and generations under way get
-`shutdown_timeout_s` to finish.
+`shutdown_timeout_s` to finish. A call whose body is still arriving then ends with a closed connection (the
+SDKs retry it): aiohttp reads nothing more once its server shuts down.
 """
 
 from __future__ import annotations

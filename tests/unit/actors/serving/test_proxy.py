@@ -484,9 +484,12 @@ async def call_then_stop(driver: Driver, cell: str | None) -> dict[str, Any]:
     key, _ = await driver.agent("exec-stop")
     outcome: dict[str, Any] = {}
     thread = call_in_thread(key.openai_base_url, key.api_key, outcome)
-    while (await driver.status()).in_flight < 1:
-        await asyncio.sleep(0.01)
-    if cell is not None:
+    # Counted in flight is not enough: its body may still be on the way, and aiohttp drops what arrives once the
+    # server shuts down (that call ends with a closed connection, which the SDKs retry; see proxy.py's doc).
+    if cell is None:
+        while not driver.waiting_for_cell or driver.waiting_for_cell[-1] < 1:
+            await asyncio.sleep(0.01)
+    else:
         while (await driver.status()).resumed_generations < 1:  # the engine is unreachable: the call retries
             await asyncio.sleep(0.01)
     return {"thread": thread, "outcome": outcome}

@@ -670,6 +670,42 @@ class MegatronTrainer:
             self.version = version
         self._restart_average()
 
+    # -- checkpoints (issue 28) ---------------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a resumed run needs of this rank's trainer, as CPU copies: the fp32 weights (this rank's shard), the
+        AdamW state (moments and step counts), the version (also the LR schedule's position: `scheduled_lr` reads
+        it) and the weight average. `load_checkpoint_state` takes it back."""
+        optimizer = self.optimizer.state_dict()
+        return {
+            "num_params": self._params.numel(),
+            "version": self.version,
+            "params": self._params.detach().cpu().clone(),
+            "optimizer": {
+                "state": {index: {key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+                                  for key, value in entry.items()} for index, entry in optimizer["state"].items()},
+                "param_groups": optimizer["param_groups"],
+            },
+            "average": None if self._average is None else self._average.detach().cpu().clone(),
+        }
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what `checkpoint_state` gave (weights, optimizer state, version, average). Raises TrainerError for
+        the state of another model or shard."""
+        if state.get("num_params") != self._params.numel():
+            raise TrainerError(f"the checkpoint holds {state.get('num_params')} parameters, this trainer (its shard) "
+                               f"{self._params.numel()}: another model or another parallel layout")
+        with torch.no_grad():
+            self._params.copy_(state["params"].to(self.device))
+        self._sync_model_weights()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        self.zero_grads()
+        average = state.get("average")
+        if self.config.average_decay > 0:
+            self._average = (average.to(self.device).clone() if average is not None
+                             else self._params.detach().clone())
+
     # -- weight average ----------------------------------------------------------------------------------------
 
     def _restart_average(self) -> None:

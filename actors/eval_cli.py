@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +34,8 @@ import attrs
 
 from gyre.actors.executions.evaluator import Evaluator, EvaluatorConfig
 from gyre.actors.executions.executor import Executor, ExecutorConfig
-from gyre.actors.executions.harbor import HarborTaskError, harbor_task_spec, load_harbor_tasks
+from gyre.actors.executions.agents import BUILTIN_AGENTS, MINI_SWE_AGENT_ENV, task_set_specs
+from gyre.actors.executions.harbor import HarborTaskError
 from gyre.actors.executions.sandbox import SANDBOX_KINDS, SandboxConfig
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey, StartGroup, TaskSpec
 from gyre.messages.groups import GroupStarted
@@ -45,40 +44,18 @@ from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, 
 from gyre.runtime.logs import configure_logging
 from gyre.runtime.validators import count
 
-__all__ = ["EvalDriver", "EvalDriverConfig", "agent_task_specs", "register", "run_eval"]
+__all__ = ["BUILTIN_AGENTS", "EvalDriver", "EvalDriverConfig", "MINI_SWE_AGENT_ENV", "agent_task_specs", "register",
+           "run_eval"]
 
-BUILTIN_AGENTS = ("oracle", "noop", "mini-swe-agent")
-MINI_SWE_AGENT_ENV = {
-    "MSWEA_CONFIGURED": "true",  # skip its first-run set-up dialogue
-    "MSWEA_COST_TRACKING": "ignore_errors",  # a local model has no price in litellm's table
-    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm would fetch its price table from the internet at import
-}
-"""What mini-swe-agent (and the litellm inside it) needs to run offline, unattended."""
 NO_MODEL_URL = "http://127.0.0.1:9/v1"
 """What the built-in agents get as their model URL: port 9 (discard) on loopback, where nothing answers."""
 
 
-def mini_swe_agent_argv(model_name: str) -> tuple[str, ...]:
-    """mini-swe-agent's own command line, unattended; the executor appends the instruction after `-t`."""
-    mini = shutil.which("mini")
-    if mini is None:
-        raise ValueError("the mini-swe-agent agent needs the PyPI package mini-swe-agent (its `mini` command)")
-    return (sys.executable, mini, "--yolo", "--exit-immediately", "--model", f"openai/{model_name}",
-            "--output", "/tmp/mini-swe-agent.traj.json", "--task")
-
-
-def agent_task_specs(task_dir: str | Path, agent: str, model_name: str = "gyre") -> tuple[TaskSpec, ...]:
-    """The task set at `task_dir` as TaskSpecs that run `agent` (module docstring). Raises HarborTaskError."""
-    tasks = load_harbor_tasks(task_dir)
-    if agent == "oracle":
-        return tuple(harbor_task_spec(t, ("bash", "/solution/solve.sh"), with_solution=True) for t in tasks)
-    if agent == "mini-swe-agent":
-        argv = mini_swe_agent_argv(model_name)
-        return tuple(attrs.evolve(harbor_task_spec(t, argv), env={**t.env, **MINI_SWE_AGENT_ENV}) for t in tasks)
-    argv = ("true",) if agent == "noop" else tuple(shlex.split(agent))
-    if not argv:
-        raise ValueError("--agent is empty")
-    return tuple(harbor_task_spec(t, argv) for t in tasks)
+def agent_task_specs(task_dir: str | Path, agent: str, model_name: str = "gyre",
+                     mini_options: tuple[str, ...] = ()) -> tuple[TaskSpec, ...]:
+    """The task set at `task_dir` (Harbor tasks or SWE-bench-style instances) as TaskSpecs that run `agent`
+    (gyre.actors.executions.agents). Raises HarborTaskError, SweInstanceError or AgentSpecError."""
+    return task_set_specs(task_dir, agent, model_name, mini_options)
 
 
 @attrs.frozen

@@ -1,0 +1,5 @@
+"""Small text statistics."""
+
+from textstats.words import longest_word, word_count
+
+__all__ = ["longest_word", "word_count"]

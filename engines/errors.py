@@ -45,6 +45,11 @@ class ConversionError(ModelFormatError):
     """A state dict that does not match the model spec it is converted with."""
 
 
+class ServedModelMismatch(ModelFormatError):
+    """An engine server holds another model than the model directory it is used with (vocabulary or layout
+    differ), or one Gyre cannot read."""
+
+
 class ChatTemplateError(EngineError, ValueError):
     """A conversation the template cannot render (unknown role, non-text content, malformed tool call), or a model
     directory without a tokenizer."""

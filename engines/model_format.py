@@ -17,7 +17,7 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import attrs
 import safetensors
@@ -25,12 +25,12 @@ import safetensors.torch
 import torch
 
 from gyre.engines.chat_template import END_OF_TEXT, IM_END
-from gyre.engines.errors import ModelFormatError
+from gyre.engines.errors import ModelFormatError, ServedModelMismatch
 from gyre.engines.tokenizer import MODEL_MAX_LENGTH, VOCAB_SIZE, build_tokenizer, write_tokenizer_files
 
 __all__ = [
-    "PRESETS", "ModelFormatError", "ModelSpec", "check_state_dict", "hf_param_shapes", "init_model_dir",
-    "init_state_dict", "load_hf_state_dict", "save_hf_state_dict", "save_model_dir",
+    "PRESETS", "ModelFormatError", "ModelSpec", "ServedModelMismatch", "check_served_model", "check_state_dict",
+    "hf_param_shapes", "init_model_dir", "init_state_dict", "load_hf_state_dict", "save_hf_state_dict", "save_model_dir",
 ]
 
 CONFIG_FILE = "config.json"
@@ -367,3 +367,34 @@ def init_model_dir(path: str | Path, preset: str | ModelSpec = "tiny", seed: int
     write_tokenizer_files(model_dir)
     save_hf_state_dict(model_dir, init_state_dict(spec, seed))
     return model_dir
+
+
+SERVED_LAYOUT_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_size")
+"""What must agree between an engine server's model and the model directory whose tokenizer and template are used."""
+
+
+def check_served_model(info: Mapping[str, Any], spec: ModelSpec, model_dir: str) -> str:
+    """Refuse (ServedModelMismatch) an engine server whose model differs from `spec` in vocabulary or layout.
+
+    `info` is the server's /model_info answer. Gyre's engine server reports its layout there; SGLang reports its
+    `model_path`, whose config.json is read when this machine sees that path. Returns how the model was checked:
+    "layout", "config", or "unverified" (SGLang on another machine: the caller warns)."""
+    if all(name in info for name in SERVED_LAYOUT_FIELDS):
+        wrong = {name: (info[name], getattr(spec, name)) for name in SERVED_LAYOUT_FIELDS
+                 if info[name] != getattr(spec, name)}
+        if wrong:
+            detail = ", ".join(f"{name} {got} (model_dir has {want})" for name, (got, want) in wrong.items())
+            raise ServedModelMismatch(f"the engine server holds another model than {model_dir}: {detail}")
+        return "layout"
+    path = info.get("model_path")
+    if isinstance(path, str) and (Path(path) / CONFIG_FILE).is_file():
+        try:
+            served = ModelSpec.from_model_dir(path)
+        except ModelFormatError as error:
+            raise ServedModelMismatch(f"the engine server's model {path} is not one Gyre reads: {error}") from None
+        wrong_fields = [name for name in SERVED_LAYOUT_FIELDS if getattr(served, name) != getattr(spec, name)]
+        if wrong_fields:
+            raise ServedModelMismatch(f"the engine server serves {path}, which differs from {model_dir} in "
+                                      f"{wrong_fields}")
+        return "config"
+    return "unverified"

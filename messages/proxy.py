@@ -64,6 +64,10 @@ class ProxyStatistics:
     """Sessions the proxy routes (and remembers the prefix of)."""
     sessions_by_cell: dict[str, int]
     """Cell name -> sessions placed on it."""
+    engines_unreachable: int = 0
+    """Times a cell's engine refused a connection or answered 5xx (its calls resumed elsewhere)."""
+    failed_cells: tuple[str, ...] = ()
+    """Cells whose engine server failed (EngineServerFailed) and that are not rollout cells again yet."""
 
 
 @message("gyre.proxy.CallsWaitingForCell")

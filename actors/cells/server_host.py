@@ -48,7 +48,7 @@ from gyre.actors.cells.engine_process import (
 from gyre.actors.cells.rollout_role import PullStaging, RecentSessions
 from gyre.actors.cells.train_role import Offload
 from gyre.engines.embedded_engine import EngineConfig, EngineStats
-from gyre.engines.model_format import ModelFormatError, ModelSpec
+from gyre.engines.model_format import ModelSpec, ServedModelMismatch, check_served_model
 from gyre.engines.sglang_client import (
     API_KEY_PURPOSE,
     CapabilityMissing,
@@ -61,38 +61,14 @@ from gyre.engines.sglang_client import (
 )
 from gyre.runtime.run_secrets import run_token
 
-__all__ = ["ServerRolloutHost", "WeightsDir", "check_model"]
+__all__ = ["ServerRolloutHost", "WeightsDir"]
 
 log = structlog.get_logger(__name__)
 
-LAYOUT_FIELDS = ("vocab_size", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_size")
 RELEASE_ATTEMPTS = 200
 """Abort-then-release rounds while draining (20 ms apart: 4 s): late calls keep landing only until the proxy has
 heard CellDraining, a few bus hops."""
 MODEL_FILES_SKIPPED = (".safetensors", ".bin", ".pt", ".index.json")
-
-
-def check_model(info: Mapping[str, Any], spec: ModelSpec, model_dir: str) -> str:
-    """Refuse (EngineServerRefused) a server whose model differs from `spec` in vocabulary or layout. Gyre's server
-    reports its layout in /model_info; SGLang reports its model_path, whose config.json is read when this machine
-    sees it. Returns how the model was checked ("layout", "config", or "unverified")."""
-    if all(name in info for name in LAYOUT_FIELDS):
-        wrong = {name: (info[name], getattr(spec, name)) for name in LAYOUT_FIELDS if info[name] != getattr(spec, name)}
-        if wrong:
-            detail = ", ".join(f"{name} {got} (model_dir has {want})" for name, (got, want) in wrong.items())
-            raise EngineServerRefused(f"the engine server holds another model than {model_dir}: {detail}")
-        return "layout"
-    path = info.get("model_path")
-    if isinstance(path, str) and (Path(path) / "config.json").is_file():
-        try:
-            served = ModelSpec.from_model_dir(path)
-        except ModelFormatError as error:
-            raise EngineServerRefused(f"the engine server's model {path} is not one Gyre reads: {error}") from None
-        wrong = [name for name in LAYOUT_FIELDS if getattr(served, name) != getattr(spec, name)]
-        if wrong:
-            raise EngineServerRefused(f"the engine server serves {path}, which differs from {model_dir} in {wrong}")
-        return "config"
-    return "unverified"
 
 
 class WeightsDir:
@@ -198,7 +174,7 @@ class ServerRolloutHost(PullStaging):
         self._paused = False
         self._weight_version = -1
         self.model_check = ""
-        """How the server's model was checked at start (see check_model)."""
+        """How the server's model was checked at start (see engines.model_format.check_served_model)."""
         self.weights_dir = WeightsDir(server_config.weights_dir, model_dir, server_config.keep_weight_versions)
         self.weight_updates = 0
         self.last_weight_update_s = 0.0
@@ -270,14 +246,15 @@ class ServerRolloutHost(PullStaging):
                 raise EngineServerFailed(f"the engine server at {self.base_url} does not answer /health")
         info = await self.client.model_info()
         try:
-            self.model_check = check_model(info, self.spec, self.model_dir)
-        except EngineServerRefused as error:
+            self.model_check = check_served_model(info, self.spec, self.model_dir)
+        except ServedModelMismatch as mismatch:
+            error = EngineServerRefused(str(mismatch))
             log.error("engine_server_refused", url=self.base_url, error=str(error))
             if self.process is not None:
                 await self.process.stop()
             self._report(EngineServerFailed(str(error), self.process.last_output() if self.process else (),
                                             self.exit_code_or_none()))
-            raise
+            raise error from None
         if self.model_check == "unverified":
             log.warning("engine_model_not_verified", url=self.base_url,
                         why="the server reports neither its layout nor a model_path this machine can read")

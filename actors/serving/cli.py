@@ -1,8 +1,19 @@
-"""`gyre serve MODEL_DIR`: one embedded rollout engine behind the proxy, for interactive use.
+"""`gyre serve MODEL_DIR [--engine-url URL ...]`: the proxy in front of an engine, for interactive use and for
+collecting trajectories.
+
+Without --engine-url the engine is an embedded one in this process. With it, the engines are servers that already
+run (SGLang, `python -m sglang.launch_server --model-path ... --skip-tokenizer-init`, or Gyre's engine server),
+reached only through SGLang's HTTP API; --engine-url may repeat, and sessions are routed among the servers as among
+a run's rollout cells (sticky, least loaded; a server that dies is skipped and its sessions re-prefill elsewhere:
+actors/serving/engine_watch.py). MODEL_DIR gives the tokenizer and the chat template, and each server is checked at
+start to hold MODEL_DIR's model (vocabulary and layout); a server of another model is refused. The servers' key:
+--engine-api-key-file PATH (SGLang's --api-key), else none is needed beyond Gyre's run token.
 
 Any OpenAI or Anthropic client can talk to it (base URL http://HOST:PORT/v1 for OpenAI, http://HOST:PORT for
 Anthropic). Every call must present the API key; all calls belong to one execution, "interactive", so the proxy
-reuses the ids of its own earlier answers exactly, as it does in training. Each call is logged as one line.
+reuses the ids of its own earlier answers exactly, as it does in training. Each call is logged as one line, and with
+--record PATH appended to PATH as one JSON object (a ModelCallCompleted: prompt and output ids, log-probs, weight
+versions, timings): the token-in/token-out trajectories, as a run records them.
 
 The key, in order: --api-key-file PATH (its first line), $GYRE_API_KEY, --api-key (discouraged: any user of the
 machine can read a command line with ps). With none, a random key is written to a new 0600 file in a 0700
@@ -13,6 +24,8 @@ not exceed the model's max_position_embeddings.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import secrets
 import sys
@@ -45,6 +58,33 @@ class ServeConfig:
     max_context_tokens: int = 8192
     block_size_tokens: int = 16
     num_threads: int | None = None
+    engine_urls: tuple[str, ...] = ()
+    """Engine servers that already run; () serves an embedded engine."""
+    engine_api_key_file: str | None = None
+    """The file holding the engine servers' key (SGLang's --api-key); None: Gyre's run token."""
+    engine_startup_timeout_s: float = 120.0
+    record_path: str | None = None
+    """Append every ModelCallCompleted here as one JSON line; None: log lines only."""
+
+
+class CallRecorder:
+    """Appends each finished call to a JSONL file (one ModelCallCompleted per line, its fields by name, plus
+    "type"); flushed per line, so a killed `gyre serve` loses no finished call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self.calls_recorded = 0
+
+    def __call__(self, message: Any) -> None:
+        _log_call(message)
+        record = {"type": type(message).__name__, **attrs.asdict(message)}
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        self.calls_recorded += 1
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _log_call(message: Any) -> None:
@@ -63,16 +103,81 @@ def _log_call(message: Any) -> None:
 
 
 async def make_app(config: ServeConfig) -> Any:
-    """The proxy application over a fresh embedded engine (call inside the loop that will serve it)."""
-    from gyre.actors.serving.backends import EmbeddedBackend
-    from gyre.actors.serving.http_app import ProxyHttpConfig, build_proxy_app, check_context_fits
-    from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
-    from gyre.engines.async_engine import AsyncEngine
+    """The proxy application over a fresh embedded engine, or over the engine servers at `config.engine_urls`
+    (call inside the loop that will serve it). EngineWatchError when a server cannot be used."""
+    from gyre.actors.serving.http_app import check_context_fits
     from gyre.engines.chat_template import ChatTemplate
-    from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
 
     check_context_fits(config.model_dir, config.max_context_tokens)
     template = ChatTemplate.from_model_dir(config.model_dir)
+    recorder = CallRecorder(config.record_path) if config.record_path else None
+    on_call = recorder if recorder is not None else _log_call
+    if config.engine_urls:
+        app = await _app_over_servers(config, template, on_call)
+    else:
+        app = await _app_over_embedded(config, template, on_call)
+    if recorder is not None:
+        async def close_recorder(_: Any) -> None:
+            recorder.close()
+
+        app.on_cleanup.append(close_recorder)
+    return app
+
+
+def _sessions(template: Any, api_key: str) -> Any:
+    from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
+
+    sessions = ProxySessions(template, ProxySessionsConfig(max_executions=1))
+    sessions.issue_key(INTERACTIVE_EXECUTION, INTERACTIVE_EXECUTION, api_key=api_key)
+    return sessions
+
+
+async def _app_over_servers(config: ServeConfig, template: Any, on_call: Any) -> Any:
+    from gyre.actors.serving.engine_watch import EngineWatch, EngineWatchConfig
+    from gyre.actors.serving.http_app import ProxyHttpConfig, build_proxy_app
+    from gyre.actors.serving.routing import RoutedBackend, RoutingConfig
+    from gyre.engines.model_format import ModelSpec
+    from gyre.engines.sglang_client import ClientConfig, SGLangClient
+
+    client_config = ClientConfig(api_key_file=config.engine_api_key_file)
+    routing = RoutingConfig(client=client_config)
+    backend = RoutedBackend(routing, lambda url: SGLangClient(url, config=client_config))
+    watch = EngineWatch(backend, config.engine_urls, ModelSpec.from_model_dir(config.model_dir), config.model_dir,
+                        lambda url: SGLangClient(url, config=client_config),
+                        EngineWatchConfig(startup_timeout_s=config.engine_startup_timeout_s))
+    try:
+        await watch.check_all()
+    except BaseException:
+        await watch.close()
+        await backend.close()
+        raise
+    proxy_config = ProxyHttpConfig(model_names=(config.model_name,), max_context_tokens=config.max_context_tokens)
+    app = build_proxy_app(proxy_config, _sessions(template, config.api_key), backend, on_call, clock=time.time)
+    watching = asyncio.ensure_future(watch.run())
+
+    async def on_shutdown(_: Any) -> None:
+        backend.stop_accepting()
+
+    async def close(_: Any) -> None:
+        watching.cancel()
+        try:
+            await watching
+        except asyncio.CancelledError:
+            pass
+        await watch.close()
+        await backend.close()
+
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(close)
+    return app
+
+
+async def _app_over_embedded(config: ServeConfig, template: Any, on_call: Any) -> Any:
+    from gyre.actors.serving.backends import EmbeddedBackend
+    from gyre.actors.serving.http_app import ProxyHttpConfig, build_proxy_app
+    from gyre.engines.async_engine import AsyncEngine
+    from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
+
     # Room for two full contexts, so one long conversation never starves the prefix cache of the next call.
     num_blocks = max(256, 2 * -(-config.max_context_tokens // config.block_size_tokens))
     engine_config = EngineConfig(
@@ -83,10 +188,9 @@ async def make_app(config: ServeConfig) -> Any:
         num_threads=config.num_threads,
     )
     engine = AsyncEngine(EmbeddedEngine(config.model_dir, engine_config))
-    sessions = ProxySessions(template, ProxySessionsConfig(max_executions=1))
-    sessions.issue_key(INTERACTIVE_EXECUTION, INTERACTIVE_EXECUTION, api_key=config.api_key)
     proxy_config = ProxyHttpConfig(model_names=(config.model_name,), max_context_tokens=config.max_context_tokens)
-    app = build_proxy_app(proxy_config, sessions, EmbeddedBackend(engine, cell="embedded"), _log_call, clock=time.time)
+    app = build_proxy_app(proxy_config, _sessions(template, config.api_key), EmbeddedBackend(engine, cell="embedded"),
+                          on_call, clock=time.time)
 
     async def close_engine(_: Any) -> None:
         await engine.close()
@@ -140,25 +244,48 @@ def _handle(args: argparse.Namespace) -> int:
     except (ConfigError, ServeError) as error:
         print(f"gyre serve: {error}", file=sys.stderr)
         return 2
+    engine_urls = tuple(args.engine_url or ())
+    for url in engine_urls:
+        if not url.startswith(("http://", "https://")):
+            print(f"gyre serve: --engine-url {url!r} is not an http:// or https:// URL", file=sys.stderr)
+            return 2
+    if len(set(u.rstrip("/") for u in engine_urls)) != len(engine_urls):
+        print("gyre serve: an --engine-url is given twice", file=sys.stderr)
+        return 2
+    if args.engine_api_key_file and not engine_urls:
+        print("gyre serve: --engine-api-key-file needs --engine-url", file=sys.stderr)
+        return 2
     config = ServeConfig(
         model_dir=str(model_dir),
         api_key=api_key,
         model_name=args.model_name or model_dir.resolve().name,
         max_context_tokens=args.max_context_tokens,
         num_threads=args.num_threads,
+        engine_urls=engine_urls,
+        engine_api_key_file=args.engine_api_key_file,
+        engine_startup_timeout_s=args.engine_startup_timeout_s,
+        record_path=args.record,
     )
     base = f"http://{args.host}:{args.port}"
+    engines = ", ".join(engine_urls) if engine_urls else "an embedded engine"
     print(
-        f"gyre serve: model {config.model_name!r} on {base}, calls must present {key_source}\n"
+        f"gyre serve: model {config.model_name!r} on {base} over {engines}, calls must present {key_source}\n"
         f"  OpenAI:    OPENAI_BASE_URL={base}/v1 OPENAI_API_KEY=<that key>\n"
         f"  Anthropic: ANTHROPIC_BASE_URL={base} ANTHROPIC_API_KEY=<that key>",
         flush=True,
     )
     from gyre.actors.serving.http_app import ProxyHttpConfig, runner_options
 
+    from gyre.actors.serving.engine_watch import EngineWatchError
+    from gyre.engines.errors import EngineError
+
     options = runner_options(ProxyHttpConfig(max_context_tokens=config.max_context_tokens))
-    web.run_app(make_app(config), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0,
-                **options)
+    try:
+        web.run_app(make_app(config), host=args.host, port=args.port, print=None, access_log=None,
+                    shutdown_timeout=5.0, **options)
+    except (EngineWatchError, EngineError) as error:  # a server that cannot be used, a key file that cannot be read
+        print(f"gyre serve: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -175,4 +302,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model-name", default=None, help="model id to serve (default: the directory's name)")
     p.add_argument("--max-context-tokens", type=int, default=8192)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for the engine")
+    p.add_argument("--engine-url", action="append", default=None, metavar="URL",
+                   help="an engine server that already runs (SGLang, or Gyre's engine server), reached over SGLang's "
+                   "HTTP API; repeat for several (sessions are routed among them). Without it: an embedded engine")
+    p.add_argument("--engine-api-key-file", default=None, metavar="PATH",
+                   help="file holding the engine servers' key (the --api-key SGLang was started with)")
+    p.add_argument("--engine-startup-timeout-s", type=float, default=120.0,
+                   help="how long each --engine-url server may take to answer /health at start (default 120)")
+    p.add_argument("--record", default=None, metavar="PATH",
+                   help="append every finished call (prompt and output ids, log-probs, versions) to PATH as JSONL")
     p.set_defaults(func=_handle)

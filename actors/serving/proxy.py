@@ -22,6 +22,10 @@ The continued tokens equal an unswitched run's: the engine derives each token's 
 position) (engines/sampling.py), and every call is submitted with an explicit seed (the agent's, or one derived
 from the call's rid when it gave none), so the resumed request draws the noise the cut one would have drawn.
 
+A cell whose engine server fails (EngineServerFailed) takes nothing more until it is a rollout cell again; one whose
+engine refuses a connection or answers 5xx takes nothing for `unreachable_backoff_s`. Either way the generations it
+held resume, like aborted ones, on the cells that take their sessions (which re-prefill them).
+
 While no cell accepts a session's calls, they wait (up to `no_cell_wait_s`) for one to appear, then get 503 (the SDKs
 retry). How many wait so is published as CallsWaitingForCell whenever it changes: demand that no cell sees, which a
 scheduler needs once every cell has left rollout. When the proxy stops (the end of a run stops the engines too),
@@ -46,7 +50,7 @@ from gyre.actors.serving.http_app import (
 from gyre.actors.serving.routing import RoutedBackend, RoutingConfig
 from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
 from gyre.engines.sglang_client import SGLangClient
-from gyre.messages.cells import CellDraining, LoadReport, RoleChanged, SessionPlaced
+from gyre.messages.cells import CellDraining, EngineServerFailed, LoadReport, RoleChanged, SessionPlaced
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import CallsWaitingForCell, ProxyStatistics, SessionPrefixes, SessionsOnCell
@@ -159,6 +163,10 @@ class Proxy(Actor):
     def on_cell_draining(self, msg: CellDraining) -> None:
         self.backend.cell_draining(msg.cell)
 
+    @handler(EngineServerFailed)
+    def on_engine_server_failed(self, msg: EngineServerFailed) -> None:
+        self.backend.cell_failed(msg.cell, msg.reason)
+
     @handler(SessionPlaced)
     def on_session_placed(self, msg: SessionPlaced) -> None:
         if not self.backend.session_placed(msg.session, msg.cell):
@@ -187,4 +195,6 @@ class Proxy(Actor):
             waits_for_cell=routing.waits_for_cell,
             sessions=routing.sessions,
             sessions_by_cell=routing.sessions_by_cell,
+            engines_unreachable=routing.engines_unreachable,
+            failed_cells=routing.failed_cells,
         )

@@ -57,11 +57,15 @@ class RoutingConfig:
     a call of a session on a draining cell waits for the migrator to claim the session before going elsewhere."""
     max_resumes: int = 8
     """Resubmissions of one call at most; beyond, the call ends as aborted (503, the SDK retries)."""
+    unreachable_backoff_s: float = 5.0
+    """After a cell's engine refuses a connection or answers 5xx, how long no new generation is sent to it (the
+    calls it held resume elsewhere at once). Long enough to skip a dead server for several calls, short enough that
+    a server that restarts at the same URL is used again without anyone telling the proxy."""
     client: ClientConfig = ClientConfig()
     """Deadlines of the engine clients."""
 
     def __attrs_post_init__(self) -> None:
-        for name in ("no_cell_wait_s", "placement_wait_s", "resume_grace_s"):
+        for name in ("no_cell_wait_s", "placement_wait_s", "resume_grace_s", "unreachable_backoff_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         if self.max_resumes < 0:
@@ -80,10 +84,18 @@ class _Cell:
     capacity_requests: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
+    failed: str = ""
+    """Why the cell's engine server is gone (EngineServerFailed, or `gyre serve`'s health watch); "" while it
+    serves. Cleared when the cell is in the rollout role again (RoleChanged) or `cell_recovered`."""
+    unreachable_until_s: float = 0.0
+    """Loop time before which no new generation goes here: its engine just refused a connection or answered 5xx."""
 
-    @property
-    def accepts_new_calls(self) -> bool:
-        return self.role == ROLLOUT and not self.draining and bool(self.engine_url) and self.client is not None
+    def usable(self, now_s: float) -> bool:
+        """Whether the engine can take generations now (whatever the role)."""
+        return self.client is not None and bool(self.engine_url) and not self.failed and now_s >= self.unreachable_until_s
+
+    def accepts_new_calls(self, now_s: float) -> bool:
+        return self.role == ROLLOUT and not self.draining and self.usable(now_s)
 
 
 @attrs.define(eq=False)
@@ -121,6 +133,10 @@ class RouterStatistics:
     """Sessions routed (and whose prefix is remembered)."""
     sessions_by_cell: dict[str, int]
     """Cell name -> sessions placed on it."""
+    engines_unreachable: int = 0
+    """Times a cell's engine refused a connection or answered 5xx (each starts a backoff; see RoutingConfig)."""
+    failed_cells: tuple[str, ...] = ()
+    """Cells whose engine server is gone now (cell_failed, not yet recovered)."""
 
 
 class RoutedBackend:
@@ -147,6 +163,7 @@ class RoutedBackend:
         self._resumed_prompt_tokens = 0
         self._resumed_cached_tokens = 0
         self._waits = 0
+        self._unreachable_count = 0
         self._stopping = False
 
     # ---- the view (actor handlers) ---------------------------------------------------------------------------
@@ -172,6 +189,8 @@ class RoutedBackend:
         cell.role = msg.role
         if msg.role == ROLLOUT:
             cell.draining = False
+            cell.failed = ""
+            cell.unreachable_until_s = 0.0
             self._set_url(cell, msg.engine_url)
         else:
             # The switch is over: a migration that left a session unplaced will not place it any more.
@@ -192,6 +211,21 @@ class RoutedBackend:
 
     def cell_draining(self, name: str) -> None:
         self._cell(name).draining = True
+        self._notify()
+
+    def cell_failed(self, name: str, reason: str) -> None:
+        """The cell's engine server is gone (it died, or never started): route nothing to it until it is a rollout
+        cell again (RoleChanged) or `cell_recovered`. Its sessions re-prefill on the cells that take them, and the
+        generations it held resume there (they fail with EngineUnreachable and come back through `_generate`)."""
+        cell = self._cell(name)
+        cell.failed = reason or "failed"
+        self._notify()
+
+    def cell_recovered(self, name: str) -> None:
+        """The cell's engine server answers again (`gyre serve`'s health watch)."""
+        cell = self._cell(name)
+        cell.failed = ""
+        cell.unreachable_until_s = 0.0
         self._notify()
 
     def session_placed(self, session: str, cell: str) -> bool:
@@ -234,12 +268,14 @@ class RoutedBackend:
         return aborted
 
     def views(self) -> tuple[CellView, ...]:
+        """What the routing policy sees; a cell whose engine is failed or just unreachable shows no engine."""
+        now_s = asyncio.get_running_loop().time()
         return tuple(
             CellView(
                 name=cell.name,
                 role=cell.role,
                 draining=cell.draining,
-                engine_url=cell.engine_url if cell.client is not None else "",
+                engine_url=cell.engine_url if cell.usable(now_s) else "",
                 sessions=self._placed[cell.name],
                 in_flight=cell.in_flight,
                 queued_requests=cell.queued_requests,
@@ -258,6 +294,8 @@ class RoutedBackend:
             waits_for_cell=self._waits,
             sessions=len(self._routes),
             sessions_by_cell={name: count for name, count in sorted(self._placed.items()) if count > 0},
+            engines_unreachable=self._unreachable_count,
+            failed_cells=tuple(sorted(name for name, cell in self._cells.items() if cell.failed)),
         )
 
     # ---- sessions --------------------------------------------------------------------------------------------
@@ -368,10 +406,22 @@ class RoutedBackend:
     async def _after_abort(self, route: _Route, cell: _Cell) -> None:
         """Give the view a moment to explain an abort (the cell drains; the migrator places the session)."""
         deadline = asyncio.get_running_loop().time() + self.config.resume_grace_s
-        while cell.accepts_new_calls and route.cell == cell.name and not route.revoked and not self._stopping:
-            if asyncio.get_running_loop().time() >= deadline:
+        loop = asyncio.get_running_loop()
+        while (cell.accepts_new_calls(loop.time()) and route.cell == cell.name and not route.revoked
+               and not self._stopping):
+            if loop.time() >= deadline:
                 return
             await self._wait_change(deadline)
+
+    def _unreachable(self, cell: _Cell, error: SGLangError) -> None:
+        """Send no new generation to `cell` for `unreachable_backoff_s` (counted; see RoutingConfig)."""
+        now_s = asyncio.get_running_loop().time()
+        if now_s >= cell.unreachable_until_s:
+            self._unreachable_count += 1
+            log.warning("engine_unreachable", cell=cell.name, url=cell.engine_url, error=str(error),
+                        backoff_s=self.config.unreachable_backoff_s)
+        cell.unreachable_until_s = now_s + self.config.unreachable_backoff_s
+        self._notify()
 
     def _abort_soon(self, cell: _Cell, rid: str) -> None:
         """Best effort: tell the engine to stop a generation nobody will read."""
@@ -446,7 +496,8 @@ class RoutedBackend:
             except RequestRejected as error:
                 raise BackendRejected(error.message) from None
             except (EngineUnreachable, ServerError) as error:
-                failure = error  # the cell went away or failed this request: like an abort, try again
+                failure = error  # the cell went away or failed this request: like an abort, try again elsewhere
+                self._unreachable(cell, error)
                 if progress is not None and progress.output_ids:
                     result = progress.partial_result(cell.name)  # already streamed to the agent: keep it
             except SGLangError as error:

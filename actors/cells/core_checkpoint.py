@@ -1,0 +1,156 @@
+"""The core's part of a run's full checkpoint (issue 28): its trainer state written after a step, read back at resume.
+
+When: after every `every_steps`-th step the core ends (applied or skipped: either way the claimer moved to the next
+step), and once more as the cell stops if the newest step is not saved yet. What: `MegatronTrainer.checkpoint_state`
+(fp32 weights, AdamW moments and step counts, the version, which is also the LR schedule's position, the weight
+average), one file per trainer shard, `core.tp<T>.pp<P>.pt` (data-parallel replicas hold the same state; rank 0 of
+them writes). How: the state is copied under the cell's compute lock (no optimizer step runs meanwhile, and steps
+apply one at a time in the cell's handler, so the copy is exactly the state after that step), then written off the
+lock into the step's staging folder (gyre.runtime.checkpoint: temp file, fsync, rename), then the checkpointer is
+told `CorePartsSaved` with each file's digest; it gathers the other actors' parts and commits.
+
+At resume the cell, given the committed checkpoint's folder, loads its shard into the freshly built trainer, sets
+the fence to the restored version (peers pull the restored weights as that version) and marks the steps up to the
+checkpoint's as applied, before it registers with the weight broker. `state_digest` hashes weights and moments, so
+a test (or an operator reading the log) can check that the moments after resume equal those saved.
+
+Explicit inputs, no cell: the roots and names, the compute lock, offload and tell; the trainer host and step
+tracker are passed to each call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from gyre.actors.cells.train_role import Offload, StepTracker, TrainerHost
+from gyre.messages.checkpoints import CorePartsSaved
+from gyre.messages.training import StepApplied
+from gyre.runtime import GyreError
+from gyre.runtime.checkpoint import open_checkpoint, staging_dir, write_file_atomic
+
+__all__ = ["CoreCheckpoints", "core_part_name", "state_digest"]
+
+
+def core_part_name() -> str:
+    """This rank's file in a checkpoint: "core.tp<T>.pp<P>.pt"; None-rank (no parallel state yet) is 0."""
+    from megatron.core import parallel_state
+
+    tensor = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    pipeline = (parallel_state.get_pipeline_model_parallel_rank()
+                if parallel_state.model_parallel_is_initialized() else 0)
+    return f"core.tp{tensor}.pp{pipeline}.pt"
+
+
+def _writes_part() -> bool:
+    """Only data-parallel rank 0 writes (the replicas' states are equal)."""
+    from megatron.core import parallel_state
+
+    return not parallel_state.model_parallel_is_initialized() or parallel_state.get_data_parallel_rank() == 0
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """SHA-256 over a trainer checkpoint state's weights, its AdamW moments and step counts, and its version."""
+    digest = hashlib.sha256(f"version={state['version']}".encode())
+    digest.update(state["params"].numpy().tobytes())
+    optimizer = state["optimizer"]["state"]
+    for index in sorted(optimizer):
+        entry = optimizer[index]
+        for key in ("exp_avg", "exp_avg_sq"):
+            digest.update(entry[key].numpy().tobytes())
+        step = entry.get("step")
+        digest.update(repr(float(step)).encode() if step is not None else b"-")
+    return digest.hexdigest()
+
+
+def _encode(state: Mapping[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
+    return buffer.getvalue()
+
+
+class CoreCheckpoints:
+    """Saves the core's part after every `every_steps`-th step and restores it at start (module docstring)."""
+
+    def __init__(
+        self, *, root: str, every_steps: int, resume_from: str, me: str, checkpointer: str,
+        compute_lock: asyncio.Lock, offload: Offload, tell: Callable[[str, Any], None], log: Any,
+    ) -> None:
+        self.root = root
+        self.every_steps = every_steps
+        self.resume_from = resume_from
+        self.me = me
+        self.checkpointer = checkpointer
+        self.compute_lock = compute_lock
+        self.offload = offload
+        self.tell = tell
+        self.log = log
+        self.last_step_ended = -1
+        """The newest step the core ended (applied or skipped)."""
+        self.last_saved_step = -1
+        self.saved = 0
+        self.failed = 0
+
+    async def restore(self, host: TrainerHost, tracker: StepTracker) -> int:
+        """Load this rank's part of `resume_from` into `host`'s trainer; returns the checkpoint's step (-1 when
+        there is nothing to resume). Raises CheckpointError / TrainerError: a core that cannot restore must not
+        train on as if it had."""
+        if not self.resume_from:
+            return -1
+        checkpoint = await self.offload(open_checkpoint, self.resume_from)
+        data = await self.offload(checkpoint.read_part, core_part_name())
+        state = await self.offload(lambda: torch.load(io.BytesIO(data), weights_only=True))
+        async with self.compute_lock:
+            await self.offload(host.trainer.load_checkpoint_state, state)
+            host.fence[0] = host.trainer.version
+        tracker.applied_through = checkpoint.step_id
+        self.last_step_ended = self.last_saved_step = checkpoint.step_id
+        self.log.info("core_restored", checkpoint=str(checkpoint.path), step_id=checkpoint.step_id,
+                      version=host.trainer.version, state_digest=state_digest(state))
+        return checkpoint.step_id
+
+    async def after_step(self, host: TrainerHost, applied: StepApplied) -> None:
+        """The core ended `applied.step_id`: save its part if the step is a checkpoint step."""
+        self.last_step_ended = max(self.last_step_ended, applied.step_id)
+        if self.root and (applied.step_id + 1) % self.every_steps == 0:
+            await self.save(host, applied.step_id)
+
+    async def on_stop(self, host: TrainerHost) -> None:
+        """The cell stops (SIGTERM, SIGINT, the run's end): save the newest step's part if it is not saved yet.
+        Whether it becomes a checkpoint depends on the checkpointer still running to commit it; if not, the
+        staging folder stays uncommitted and a resume uses the last committed checkpoint."""
+        if self.root and self.last_step_ended > self.last_saved_step:
+            await self.save(host, self.last_step_ended)
+
+    async def save(self, host: TrainerHost, step_id: int) -> CorePartsSaved | None:
+        """Copy the trainer state under the compute lock, write it off the lock, tell the checkpointer. A failure
+        (a full disk) is logged and counted, not raised: a lost checkpoint must not stop the run."""
+        async with self.compute_lock:
+            state = await self.offload(host.trainer.checkpoint_state)
+        name = core_part_name()
+        try:
+            if not _writes_part():
+                return None
+            folder = staging_dir(self.root, step_id)
+            record = await self.offload(lambda: write_file_atomic(Path(folder) / name, _encode(state)))
+        except OSError as error:
+            self.failed += 1
+            self.log.error("core_checkpoint_part_failed", step_id=step_id, error=str(error))
+            return None
+        digest = await self.offload(state_digest, state)
+        saved = CorePartsSaved(self.me, step_id, int(state["version"]), (record.name,), (record.sha256,),
+                               (record.size_bytes,), digest)
+        self.last_saved_step = max(self.last_saved_step, step_id)
+        self.saved += 1
+        self.log.info("core_checkpoint_part_saved", step_id=step_id, version=saved.weight_version,
+                      bytes=record.size_bytes, state_digest=digest)
+        try:
+            self.tell(self.checkpointer, saved)
+        except GyreError as error:  # the checkpointer stopped or is absent: the part stays uncommitted
+            self.log.warning("checkpointer_not_told", step_id=step_id, error=str(error))
+        return saved

@@ -54,6 +54,7 @@ from typing import Any
 import attrs
 import torch
 
+from gyre.actors.cells.core_checkpoint import CoreCheckpoints
 from gyre.actors.cells.engine_process import EMBEDDED, ENGINE_KINDS, URL, EngineServerConfig
 from gyre.actors.cells.engine_process import EngineServerFailed as ServerFailure
 from gyre.actors.cells.rollout_role import EngineWeights, PeerView, RecentSessions, RolloutHost
@@ -91,6 +92,7 @@ from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
 from gyre.runtime.errors import ConfigError
+from gyre.runtime.launch import node_address
 from gyre.runtime.validators import positive
 
 __all__ = ["Cell", "CellConfig"]
@@ -127,10 +129,18 @@ class CellConfig:
     """Actor name of the core cell (where satellites send gradients)."""
     report_interval_s: float = attrs.field(default=1.0, validator=positive)
     """Time between LoadReports."""
-    host: str = "127.0.0.1"
-    """Address the engine server binds and that peers (and Mooncake) reach this cell at."""
+    host: str = ""
+    """Address the engine server binds and that peers (and Mooncake) reach this cell at; "" = this node's address
+    (gyre.runtime.launch.node_address: the node's address under the Ray launcher, 127.0.0.1 on one machine)."""
     port: int = 0
     """Engine server port; 0 picks a free one (then reused across switches when it is still free)."""
+    transfer_protocol: str = attrs.field(default="tcp", validator=attrs.validators.in_(("tcp", "rdma")))
+    """Mooncake transport of the cell's own transfers (weight pulls, gradients, an embedded engine's KV): "tcp" on
+    any node, "rdma" where the node has an RDMA NIC (the cell fails at start, saying so, on a node without one). An
+    engine server child (engine_kind "server") moves its KV over TCP whatever this says: its command line takes no
+    protocol yet."""
+    rdma_devices: str = ""
+    """With "rdma": the devices to use, comma-separated ("mlx5_0,mlx5_1"); "" = every one the node has."""
     clip_low: float = 3e-4
     """GSPO lower clip range."""
     clip_high: float = 4e-4
@@ -174,8 +184,19 @@ class CellConfig:
     `<checkpoint_dir>/v<version>` ("" = never). A failed save is logged and training goes on."""
     checkpoint_every_steps: int = attrs.field(default=1, validator=positive)
     """Steps between checkpoints (versions divisible by it are saved)."""
+    run_checkpoint_dir: str = ""
+    """Core only: the root of the run's full checkpoints ("" = none): after every `run_checkpoint_every_steps`-th
+    step the core writes its trainer state there and tells `checkpointer` (actors/cells/core_checkpoint.py)."""
+    run_checkpoint_every_steps: int = attrs.field(default=1, validator=positive)
+    """Steps between full checkpoints (step ids s with (s + 1) divisible by it)."""
+    checkpointer: str = "checkpointer"
+    """Actor name of the checkpointer (actors/training/checkpointer.py)."""
+    resume_from: str = ""
+    """Core only: a committed checkpoint folder to restore the trainer from at start ("" = start afresh)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.rdma_devices and self.transfer_protocol != "rdma":
+            raise ConfigError(f"rdma_devices {self.rdma_devices!r} needs transfer_protocol 'rdma'")
         if self.engine_kind == URL and not self.engine_server.url:
             raise ConfigError("engine_kind 'url' needs engine_server.url (the server's base URL)")
         if self.average_save_dir and self.trainer.average_decay <= 0:
@@ -205,6 +226,8 @@ class Cell(Actor):
         self.core_steps: CoreSteps | None = None
         """The core's step bookkeeping, made with its trainer at the start (core_ready is set then)."""
         self.core_ready = asyncio.Event()
+        self.run_checkpoints: CoreCheckpoints | None = None
+        """The core's part of the run's full checkpoints, made with its trainer."""
         self.claims = ClaimLoop(
             ClaimSettings(cell=self.name, is_core=config.is_core, claimer=config.claimer, core=config.core,
                           claim_timeout_s=config.claim_timeout_s, claim_retry_s=config.claim_retry_s,
@@ -242,6 +265,8 @@ class Cell(Actor):
     async def on_stop(self) -> None:
         config = self.config
         if config.is_core and self.training is not None:
+            if self.run_checkpoints is not None:
+                await self.run_checkpoints.on_stop(self.training)
             trainer = self.training.trainer
             if config.save_dir:
                 await self.offload(trainer.save_hf, config.save_dir)
@@ -395,6 +420,8 @@ class Cell(Actor):
         assert steps is not None
         while (applied := await steps.apply_next()) is not None:
             self.publish(applied)
+            assert self.run_checkpoints is not None and self.training is not None
+            await self.run_checkpoints.after_step(self.training, applied)
             if applied.skipped:
                 continue
             self._follow_engine_weights()
@@ -407,15 +434,17 @@ class Cell(Actor):
         """The initial role (a switch from nothing)."""
         config = self.config
         started = self.clock.now()
-        self.agent = await self.offload(TransferAgent, TransferConfig(hostname=config.host))
+        host = config.host or node_address()
+        self.agent = await self.offload(TransferAgent, TransferConfig(
+            hostname=host, protocol=config.transfer_protocol, device_name=config.rdma_devices))
         self.agent.register_tensor(self.fence_scratch)
         if config.engine_kind == EMBEDDED:
-            self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, config.host, config.port,
+            self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, host, config.port,
                                        config.server_shutdown_s, self.offload, self.sessions)
         else:
             self.rollout = ServerRolloutHost(
                 config.engine_kind, config.model_dir, self.spec, config.engine, config.engine_server, self.agent,
-                config.host, config.port, self.offload, self.sessions,
+                host, config.port, self.offload, self.sessions,
                 spawn=lambda work, name: self.spawn(self.guarded(work), name=f"{self.name}.{name}"),
                 report=self._engine_server_failed, clock=self.clock.now,
             )
@@ -425,6 +454,11 @@ class Cell(Actor):
             self.core_steps = CoreSteps(self.training, me=self.name, claimer=config.claimer,
                                         checkpoint_dir=config.checkpoint_dir, compute_lock=self.compute_lock,
                                         offload=self.offload, send=self.send, log=self.log)
+            self.run_checkpoints = CoreCheckpoints(
+                root=config.run_checkpoint_dir, every_steps=config.run_checkpoint_every_steps,
+                resume_from=config.resume_from, me=self.name, checkpointer=config.checkpointer,
+                compute_lock=self.compute_lock, offload=self.offload, tell=self.tell, log=self.log)
+            await self.run_checkpoints.restore(self.training, self.core_steps.tracker)
             self.tell_broker(self.training.source(self.name))
             self.core_ready.set()
         self.engine_weights = EngineWeights(

@@ -50,7 +50,7 @@ class SchedulerTick:
     """Scheduler -> itself: re-evaluate the policy even if no event came (dwell times and grace periods expire)."""
 
 
-@message("gyre.scheduling.ClaimerStatistics", version=2)
+@message("gyre.scheduling.ClaimerStatistics", version=3)
 class ClaimerStatistics:
     """The claimer's exactly-once ledger: every landed sample is trained once, dropped with a reason, or in flight."""
 
@@ -102,6 +102,9 @@ class ClaimerStatistics:
     """The current step."""
     base_version: int
     """Its base weight version."""
+    samples_rerolled: int = 0
+    """Samples in flight when the checkpoint a resumed run started from was taken: never trained, their groups ran
+    again (version 3; see actors/training/checkpointer.py)."""
 
 
 @message("gyre.scheduling.SchedulerStatistics")

@@ -39,7 +39,8 @@ import attrs
 from gyre.runtime.errors import GyreError
 
 __all__ = [
-    "FORMAT", "MANIFEST", "Checkpoint", "CheckpointError", "PartRecord", "Skipped", "commit", "decode_json",
+    "FORMAT", "MANIFEST", "Checkpoint", "CheckpointError", "PartRecord", "Skipped", "actor_part_name",
+    "commit", "decode_json", "read_actor_state",
     "encode_json", "file_sha256", "list_steps", "load_latest", "open_checkpoint", "prune", "staging_dir", "step_dir",
     "to_tuples", "write_file_atomic",
 ]
@@ -295,3 +296,17 @@ def load_latest(root: str | os.PathLike) -> tuple[Checkpoint | None, list[Skippe
         except (CheckpointError, OSError) as error:
             skipped.append(Skipped(path, str(error)))
     return None, skipped
+
+
+def actor_part_name(actor: str) -> str:
+    """The part that holds an actor's own state (what it answered to CheckpointAsked): "<actor>.json"."""
+    name = f"{actor}.json"
+    _check_part_name(name)
+    return name
+
+
+def read_actor_state(resume_from: str | os.PathLike, actor: str) -> tuple[Any, Checkpoint]:
+    """An actor's restore input: its state from the committed checkpoint in `resume_from` (every part checked),
+    and the checkpoint (its manifest has the step, the weight version and the groups that re-roll)."""
+    checkpoint = open_checkpoint(resume_from)
+    return checkpoint.read_json(actor_part_name(actor)), checkpoint

@@ -28,6 +28,15 @@ same way, but its samples move from trained to skipped: they are used up (traini
 again, and would break "each execution in one step") and the ledger says honestly that no update came of them. The
 base version then stays, since the weights did not change. `statistics()` is the ledger; `check_exactly_once` checks
 it.
+
+Checkpoints (issue 28). At every step's end the ledger notes a *boundary*: its counters, the next step id and base
+version, and the groups of every execution not trained by then (pending, or packed into the next step); groups that
+land later are added to the boundaries kept (the newest `MAX_BOUNDARIES`). A checkpoint of step s asks for s's
+boundary (`checkpoint_state`), whatever happened since. Re-roll rule: a run resumed from it starts at step s + 1 on
+the weights of s; the samples in flight at the boundary are counted as `samples_rerolled` (never trained, neither
+lost), and their groups are named in `groups_not_trained`, so the task source runs their tasks again as new groups.
+What is not kept: the duplicate-detection memory (the old run's executions cannot land in the new one: every group
+it runs has a new id).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import structlog
 
 from gyre.actors.errors import ActorError
 from gyre.messages.cells import LoadReport, RoleChanged, TRAIN
+from gyre.messages.checkpoints import CheckpointAsked, CheckpointState
 from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.messages.scheduling import ClaimerStatistics, ClaimerTick, TrainingBacklog
 from gyre.messages.training import (
@@ -52,6 +62,7 @@ from gyre.messages.training import (
 )
 from gyre.policies.staleness import MaxVersionLag, StalenessPolicyError, check_staleness_policy
 from gyre.runtime import Actor, handler
+from gyre.runtime.checkpoint import encode_json, read_actor_state
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +73,15 @@ class ClaimerConfigError(ActorError, ValueError):
 
 class AccountingError(ActorError, RuntimeError):
     """The exactly-once ledger does not balance: a sample was lost or trained twice."""
+
+
+class CheckpointUnavailable(ActorError, LookupError):
+    """The ledger no longer holds (or never held) the boundary of the step a checkpoint asks for."""
+
+
+MAX_BOUNDARIES = 4
+"""Step boundaries kept for checkpoints: the checkpointer asks for a step right after the core saved it, so only a
+run whose steps outpace the checkpoint by four steps asks for one that is gone (that checkpoint is abandoned)."""
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -102,6 +122,8 @@ class ClaimerConfig:
     """How often silence is checked while claims are held."""
     max_remembered_samples: int = attrs.field(default=1 << 20, validator=_positive)
     """Trained samples (and landed executions) remembered to catch duplicates; the oldest are forgotten."""
+    resume_from: str = ""
+    """A committed checkpoint folder whose ledger this claimer continues ("" = start afresh; module docstring)."""
 
     def __attrs_post_init__(self) -> None:
         if self.early_close_fraction > 1.0:
@@ -132,6 +154,14 @@ class _MicroStep:
     state: str = "open"  # open -> queued <-> claimed -> done
     holder: str = ""
     past_holders: set[str] = attrs.field(factory=set)
+
+
+@attrs.define
+class _Boundary:
+    """The ledger as a step ended (module docstring, Checkpoints)."""
+
+    state: dict
+    groups_not_trained: set[str]
 
 
 @attrs.define
@@ -182,11 +212,44 @@ class MicroStepLedger:
         self._seen_executions = _BoundedSet(config.max_remembered_samples)
         self._trained = _BoundedSet(config.max_remembered_samples)
         self.counts: collections.Counter[str] = collections.Counter()
+        self.boundaries: collections.OrderedDict[int, _Boundary] = collections.OrderedDict()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def _note_boundary(self, ended_step: int) -> None:
+        """The ledger right after `ended_step` ended: what a checkpoint of that step holds (module docstring)."""
+        counts = dict(self.counts)
+        in_flight = self.samples_in_flight()
+        executions = len(self.pending) + len({s.execution_id for m in self.microsteps.values() for s in m.samples})
+        counts["samples_rerolled"] = counts.get("samples_rerolled", 0) + in_flight
+        counts["executions_rerolled"] = counts.get("executions_rerolled", 0) + executions
+        groups = {s.group_id for e in self.pending for s in e.samples}
+        groups |= {s.group_id for m in self.microsteps.values() for s in m.samples}
+        state = {"step_id": self.step_id, "base_version": self.base_version, "counts": counts}
+        self.boundaries[ended_step] = _Boundary(state, groups)
+        while len(self.boundaries) > MAX_BOUNDARIES:
+            self.boundaries.popitem(last=False)
+
+    def checkpoint_state(self, step_id: int) -> tuple[dict, tuple[str, ...]]:
+        """The ledger at the end of `step_id` and the groups not trained by then (landed later ones included).
+        Raises CheckpointUnavailable when that boundary is not kept."""
+        boundary = self.boundaries.get(step_id)
+        if boundary is None:
+            raise CheckpointUnavailable(f"the claimer keeps the ends of steps {list(self.boundaries)}, not {step_id}")
+        return boundary.state, tuple(sorted(boundary.groups_not_trained))
+
+    def restore(self, state: dict) -> None:
+        """Continue from `checkpoint_state`'s ledger: the next step, its base version, the counters (the samples that
+        were in flight are counted as re-rolled)."""
+        self.step_id = int(state["step_id"])
+        self.base_version = int(state["base_version"])
+        self.counts = collections.Counter({key: int(value) for key, value in state["counts"].items()})
 
     # ---- landing and packing --------------------------------------------------------------------------------------
     def land(self, msg: SamplesLanded) -> list[Any]:
         """Take one group's samples; returns the messages to publish (StepReady if a step got fixed)."""
         self.counts["samples_landed"] += len(msg.samples)
+        for boundary in self.boundaries.values():  # landed after those steps ended: not trained by then
+            boundary.groups_not_trained.add(msg.group_id)
         by_execution: dict[str, list[TrainingSample]] = {}
         for sample in msg.samples:
             by_execution.setdefault(sample.execution_id, []).append(sample)
@@ -443,7 +506,9 @@ class MicroStepLedger:
             else:
                 self._drop_stale(execution)
         self.pending = kept
-        return self._fill()
+        published = self._fill()
+        self._note_boundary(msg.step_id)
+        return published
 
     # ---- reports --------------------------------------------------------------------------------------------------
     def samples_in_flight(self) -> int:
@@ -478,6 +543,7 @@ class MicroStepLedger:
             steps_skipped=c["steps_skipped"],
             step_id=self.step_id,
             base_version=self.base_version,
+            samples_rerolled=c["samples_rerolled"],
         )
 
     def backlog(self, now_s: float) -> TrainingBacklog:
@@ -504,14 +570,14 @@ class MicroStepLedger:
 
 def check_exactly_once(stats: ClaimerStatistics, *, lost_ok: bool = False) -> None:
     """Raise AccountingError unless every landed sample is trained once, skipped with its step, dropped with a reason,
-    or still in flight.
+    re-rolled at a resume, or still in flight.
 
     `lost_ok` skips the check that no sample was lost: the claimer itself uses it, because a loss means the core
     applied a step early (its bug, logged as an error), while an unbalanced ledger or a double training is ours.
     """
     accounted = (
         stats.samples_trained + stats.samples_skipped + stats.samples_dropped_stale + stats.samples_dropped_overflow
-        + stats.samples_duplicate + stats.samples_lost + stats.samples_in_flight
+        + stats.samples_duplicate + stats.samples_lost + stats.samples_in_flight + stats.samples_rerolled
     )
     problems = []
     if accounted != stats.samples_landed:
@@ -532,6 +598,11 @@ class MicroStepClaimer(Actor):
 
     async def on_start(self) -> None:
         self.ledger = MicroStepLedger(self.config)
+        if self.config.resume_from:
+            state, checkpoint = await self.offload(read_actor_state, self.config.resume_from, self.name)
+            self.ledger.restore(state)
+            self.log.info("claimer_restored", checkpoint=str(checkpoint.path), step_id=self.ledger.step_id,
+                          base_version=self.ledger.base_version, rerolled=self.ledger.counts["samples_rerolled"])
         self._last_backlog: TrainingBacklog | None = None
         self._tick_armed = False
         self._publish_backlog()
@@ -595,6 +666,11 @@ class MicroStepClaimer(Actor):
                       trained=stats.samples_trained, stale=stats.samples_dropped_stale)
         check_exactly_once(stats, lost_ok=True)  # a failure here is a bug in the ledger: fail loudly
         self._after(published)
+
+    @handler(CheckpointAsked)
+    def on_checkpoint_asked(self, msg: CheckpointAsked) -> CheckpointState:
+        state, groups = self.ledger.checkpoint_state(msg.step_id)
+        return CheckpointState(self.name, msg.step_id, encode_json(state), groups)
 
     @handler(ClaimerTick)
     def on_tick(self, msg: ClaimerTick) -> None:

@@ -104,7 +104,7 @@ class GroupRecord:
     """Executions dropped."""
 
 
-@message("gyre.execution_stats.TaskSourceStatistics")
+@message("gyre.execution_stats.TaskSourceStatistics", version=2)
 class TaskSourceStatistics:
     """The task source's counters and its recent group records."""
 
@@ -122,3 +122,7 @@ class TaskSourceStatistics:
     """True when the staleness bound is what keeps the next group from starting."""
     history: tuple[GroupRecord, ...]
     """Records of the most recent groups done, oldest first (bounded by the task source's config)."""
+    groups_rerolled: int = 0
+    """Groups started again after a resume, their samples not trained by the checkpoint's step (version 2)."""
+    groups_lost_on_resume: int = 0
+    """Groups a resume was to re-roll whose task the task source no longer knew: must stay 0."""

@@ -30,6 +30,16 @@ TaskSpec mapping (actors never import examples; the topology file converts). For
 
 The executor appends the prompt as the last argument, so options of the agent go before it.
 
+Checkpoints (issue 28). `CheckpointAsked` gets the task source's position: its counters, the groups in flight, every
+shuffled cycle of tasks (its random generator's state, the epoch's order, the place in it), the family draws'
+generator and the recent outcomes the sampling policy weighs. A run resumed from a checkpoint (`resume_from`) takes
+that back, sets the steps done and the weight version to the checkpoint's, and re-rolls the groups the checkpoint
+names (`reroll_groups` in its manifest: those in flight here, and those whose samples had landed but were not trained
+by the checkpoint's step): each runs again, before any new task, as a new group of the same task (group ids never
+repeat, so nothing of the old run can be taken for the new one). A re-rolled group is counted once in `started`
+(when it starts again) and in `groups_rerolled`; one whose task the source no longer knows is counted in
+`groups_lost_on_resume` and logged.
+
 For a Harbor task directory (or a directory of them), `gyre.actors.executions.harbor` makes the TaskSpecs:
 `harbor_task_spec(task, agent_argv)` for each of `load_harbor_tasks(path)`; they need an executor and an evaluator
 with the bubblewrap sandbox (the `none` sandbox refuses their groups: it cannot mount the workspace at /app).
@@ -39,18 +49,20 @@ from __future__ import annotations
 
 import collections
 import random
-from typing import Iterator
 
 import attrs
 
+from gyre.actors.errors import ActorError
+from gyre.messages.checkpoints import CheckpointAsked, CheckpointState
 from gyre.messages.execution_stats import GroupRecord, TaskSourceStatistics
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.training import StepApplied
 from gyre.policies.task_sampling import EpochOrder, GroupOutcome, TaskSampling, checked_weights, family_of
 from gyre.runtime import Actor, handler
+from gyre.runtime.checkpoint import encode_json, read_actor_state, to_tuples
 from gyre.runtime.validators import count, optional_count
 
-__all__ = ["TaskSourceConfig", "TaskSource", "groups_ahead_for_staleness"]
+__all__ = ["TaskSourceConfig", "TaskSource", "TaskSourceResumeError", "groups_ahead_for_staleness"]
 
 def _tasks(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
     if not isinstance(value, tuple) or not value:
@@ -66,6 +78,44 @@ def _tasks(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
 def _sampling(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, TaskSampling) or not attrs.has(type(value)):
         raise TypeError(f"sampling must be a TaskSampling attrs object, got {type(value).__qualname__}")
+
+
+class TaskSourceResumeError(ActorError, ValueError):
+    """A checkpoint's task-source state does not fit this task source (another task list)."""
+
+
+class _Cycle:
+    """Tasks in epochs, each epoch shuffled from `seed_text` (or in list order), with a state a checkpoint keeps."""
+
+    def __init__(self, tasks: tuple[TaskSpec, ...] | list[TaskSpec], seed_text: str, shuffle: bool) -> None:
+        self.tasks = tuple(tasks)
+        self.by_id = {task.task_id: task for task in self.tasks}
+        self.rng = random.Random(seed_text)
+        self.shuffle = shuffle
+        self.epoch: list[TaskSpec] = []
+        self.position = 0
+
+    def next(self) -> TaskSpec:
+        if self.position >= len(self.epoch):
+            self.epoch = list(self.tasks)
+            if self.shuffle:
+                self.rng.shuffle(self.epoch)
+            self.position = 0
+        task = self.epoch[self.position]
+        self.position += 1
+        return task
+
+    def state(self) -> dict:
+        return {"rng": self.rng.getstate(), "epoch": [task.task_id for task in self.epoch], "position": self.position}
+
+    def restore(self, state: dict) -> None:
+        unknown = sorted(set(state["epoch"]) - set(self.by_id))
+        if unknown or (state["epoch"] and len(state["epoch"]) != len(self.tasks)):
+            raise TaskSourceResumeError(f"the checkpoint's task cycle does not fit this task list (unknown task ids "
+                                        f"{unknown[:5]}, {len(state['epoch'])} tasks against {len(self.tasks)})")
+        self.rng.setstate(to_tuples(state["rng"]))
+        self.epoch = [self.by_id[task_id] for task_id in state["epoch"]]
+        self.position = int(state["position"])
 
 
 def groups_ahead_for_staleness(max_staleness_steps: int, groups_per_step: int) -> int:
@@ -109,6 +159,8 @@ class TaskSourceConfig:
     """Group ids are the prefix plus a 6-digit counter."""
     sampling: TaskSampling = attrs.field(default=EpochOrder(), validator=_sampling)
     """Which task runs next (policies/task_sampling.py)."""
+    resume_from: str = ""
+    """A committed checkpoint folder to continue from ("" = start afresh; module docstring, Checkpoints)."""
 
 
 class TaskSource(Actor):
@@ -119,6 +171,7 @@ class TaskSource(Actor):
 
     async def on_start(self) -> None:
         self.order = self._order(self.config.tasks, "")
+        self.tasks_by_id = {task.task_id: task for task in self.config.tasks}
         separator = self.config.sampling.family_separator
         families: dict[str, list[TaskSpec]] = collections.defaultdict(list)
         for task in self.config.tasks:
@@ -139,15 +192,95 @@ class TaskSource(Actor):
         self.in_flight: dict[str, tuple[str, int]] = {}  # group id -> (task id, weight version)
         self.history: collections.deque[GroupRecord] = collections.deque(maxlen=self.config.history_size)
         self.stopping = False
+        self.next_group_number = 0
+        """Group ids are the prefix and this counter: never reused, also across a resume."""
+        self.reroll_queue: collections.deque[tuple[str, str]] = collections.deque()
+        """(old group id, task id) of groups to run again before any new task (module docstring, Checkpoints)."""
+        self.rerolled = 0
+        self.lost_on_resume = 0
+        if self.config.resume_from:
+            state, checkpoint = await self.offload(read_actor_state, self.config.resume_from, self.name)
+            self._restore(state, checkpoint.step_id, int(checkpoint.manifest["weight_version"]),
+                          tuple(checkpoint.manifest.get("reroll_groups", ())))
+            self.log.info("task_source_restored", checkpoint=str(checkpoint.path), steps_done=self.steps_done,
+                          weight_version=self.version, to_reroll=len(self.reroll_queue),
+                          lost=self.lost_on_resume)
         self._fill()
 
-    def _order(self, tasks: tuple[TaskSpec, ...] | list[TaskSpec], family: str) -> Iterator[TaskSpec]:
-        rng = random.Random(f"task_source:{self.config.seed}" + (f":{family}" if family else ""))
-        while True:
-            epoch = list(tasks)
-            if self.config.shuffle:
-                rng.shuffle(epoch)
-            yield from epoch
+    def _order(self, tasks: tuple[TaskSpec, ...] | list[TaskSpec], family: str) -> _Cycle:
+        return _Cycle(tasks, f"task_source:{self.config.seed}" + (f":{family}" if family else ""),
+                      self.config.shuffle)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """The task source's position (module docstring, Checkpoints); `_restore` takes it back."""
+        return {
+            "next_group_number": self.next_group_number, "started": self.started, "done": self.done,
+            "landed": self.landed, "dropped": self.dropped, "unknown_done": self.unknown_done,
+            "steps_skipped": self.steps_skipped, "rerolled": self.rerolled, "lost_on_resume": self.lost_on_resume,
+            "in_flight": {group: [task, version] for group, (task, version) in self.in_flight.items()},
+            "reroll_queue": [list(entry) for entry in self.reroll_queue],
+            "history": [attrs.astuple(record) for record in self.history],
+            "outcomes_by_family": {family: [[o.landed, o.work_tokens] for o in outcomes]
+                                   for family, outcomes in self.outcomes_by_family.items()},
+            "family_rng": self.family_rng.getstate(),
+            "order": self.order.state(),
+            "family_orders": {family: cycle.state() for family, cycle in self.family_orders.items()},
+        }
+
+    def groups_not_trained(self) -> tuple[str, ...]:
+        """Groups whose samples cannot have been trained yet: in flight, or waiting to be re-rolled."""
+        return tuple(sorted({*self.in_flight, *(group for group, _ in self.reroll_queue)}))
+
+    def _restore(self, state: dict, step_id: int, version: int, reroll: tuple[str, ...]) -> None:
+        if set(state["family_orders"]) != set(self.family_orders):
+            raise TaskSourceResumeError(f"the checkpoint's task families {sorted(state['family_orders'])} are not "
+                                        f"this task list's {sorted(self.family_orders)}")
+        for key in ("next_group_number", "started", "done", "landed", "dropped", "unknown_done", "steps_skipped",
+                    "rerolled", "lost_on_resume"):
+            setattr(self, key, int(state[key]))
+        self.order.restore(state["order"])
+        for family, cycle in self.family_orders.items():
+            cycle.restore(state["family_orders"][family])
+        self.family_rng.setstate(to_tuples(state["family_rng"]))
+        for family, outcomes in state["outcomes_by_family"].items():
+            self.outcomes_by_family[family].extend(GroupOutcome(bool(a), int(b)) for a, b in outcomes)
+        self.history.extend(GroupRecord(*record) for record in state["history"])
+        in_flight = {group: (task, int(v)) for group, (task, v) in state["in_flight"].items()}
+        queued = {group: task for group, task in state["reroll_queue"]}
+        done = {record.group_id: record for record in self.history}
+        # Steps and version are the checkpoint's: this state may have been read a little after its step ended.
+        self.steps_done = step_id + 1 - self.config.first_step_id
+        self.version = version
+        for group in sorted(set(reroll) | set(in_flight) | set(queued)):
+            if group in in_flight:
+                task, _ = in_flight.pop(group)
+                self.started -= 1  # counted again when it starts anew
+            elif group in queued:
+                task = queued[group]  # re-rolled at an earlier resume, never started since
+            elif group in done:
+                record = done[group]
+                task = record.task_id
+                self.started -= 1
+                self.done -= 1
+                if record.landed:
+                    self.landed -= 1
+                else:
+                    self.dropped -= 1
+            else:
+                self.lost_on_resume += 1
+                self.log.error("group_to_reroll_unknown", group_id=group,
+                               why=f"not in flight, queued or among the last {self.config.history_size} groups done")
+                continue
+            if task not in self.tasks_by_id:
+                self.lost_on_resume += 1
+                self.log.error("task_to_reroll_unknown", group_id=group, task_id=task)
+                continue
+            self.reroll_queue.append((group, task))
+
+    @handler(CheckpointAsked)
+    def on_checkpoint_asked(self, msg: CheckpointAsked) -> CheckpointState:
+        return CheckpointState(self.name, msg.step_id, encode_json(self.checkpoint_state()), self.groups_not_trained())
 
     def _ahead_of_training(self) -> int:
         trained = self.config.groups_per_step * self.steps_done
@@ -164,21 +297,29 @@ class TaskSource(Actor):
             and (cfg.max_groups is None or self.started < cfg.max_groups)
             and not self._held_by_staleness()
         ):
-            task = self._next_task()
-            group_id = f"{cfg.group_id_prefix}{self.started:06d}"
+            rerolls = ""
+            if self.reroll_queue:
+                rerolls, task_id = self.reroll_queue.popleft()
+                task = self.tasks_by_id[task_id]
+                self.rerolled += 1
+            else:
+                task = self._next_task()
+            group_id = f"{cfg.group_id_prefix}{self.next_group_number:06d}"
+            self.next_group_number += 1
             self.started += 1
             self.in_flight[group_id] = (task.task_id, self.version)
-            self.log.info("group_sent", group_id=group_id, task_id=task.task_id, weight_version=self.version)
+            self.log.info("group_sent", group_id=group_id, task_id=task.task_id, weight_version=self.version,
+                          **({"rerolls": rerolls} if rerolls else {}))
             self.tell(cfg.executor, StartGroup(group_id, task, cfg.group_size, self.version))
 
     def _next_task(self) -> TaskSpec:
         weights = checked_weights(self.config.sampling, self.outcomes_by_family)
         if weights is None:
-            return next(self.order)
+            return self.order.next()
         families = sorted(weights)
         family = self.family_rng.choices(families, [weights[f] for f in families])[0]
         self.log.debug("family_drawn", family=family, weights={f: round(w, 3) for f, w in weights.items()})
-        return next(self.family_orders[family])
+        return self.family_orders[family].next()
 
     @handler(GroupDone)
     def on_group_done(self, msg: GroupDone) -> None:
@@ -241,4 +382,6 @@ class TaskSource(Actor):
             and len(self.in_flight) < self.config.groups_in_flight
             and (self.config.max_groups is None or self.started < self.config.max_groups),
             history=tuple(self.history),
+            groups_rerolled=self.rerolled,
+            groups_lost_on_resume=self.lost_on_resume,
         )

@@ -4,6 +4,7 @@
     gyre run examples/agent_rl.py --report report --policy async    # the baselines, same cells and staleness
     gyre run examples/agent_rl.py --report report --policy colocate
     gyre run examples/agent_rl.py --report report --cell-cpu-cores 0.4  # each cell capped: a device of its own
+    gyre run examples/agent_rl.py --report report --tasks examples/tasks   # Harbor tasks, mini-swe-agent, sandboxed
 
 What happens:
 1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches
@@ -48,6 +49,7 @@ from gyre.actors.cells.cell import Cell, CellConfig  # noqa: E402
 from gyre.actors.cells.engine_process import EngineServerConfig  # noqa: E402
 from gyre.actors.executions.evaluator import Evaluator, EvaluatorConfig  # noqa: E402
 from gyre.actors.executions.executor import Executor, ExecutorConfig  # noqa: E402
+from gyre.actors.executions.sandbox import SandboxConfig  # noqa: E402
 from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig  # noqa: E402
 from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer  # noqa: E402
 from gyre.actors.serving.proxy import Proxy, ProxyConfig  # noqa: E402
@@ -189,6 +191,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                         help="an argument passed through to every engine server's command line (repeatable), e.g. "
                         "--engine-arg=--mem-fraction-static --engine-arg=0.6")
+    parser.add_argument("--tasks", default="",
+                        help="train on a task set instead of the toolbox tasks: a Harbor task directory, SWE-bench-style "
+                        "instances, or a directory of either (examples/tasks, examples/swe); agents and verifiers run "
+                        "in the bubblewrap sandbox, and the toolbox's held-out evaluation is skipped")
+    parser.add_argument("--agent", default="mini-swe-agent",
+                        help="with --tasks: the agent (mini-swe-agent, noop, an agent spec file *.toml, or a command "
+                        "line; gyre.actors.executions.agents)")
+    parser.add_argument("--agent-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --tasks and mini-swe-agent: a setting of its own configuration (repeatable), e.g. "
+                        "agent.step_limit=8; its sampling temperature is --rollout-temperature")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-eval", action="store_true", help="skip the held-out evaluations (smoke tests)")
     parser.add_argument("--cache", default=os.environ.get("GYRE_CACHE", str(Path.home() / ".cache" / "gyre")))
@@ -220,7 +232,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
     if not 0.0 <= args.clip_low < 1.0 or args.clip_high < 0.0:
         parser.error(f"need 0 <= --clip-low < 1 and --clip-high >= 0, got {args.clip_low} and {args.clip_high}")
+    if args.tasks:
+        args.skip_eval = True  # the held-out evaluation scores toolbox tasks; `gyre eval` scores a task set
+        try:
+            args.task_set = _task_set(args)
+        except ValueError as error:  # HarborTaskError, SweInstanceError, AgentSpecError
+            parser.error(f"--tasks {args.tasks}: {error}")
     return args
+
+
+def _task_set(args: argparse.Namespace) -> tuple[TaskSpec, ...]:
+    """--tasks: the task set's TaskSpecs running --agent (mini-swe-agent at the rollout temperature)."""
+    from gyre.actors.executions.agents import task_set_specs
+
+    options = tuple(args.agent_option)
+    if args.agent == "mini-swe-agent":
+        options = (f"model.model_kwargs.temperature={args.rollout_temperature}", *options)
+    elif options:
+        raise ValueError("--agent-option is for mini-swe-agent")
+    return task_set_specs(args.tasks, args.agent, "gyre", options)
 
 
 def _toolbox():
@@ -383,6 +413,8 @@ def prepare(argv: list[str]) -> None:
 
 # ---- the topology --------------------------------------------------------------------------------------------------
 def _task_specs(args: argparse.Namespace) -> tuple[TaskSpec, ...]:
+    if args.tasks:
+        return args.task_set
     tasks, agent, _ = _toolbox()
     command = agent.agent_argv("")[:-1] + ("--temperature", str(args.rollout_temperature))
     return tuple(
@@ -470,16 +502,20 @@ def topology(argv: list[str]) -> Topology:
         staleness=MaxVersionLag(args.staleness)), process="control")
     result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=args.cell_names),
                process="control")
+    # A task set (--tasks) runs its agents and verifiers in the bubblewrap sandbox (the workspace at the task's
+    # workdir, no network but the proxy); sandboxed commands are never forked warm.
+    sandbox = SandboxConfig(kind="bubblewrap" if args.tasks else "none")
     result.add("executor", Executor, ExecutorConfig(
-        workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.agents_at_once,
+        workspace_root=str(Path(args.report) / "workspaces"), max_concurrent=args.agents_at_once, sandbox=sandbox,
         # The agent imports openai (~2 CPU-s a process): forked from a server that imported it once, it starts in
         # ~0.1 s, which on 2 cores is about half of a step's CPU. The warm-up also pays, once, the ~0.13 CPU-s of
         # imports that a client's first request triggers (an agent's model calls cost ~0.05 CPU-s after it).
-        warm_launcher_preload=AGENT_PRELOAD), process="runs")
+        warm_launcher_preload=() if args.tasks else AGENT_PRELOAD), process="runs")
     # A scorer exec'd fresh costs ~0.04 CPU-s even with -S, at ~250 scorers a step; forked from a server that
     # imported score.py's modules, ~0.01 (benchmarks/studies/scorer_launch.py).
-    result.add("evaluator", Evaluator, EvaluatorConfig(remove_workspace=True, warm_launcher_preload=SCORER_PRELOAD),
-               process="runs")
+    result.add("evaluator", Evaluator, EvaluatorConfig(
+        remove_workspace=True, sandbox=sandbox, warm_launcher_preload=() if args.tasks else SCORER_PRELOAD),
+        process="runs")
     result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(
         min_reward_spread=args.min_reward_spread), process="control")
     result.add("task_source", TaskSource, TaskSourceConfig(
@@ -524,7 +560,8 @@ def finish(argv: list[str], run_result) -> int:
         "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
         "sft_epochs": args.sft_epochs,
         "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,
-        "warm_start": prepared["model_dir"], "exit_reason": run_result.reason, **scores["extra"],
+        "warm_start": prepared["model_dir"], "exit_reason": run_result.reason,
+        "tasks": args.tasks or "toolbox", "agent": args.agent if args.tasks else "toolbox", **scores["extra"],
     })
     print(json.dumps(summary, indent=1))
     return run_result.exit_code

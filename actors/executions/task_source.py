@@ -43,6 +43,8 @@ repeat, so nothing of the old run can be taken for the new one). A re-rolled gro
 For a Harbor task directory (or a directory of them), `gyre.actors.executions.harbor` makes the TaskSpecs:
 `harbor_task_spec(task, agent_argv)` for each of `load_harbor_tasks(path)`; they need an executor and an evaluator
 with the bubblewrap sandbox (the `none` sandbox refuses their groups: it cannot mount the workspace at /app).
+`gyre.actors.executions.agents.task_set_specs(path, agent)` does it for either task format (Harbor directories or
+SWE-bench-style instances, `swe.py`) and any agent; the main job takes it as `--tasks DIR [--agent NAME]`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,12 @@ Overhead is measured per call in the same run: the client times each HTTP call e
 so the SDKs' own cost is not charged to the proxy) and the backend times its own `generate`; the difference is
 everything the proxy adds (HTTP both ways, auth, validation, rendering with id reuse, decoding, tool-call parsing,
 the ModelCallCompleted emission). Each call continues a multi-turn conversation, so rendering and reuse are on the
-measured path. The backend is either a zero-latency scripted one (the default: isolates the proxy) or the real
-embedded engine on a tiny model (`--engine embedded`), in which case the direct engine latency is reported too.
+measured path. The backend is a zero-latency scripted one (the default: isolates the proxy), the real embedded
+engine on a tiny model (`--engine embedded`), or an engine server over SGLang's HTTP API: one that runs already
+(`--engine-url URL`, e.g. SGLang on a GPU node; MODEL_DIR must be its model) or Gyre's engine server, which the
+bench starts as a child process on the model (`--engine server`). Then the backend's time is a whole /generate
+round trip, so the overhead is what the proxy adds over calling /generate directly, and the direct latency (the
+same prompt ids and sampling parameters sent straight to the engine) is reported too.
 
 Concurrency: `concurrent_sessions` executions each send one call at the same moment; the backend holds every call
 until all of them are in flight (or a deadline passes), so they are provably open together; the result counts the
@@ -61,8 +65,13 @@ class ProxyBenchConfig:
     hold_timeout_s: float = 60.0
     """How long the concurrency backend waits for every call to arrive before releasing them anyway."""
     engine: str = "zero"
-    """"zero" (scripted, zero latency) or "embedded" (the real in-process engine on a tiny model)."""
+    """"zero" (scripted, zero latency), "embedded" (the real in-process engine on a tiny model), "server" (Gyre's
+    engine server, started by the bench) or "url" (the server at `engine_url`)."""
     max_new_tokens: int = 16
+    engine_url: str = ""
+    """With engine "url": the server's base URL."""
+    engine_api_key_file: str | None = None
+    """With engine "url": the file holding the server's key (SGLang's --api-key); None: Gyre's run token."""
 
 
 @attrs.frozen
@@ -265,13 +274,77 @@ def _build_backend(
 
         engine = AsyncEngine(EmbeddedEngine(model_dir, EngineConfig(num_threads=1)))
         return EmbeddedBackend(engine, cell="embedded"), getattr(engine, "close", lambda: None)
-    raise ValueError(f"engine must be 'zero' or 'embedded', got {config.engine!r}")
+    if config.engine == "url":
+        from gyre.actors.serving.backends import SGLangBackend
+        from gyre.engines.sglang_client import ClientConfig, SGLangClient
+
+        if not config.engine_url:
+            raise ValueError("engine 'url' needs an engine_url")
+        client = SGLangClient(config.engine_url, config=ClientConfig(api_key_file=config.engine_api_key_file))
+        return SGLangBackend({"engine": client}), client.close
+    raise ValueError(f"engine must be 'zero', 'embedded', 'server' or 'url', got {config.engine!r}")
+
+
+class _EngineServerProcess:
+    """Gyre's engine server on `model_dir` as a child process (engine "server"), checking the run's engine token
+    (what the bench's client sends by default). `start` returns its URL once it answers /health."""
+
+    STARTUP_TIMEOUT_S = 180.0  # importing torch and loading the tiny model takes seconds; a bound, not a figure
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.process: Any = None
+
+    async def start(self) -> str:
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        from gyre.engines.sglang_client import SGLangClient
+        from gyre.runtime.run_secrets import run_token
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        argv = [sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(self.model_dir),
+                "--port", str(port), "--num-threads", "1"]
+        env = dict(os.environ, GYRE_ENGINE_API_KEY=run_token("engine"))
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        url = f"http://127.0.0.1:{port}"
+        async with SGLangClient(url) as client:
+            await client.wait_healthy(self.STARTUP_TIMEOUT_S)
+        return url
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except Exception:
+                self.process.kill()
 
 
 async def _run(config: ProxyBenchConfig, model_dir: Path) -> ProxyBenchResult:
     from gyre.engines.chat_template import ChatTemplate
 
     template = ChatTemplate.from_model_dir(model_dir)
+    server = None
+    if config.engine == "server":
+        server = _EngineServerProcess(model_dir)
+        try:
+            config = attrs.evolve(config, engine="url", engine_url=await server.start())
+        except BaseException:
+            server.stop()
+            raise
+    try:
+        return await _run_on(config, model_dir, template)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+async def _run_on(config: ProxyBenchConfig, model_dir: Path, template: Any) -> ProxyBenchResult:
     backend, close = _build_backend(config, model_dir, template)
     try:
         call_s, backend_s, direct_s, cpu_overhead_s = await _measure_overhead(config, template, backend)
@@ -518,8 +591,10 @@ def _handle(args: argparse.Namespace) -> int:
     if args.hostile:
         result = run_hostile_bench(HostileBenchConfig(rounds=args.rounds), args.model_dir)
     else:
+        engine = "url" if args.engine_url else args.engine
         config = ProxyBenchConfig(
-            calls=args.calls, concurrent_sessions=args.sessions, engine=args.engine, max_new_tokens=args.max_new_tokens
+            calls=args.calls, concurrent_sessions=args.sessions, engine=engine, max_new_tokens=args.max_new_tokens,
+            engine_url=args.engine_url or "", engine_api_key_file=args.engine_api_key_file,
         )
         result = run_proxy_bench(config, args.model_dir)
     if args.json:
@@ -535,8 +610,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--calls", type=int, default=300, help="measured calls (default 300)")
     p.add_argument("--sessions", type=int, default=500, help="concurrent sessions to hold (default 500)")
-    p.add_argument("--engine", choices=("zero", "embedded"), default="zero",
-                   help="zero-latency scripted backend (default) or the real embedded engine")
+    p.add_argument("--engine", choices=("zero", "embedded", "server"), default="zero",
+                   help="zero-latency scripted backend (default), the real embedded engine, or Gyre's engine server "
+                   "started as a child process and reached over HTTP")
+    p.add_argument("--engine-url", default=None, metavar="URL",
+                   help="an engine server that runs already (SGLang or Gyre's), reached over SGLang's HTTP API; "
+                   "--model-dir must be its model")
+    p.add_argument("--engine-api-key-file", default=None, metavar="PATH",
+                   help="with --engine-url: the file holding the server's key")
     p.add_argument("--model-dir", default=None, help="model directory (default: a fresh tiny model)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--hostile", action="store_true",

@@ -17,10 +17,12 @@ Measured, per run:
   (`prefix_reuse_reprefill`). Without migration the new cell may still hold a shared prefix (the chat template's
   opening) from other sessions, so the baseline need not be 0;
 - lost requests: agent calls that failed, were refused or ended other than "stop"/"length", in both runs;
-- weight_update_s: after the load, one weight update of a serving satellite (the model directory's weights as a new
-  version) through the path its engine kind takes: "disk" for a server engine (a versioned safetensors directory
-  written atomically, then pause in place -> update_weights_from_disk -> continue over HTTP), "memory" for an
-  embedded one.
+- weight_update_s: after the load, weight updates of the serving satellites (the model directory's weights as a new
+  version, WEIGHT_UPDATES times each, median) through the path each one's engine takes. With server engines cell-a
+  takes "disk" (a versioned safetensors directory written atomically, then pause in place ->
+  update_weights_from_disk -> continue over HTTP) and cell-b "distributed" (pause in place -> a broadcast over a
+  gloo group formed with init_weights_update_group -> update_weights_from_distributed per bucket -> continue):
+  `weight_update_s` and `weight_update_distributed_s`. Embedded engines take "memory" (`weight_update_s`).
 
 `engine_kind` "server" (the default) runs every cell's engine as a Gyre engine server child process driven only over
 SGLang's HTTP API; "embedded" keeps the engines in the cells' processes.
@@ -43,6 +45,7 @@ import attrs
 import structlog
 
 from gyre.actors.cells.cell import Cell, CellConfig
+from gyre.actors.cells.engine_process import EngineServerConfig
 from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig
 from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer
 from gyre.actors.serving.proxy import Proxy, ProxyConfig
@@ -59,6 +62,10 @@ from gyre.runtime import Actor, Topology, handler
 __all__ = ["SwitchBenchConfig", "SwitchBenchResult", "SwitchRunFigures", "main", "register", "run_switch_bench"]
 
 SATELLITES = ("cell-a", "cell-b")
+WEIGHT_PATHS = {"cell-a": "disk", "cell-b": "distributed"}
+"""How each satellite's server engine takes its weights (see the module doc)."""
+WEIGHT_UPDATES = 5
+"""Updates timed per satellite (the first broadcast also forms the group: the median is the steady state)."""
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud ember field".split()
 
 
@@ -113,7 +120,11 @@ class SwitchRunFigures:
     partial_output_tokens: int
     """Tokens of partial output the migrator moved with in-flight calls (0 without migration)."""
     weight_update_s: float = 0.0
-    """One weight update of a serving satellite after the load (see the module docstring)."""
+    """Median weight update of the serving satellite on the disk path (memory, embedded) after the load."""
+    weight_update_distributed_s: float = 0.0
+    """The same on the distributed path (server engines only)."""
+    weight_broadcast_fallbacks: int = 0
+    """Broadcasts that failed and went by disk."""
 
 
 @attrs.frozen
@@ -135,9 +146,12 @@ class SwitchBenchResult:
     think_s: float
     engine_kind: str
     weight_update_s: float
-    """One weight update of a serving satellite, migrated run (see the module docstring)."""
+    """Median weight update of a serving satellite, migrated run (see the module docstring)."""
     weight_update_path: str
     """"disk" (server engines) or "memory" (embedded)."""
+    weight_update_distributed_s: float
+    """Median weight update by broadcast (server engines; 0 for embedded ones)."""
+    weight_broadcast_fallbacks: int
     migrated: SwitchRunFigures
     reprefill: SwitchRunFigures
 
@@ -177,7 +191,8 @@ def _topology(model_dir: str, migrate: bool, engine_kind: str = "server") -> Top
     topology.add("weight_broker", WeightBroker)
     topology.add("core", Cell, CellConfig(is_core=True, initial_role=TRAIN, **cells))
     for name in SATELLITES:
-        topology.add(name, Cell, CellConfig(initial_role=ROLLOUT, **cells))
+        topology.add(name, Cell, CellConfig(initial_role=ROLLOUT, engine_server=EngineServerConfig(
+            weight_path=WEIGHT_PATHS[name]), **cells))
     return topology
 
 
@@ -268,18 +283,27 @@ async def _switch(h: Any, recorder: Any, cell: str, role: str, timeout_s: float)
     return change.switch_s
 
 
-async def _weight_update_s(h: Any, recorder: Any, model_dir: str) -> float:
-    """Seconds of one weight update (the model directory's weights as the next version) of a serving satellite,
-    through its engine host's own path."""
+async def _weight_updates_s(h: Any, recorder: Any, model_dir: str) -> dict[str, float]:
+    """Median seconds of WEIGHT_UPDATES weight updates (the model directory's weights as the next versions) of each
+    serving satellite, through its engine host's own path, by path; and the broadcasts that fell back to disk."""
     from gyre.engines.model_format import load_hf_state_dict
 
-    cell = next(c for c in SATELLITES if recorder.role_changes(c) and recorder.role_changes(c)[-1].role == ROLLOUT)
-    rollout = h.actor(cell).rollout
-    weights = await asyncio.get_running_loop().run_in_executor(None, load_hf_state_dict, model_dir)
     loop = asyncio.get_running_loop()
-    started = loop.time()
-    await rollout.load_weights(weights, rollout.weight_version + 1)
-    return loop.time() - started
+    weights = await loop.run_in_executor(None, load_hf_state_dict, model_dir)
+    times: dict[str, list[float]] = {}
+    fallbacks = 0
+    for cell in SATELLITES:
+        if not recorder.role_changes(cell) or recorder.role_changes(cell)[-1].role != ROLLOUT:
+            continue
+        rollout = h.actor(cell).rollout
+        for _ in range(WEIGHT_UPDATES):
+            started = loop.time()
+            await rollout.load_weights(weights, rollout.weight_version + 1)
+            times.setdefault(rollout.last_weight_update_path, []).append(loop.time() - started)
+        fallbacks += getattr(rollout, "weight_broadcast_fallbacks", 0)
+    result = {path: statistics.median(values) for path, values in times.items()}
+    result["fallbacks"] = fallbacks
+    return result
 
 
 async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool, model_dir: str = "") -> SwitchRunFigures:
@@ -357,14 +381,17 @@ async def _drive(h: Any, config: SwitchBenchConfig, migrate: bool, model_dir: st
     # Agents see every failure (no SDK retries); the proxy's own count is the check.
     lost = max(sum(1 for call in calls if not call.ok), status.calls_failed + status.calls_rejected)
     partial = h.actor("kv_migrator").partial_output_tokens if migrate else 0
-    update_s = await _weight_update_s(h, recorder, model_dir) if model_dir else 0.0
+    updates = await _weight_updates_s(h, recorder, model_dir) if model_dir else {}
     prompt, cached = resumed_prompt + next_prompt, resumed_cached + next_cached
     return SwitchRunFigures(
         migrate=migrate, rollout_to_train_s=tuple(to_train), train_to_rollout_s=tuple(to_rollout),
         prefix_reuse=cached / prompt if prompt else 0.0, resumed_prompt_tokens=resumed_prompt,
         resumed_cached_tokens=resumed_cached, next_turn_prompt_tokens=next_prompt,
         next_turn_cached_tokens=next_cached, sessions_moved=moved, calls_completed=sum(1 for c in calls if c.ok),
-        lost_requests=lost, partial_output_tokens=partial, weight_update_s=update_s,
+        lost_requests=lost, partial_output_tokens=partial,
+        weight_update_s=updates.get("disk", updates.get("memory", 0.0)),
+        weight_update_distributed_s=updates.get("distributed", 0.0),
+        weight_broadcast_fallbacks=int(updates.get("fallbacks", 0)),
     )
 
 
@@ -405,6 +432,8 @@ def run_switch_bench(config: SwitchBenchConfig = SwitchBenchConfig(), model_dir:
         repeats=config.repeats, sessions=config.sessions, max_new_tokens=config.max_new_tokens,
         think_s=config.think_s, engine_kind=config.engine_kind, weight_update_s=migrated.weight_update_s,
         weight_update_path="disk" if config.engine_kind == "server" else "memory",
+        weight_update_distributed_s=migrated.weight_update_distributed_s,
+        weight_broadcast_fallbacks=migrated.weight_broadcast_fallbacks,
         migrated=migrated, reprefill=reprefill,
     )
 

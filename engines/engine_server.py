@@ -10,6 +10,10 @@ Routes (SGLang shapes; see shared/reference/sglang.md):
 - POST /abort_request, /pause_generation, /continue_generation, /flush_cache (400 while requests are in flight and
   generation is not paused), /update_weights_from_disk, /update_weights_from_tensor, /release_memory_occupation,
   /resume_memory_occupation; GET /model_info, /health, /get_load (engine statistics).
+- POST /init_weights_update_group, /update_weights_from_distributed, /destroy_weights_update_group: SGLang's
+  broadcast path (engines/weight_broadcast.py has the protocol), over gloo on CPU: the server joins the sender's
+  group as `rank_offset` (it has one rank) and receives each bucket the sender broadcasts. At most
+  MAX_WEIGHT_GROUPS groups at once.
 - GET /gyre/live_sequences: prompt + output so far of every generation in the engine (after a pause in place: what
   a KV migration moves, partial outputs included). A cell that hosts this server as a child process asks it while
   draining; SGLang has no such route, so against SGLang the cell aborts and the proxy re-prefills.
@@ -76,6 +80,7 @@ from gyre.engines.errors import (
     TransferError,
 )
 from gyre.engines.sglang_client import API_KEY_PURPOSE, check_api_key, read_api_key_file
+from gyre.engines import weight_broadcast
 from gyre.runtime.run_secrets import run_token
 
 log = structlog.get_logger(__name__)
@@ -91,6 +96,11 @@ API_KEY_ENV = "GYRE_ENGINE_API_KEY"
 """The environment variable the standalone server reads its key from (when no --api-key-file or --api-key)."""
 OPEN_PATHS = frozenset({"/health"})
 """Routes answered without a key: a supervisor or load balancer probes them and they tell nothing."""
+MAX_WEIGHT_GROUPS = 4
+"""Weight-update groups a server holds at once: a sender forms one per server lifetime (a new one after a failed
+update), and each holds a store connection and the backend's sockets; more means a sender that leaks groups."""
+WEIGHT_GROUP_TIMEOUT_S = 120.0
+"""How long joining a group, or receiving one bucket, may take: the sender's side joins within its own HTTP call."""
 MIN_API_KEY_CHARS = 16  # a key short enough to guess protects nothing; run_token and generated keys are 64
 GENERATED_KEY_BYTES = 32
 
@@ -210,6 +220,8 @@ class EngineServer:
         self._registered: Any = None  # the pool tensor and staging buffer registered with the agent
         self._released: frozenset[str] = frozenset()
         """Memory tags released through this server (the engine's own record lives in its worker thread)."""
+        self._weight_groups: dict[str, Any] = {}
+        """group_name -> the torch ProcessGroup joined by /init_weights_update_group."""
 
     # ---- transfer-agent registration ----------------------------------------------------------------------
 
@@ -453,6 +465,88 @@ class EngineServer:
             {"success": True, "message": f"loaded {len(state)} tensors", "weight_version": version}
         )
 
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _body(
+            request,
+            frozenset({"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}),
+            required=("master_address", "master_port", "rank_offset", "world_size", "group_name"),
+        )
+        address, name = body["master_address"], body["group_name"]
+        port, rank, world = body["master_port"], body["rank_offset"], body["world_size"]
+        backend = body.get("backend") or "gloo"
+        if not isinstance(address, str) or not address or not isinstance(name, str) or not name:
+            raise BadRequest("master_address and group_name must be non-empty strings")
+        if not all(type(v) is int for v in (port, rank, world)) or not (0 < port < 65536 and 0 < rank < world):
+            raise BadRequest("master_port must be a port, and 0 < rank_offset < world_size (rank 0 is the sender)")
+        if backend not in ("gloo", "nccl"):
+            raise BadRequest(f"backend must be gloo or nccl, got {backend!r}")
+        if backend == "nccl":
+            raise BadRequest("this engine runs on CPU: use backend gloo (nccl needs CUDA tensors)")
+        if name in self._weight_groups:
+            raise BadRequest(f"weight-update group {name!r} exists; destroy it first")
+        if len(self._weight_groups) >= MAX_WEIGHT_GROUPS:
+            raise BadRequest(f"{MAX_WEIGHT_GROUPS} weight-update groups exist; destroy one first")
+        loop = asyncio.get_running_loop()
+        try:
+            group = await loop.run_in_executor(None, weight_broadcast.join_group, address, port, rank, world, name,
+                                               backend, WEIGHT_GROUP_TIMEOUT_S)
+        except weight_broadcast.WeightGroupError as error:
+            raise BadRequest(str(error)) from None
+        self._weight_groups[name] = group
+        log.info("weight_group_joined", group_name=name, rank=rank, world_size=world, backend=backend)
+        return web.json_response({"success": True, "message": f"joined {name} as rank {rank} of {world}"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _body(
+            request,
+            frozenset({"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version", "load_format",
+                       "abort_all_requests"}),
+            required=("names", "dtypes", "shapes", "group_name"),
+        )
+        group = self._weight_groups.get(body["group_name"])
+        if group is None:
+            raise BadRequest(f"no weight-update group {body['group_name']!r}: call /init_weights_update_group")
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not names:
+            raise BadRequest("names, dtypes and shapes must be non-empty lists")
+        if not all(isinstance(n, str) for n in names) or not all(isinstance(d, str) for d in dtypes):
+            raise BadRequest("names and dtypes must be strings")
+        if not all(isinstance(sh, list) and all(type(d) is int and d >= 0 for d in sh) for sh in shapes):
+            raise BadRequest("each shape must be a list of non-negative ints")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest("names, dtypes and shapes must have the same length")
+        try:
+            for dtype in dtypes:
+                weight_broadcast.parse_dtype(dtype)
+        except weight_broadcast.WeightGroupError as error:
+            raise BadRequest(str(error)) from None
+        loop = asyncio.get_running_loop()
+        try:
+            state = await loop.run_in_executor(None, weight_broadcast.receive, group, names, dtypes, shapes)
+        except weight_broadcast.WeightGroupError as error:
+            # The group is broken (the sender went away mid-bucket): drop it, the sender forms a new one.
+            weight_broadcast.leave_group(self._weight_groups.pop(body["group_name"]))
+            raise BadRequest(str(error)) from None
+        version = _version(body.get("weight_version"), self.engine.engine.weight_version + 1)
+        if _bool(body, "abort_all_requests", False):
+            await self.engine.abort_all()
+        await self.engine.load_weights(state, version)
+        return web.json_response({"success": True, "message": f"loaded {len(state)} tensors",
+                                  "weight_version": version})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _body(request, frozenset({"group_name"}), required=("group_name",))
+        group = self._weight_groups.pop(body["group_name"], None)
+        if group is None:
+            raise BadRequest(f"no weight-update group {body['group_name']!r}")
+        weight_broadcast.leave_group(group)
+        return web.json_response({"success": True, "message": f"destroyed {body['group_name']}"})
+
+    def close_weight_groups(self) -> None:
+        for group in self._weight_groups.values():
+            weight_broadcast.leave_group(group)
+        self._weight_groups.clear()
+
     @staticmethod
     def _memory_tags(body: dict) -> list[str] | None:
         tags = body.get("tags")
@@ -628,6 +722,9 @@ ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", "/flush_cache", "flush_cache"),
     ("POST", "/update_weights_from_disk", "update_weights_from_disk"),
     ("POST", "/update_weights_from_tensor", "update_weights_from_tensor"),
+    ("POST", "/init_weights_update_group", "init_weights_update_group"),
+    ("POST", "/update_weights_from_distributed", "update_weights_from_distributed"),
+    ("POST", "/destroy_weights_update_group", "destroy_weights_update_group"),
     ("POST", "/release_memory_occupation", "release_memory"),
     ("POST", "/resume_memory_occupation", "resume_memory"),
     ("POST", "/gyre/kv/export", "kv_export"),
@@ -719,6 +816,7 @@ def build_engine_app(
         await server.register_pool()
 
     async def on_cleanup(app: web.Application) -> None:
+        server.close_weight_groups()
         await server.unregister_pool()
 
     app.on_startup.append(on_startup)

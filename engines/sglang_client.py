@@ -321,6 +321,10 @@ class SGLangClient:
             body["weight_version"] = str(weight_version)
         return await self._post("/update_weights_from_distributed", body, self.config.control_timeout_s)
 
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return await self._post("/destroy_weights_update_group", {"group_name": group_name},
+                                self.config.control_timeout_s)
+
     async def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
         """Free weights and/or KV cache (tags from {"weights", "kv_cache", "cuda_graph"}; None = all)."""
         body = {"tags": None if tags is None else list(tags)}
@@ -338,6 +342,14 @@ class SGLangClient:
             return await self._get("/model_info")
         except CapabilityMissing:
             return await self._get("/get_model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        """GET /server_info (the server's arguments and version), or /get_server_info on older SGLang. Gyre's engine
+        server has neither: CapabilityMissing."""
+        try:
+            return await self._get("/server_info")
+        except CapabilityMissing:
+            return await self._get("/get_server_info")
 
     async def get_load(self) -> dict[str, Any]:
         """GET /get_load: Gyre's server answers its EngineStats fields (running, waiting, free_blocks, ...); SGLang

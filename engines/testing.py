@@ -96,10 +96,12 @@ def _sglang_sampling(raw: Any) -> dict[str, Any]:
 class FakeSGLang:
     """The route handlers over one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, model_path: str, legacy_pause: bool = False) -> None:
+    def __init__(self, engine: AsyncEngine, model_path: str, legacy_pause: bool = False,
+                 hicache_storage_backend: str = "") -> None:
         self.engine = engine
         self.model_path = model_path
         self.legacy_pause = legacy_pause
+        self.hicache_storage_backend = hicache_storage_backend
         self.weight_version = "default"
         self._released = False
 
@@ -254,6 +256,16 @@ class FakeSGLang:
                                   "has_audio_understanding": False, "model_type": "qwen3", "architectures":
                                   ["Qwen3ForCausalLM"]})
 
+    async def server_info(self, request: web.Request) -> web.Response:
+        """A few of ServerArgs' fields, as SGLang's /server_info answers them all (plus its version). The HiCache
+        fields say what the server was started with; this fake has no hierarchical cache, so a test can check what
+        a caller decides from them, not the cache itself."""
+        return web.json_response({
+            "model_path": self.model_path, "tp_size": 1, "dp_size": 1, "skip_tokenizer_init": True,
+            "enable_hierarchical_cache": bool(self.hicache_storage_backend),
+            "hicache_storage_backend": self.hicache_storage_backend or None, "version": "0.5.6-gyre-fake",
+        })
+
     async def get_load(self, request: web.Request) -> web.Response:
         stats = await self.engine.stats()
         return web.json_response([{"dp_rank": 0, "num_reqs": stats.running, "num_waiting_reqs": stats.waiting,
@@ -278,6 +290,8 @@ FAKE_SGLANG_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("GET", "/model_info", "model_info"),
     ("GET", "/get_model_info", "model_info"),
     ("GET", "/get_load", "get_load"),
+    ("GET", "/server_info", "server_info"),
+    ("GET", "/get_server_info", "server_info"),
     ("GET", "/health", "health"),
     ("GET", "/health_generate", "health"),
 )
@@ -301,10 +315,10 @@ def _wrap(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Ca
 
 
 def build_fake_sglang_app(async_engine: AsyncEngine, model_path: str, *, api_key: str | None = None,
-                          legacy_pause: bool = False) -> web.Application:
+                          legacy_pause: bool = False, hicache_storage_backend: str = "") -> web.Application:
     """The fake SGLang server's aiohttp application (see the module docstring); no key check when `api_key` is
     None, as SGLang without --api-key."""
-    fake = FakeSGLang(async_engine, model_path, legacy_pause)
+    fake = FakeSGLang(async_engine, model_path, legacy_pause, hicache_storage_backend)
     expected = f"Bearer {api_key}" if api_key is not None else None
 
     @web.middleware
@@ -333,13 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=EngineConfig().max_context_tokens)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--legacy-pause", action="store_true", help="serve SGLang <= 0.5.5's body-less pause")
+    parser.add_argument("--hicache-storage-backend", default="",
+                        help="report HiCache with this storage backend in /server_info (no cache is kept)")
     args = parser.parse_args(argv)
     config = EngineConfig(num_blocks=args.num_blocks, max_context_tokens=args.max_context,
                           max_prefill_tokens=min(EngineConfig().max_prefill_tokens, args.max_context),
                           num_threads=args.num_threads)
     engine = AsyncEngine(EmbeddedEngine(args.model_dir, config))
     app = build_fake_sglang_app(engine, args.model_dir, api_key=os.environ.get(API_KEY_ENV) or None,
-                                legacy_pause=args.legacy_pause)
+                                legacy_pause=args.legacy_pause, hicache_storage_backend=args.hicache_storage_backend)
 
     async def close_engine(app: web.Application) -> None:
         await engine.close()

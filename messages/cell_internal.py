@@ -160,3 +160,5 @@ class KVMigratorStatistics:
     """Of the sessions placed, tokens of partial output (generations paused in place) asked to move with them."""
     reprefill_sessions: int
     """Sessions that fell back to re-prefill on their new cell, in all migrations so far."""
+    hicache_sessions: int = 0
+    """Sessions left to SGLang's HiCache (a shared storage backend), in all migrations so far."""

@@ -115,6 +115,8 @@ class SessionsMigrated:
     """Sessions that fell back to re-prefill (no export capability or a failed transfer)."""
     seconds: float
     """Wall time of the migration."""
+    hicache_sessions: int = 0
+    """Sessions left to SGLang's HiCache: both servers write through to the same shared storage backend."""
 
 
 @message("gyre.cells.SessionPlaced")

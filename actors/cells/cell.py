@@ -386,7 +386,7 @@ class Cell(Actor):
             seconds = self.clock.now() - started
             self.engine_weight_updates += 1
             self.last_weight_update_s = seconds
-            self.last_weight_update_path = "memory" if isinstance(self.rollout, RolloutHost) else "disk"
+            self.last_weight_update_path = self.rollout.last_weight_update_path  # memory, disk or distributed
             self.log.info("engine_weights_loaded", version=version, seconds=round(seconds, 4),
                           path=self.last_weight_update_path)
             self.tell_broker(WeightsLoaded(self.name, version, seconds))

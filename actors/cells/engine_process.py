@@ -108,6 +108,17 @@ class EngineServerConfig:
     "" = a private temporary directory per cell. On several nodes it must be a path the server can read."""
     keep_weight_versions: int = attrs.field(default=2, validator=positive)
     """Weight directories kept on disk (the newest ones): the one loaded and the one being written."""
+    weight_path: str = attrs.field(default="disk", validator=attrs.validators.in_(("disk", "distributed")))
+    """How new weights reach the server. "disk": update_weights_from_disk from a versioned safetensors directory
+    (portable: any SGLang, any node that reads the directory). "distributed": init_weights_update_group +
+    update_weights_from_distributed, the cell broadcasting them over a torch.distributed group it forms with its
+    server (engines/weight_broadcast.py; no disk, no second copy of the checkpoint). A broadcast that fails falls
+    back to disk for that update and is counted (`weight_broadcast_fallbacks`)."""
+    weight_group_backend: str = attrs.field(default="gloo", validator=attrs.validators.in_(("gloo", "nccl")))
+    """The broadcast's backend: gloo (CPU, Gyre's server) or nccl (SGLang on GPUs; the cell's copy goes to its GPU
+    bucket by bucket)."""
+    weight_broadcast_timeout_s: float = attrs.field(default=120.0, validator=positive)
+    """How long forming the group, or one bucket's broadcast, may take before the update falls back to disk."""
 
     def __attrs_post_init__(self) -> None:
         if self.url and not self.url.startswith(("http://", "https://")):

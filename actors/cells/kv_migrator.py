@@ -16,6 +16,13 @@ When the blocks cannot move (a real SGLang server has no /gyre/kv/*: CapabilityM
 source no longer caches the prefix; the target has no room) the session is still placed and the target prefills it
 again on its next call: slower, never wrong. Such sessions are counted as `reprefill_sessions`.
 
+SGLang servers started with HiCache over one shared storage backend (`--enable-hierarchical-cache
+--hicache-storage-backend mooncake`, the same store for all) need no move: the source wrote the prefix's KV through
+to the store, and the target finds it there on the session's next call. When the source cannot export and both
+servers' /server_info report hierarchical caching with the same storage backend, the session is placed and counted
+as `hicache_sessions` instead. That the target really loads the prefix from the store is SGLang's part, not checked
+here (no GPU, no SGLang); the proxy's `cached_tokens` on the next call says whether it did.
+
 Sessions move a few at a time (`max_concurrent`): each transfer is bounded by the engines' own queues, and the
 target keeps serving while it imports. MigrateSessions asks are handled one at a time (the actor's mailbox), so two
 cells switching together migrate one after the other.
@@ -41,7 +48,7 @@ from gyre.runtime import Actor, handler
 from gyre.runtime.errors import ConfigError
 from gyre.runtime.validators import count, positive
 
-__all__ = ["KVMigratorConfig", "KVMigrator", "assign_sessions", "extend_with_in_flight"]
+__all__ = ["KVMigratorConfig", "KVMigrator", "assign_sessions", "extend_with_in_flight", "hicache_backend"]
 
 log = structlog.get_logger(__name__)
 
@@ -111,6 +118,16 @@ def _wanted(session: str, wanted: frozenset[str]) -> bool:
 class _Outcome:
     moved_tokens: int = 0
     reprefill: bool = False
+    hicache: bool = False
+
+
+def hicache_backend(server_info: Mapping[str, Any]) -> str:
+    """The storage backend a server's HiCache writes through to ("" when it has none): SGLang's /server_info
+    fields `enable_hierarchical_cache` and `hicache_storage_backend`."""
+    if not server_info.get("enable_hierarchical_cache"):
+        return ""
+    backend = server_info.get("hicache_storage_backend")
+    return backend if isinstance(backend, str) else ""
 
 
 class KVMigrator(Actor):
@@ -124,6 +141,10 @@ class KVMigrator(Actor):
         self.migrations = 0
         self.sessions_placed = 0
         self.reprefill_sessions = 0
+        self.hicache_sessions = 0
+        """Sessions left to HiCache's shared store (see the module doc)."""
+        self._hicache: OrderedDict[str, str] = OrderedDict()
+        """Engine URL -> its HiCache storage backend ("" for none), asked once per URL (bounded like clients)."""
         self.moved_tokens = 0
         """KV tokens moved in all migrations so far."""
         self.partial_output_tokens = 0
@@ -139,6 +160,7 @@ class KVMigrator(Actor):
             moved_tokens=self.moved_tokens,
             partial_output_tokens=self.partial_output_tokens,
             reprefill_sessions=self.reprefill_sessions,
+            hicache_sessions=self.hicache_sessions,
         )
 
     def _client(self, url: str) -> SGLangClient:
@@ -174,12 +196,17 @@ class KVMigrator(Actor):
             async with gate:
                 target = placement[session]
                 outcome = await self._move(source, self._client(targets[target]), prefixes[session], capability)
+                if outcome.reprefill and capability["missing"] and source is not None:
+                    if await self._shared_hicache(msg.source_url, targets[target]):
+                        outcome = _Outcome(hicache=True)
                 self.publish(SessionPlaced(session=session, cell=target))
                 return outcome
 
         outcomes = await asyncio.gather(*(move(session) for session in sorted(placement)))
         moved = sum(o.moved_tokens for o in outcomes)
         reprefill = sum(1 for o in outcomes if o.reprefill) + (len(prefixes) - len(placement))
+        hicache = sum(1 for o in outcomes if o.hicache)
+        self.hicache_sessions += hicache
         seconds = self.clock.now() - started
         self.migrations += 1
         self.sessions_placed += len(placement)
@@ -193,11 +220,30 @@ class KVMigrator(Actor):
             moved_tokens=moved,
             partial_output_tokens=partial,
             reprefill_sessions=reprefill,
+            hicache_sessions=hicache,
             seconds=round(seconds, 4),
         )
         return SessionsMigrated(
-            source=msg.source, placement=placement, moved_tokens=moved, reprefill_sessions=reprefill, seconds=seconds
+            source=msg.source, placement=placement, moved_tokens=moved, reprefill_sessions=reprefill, seconds=seconds,
+            hicache_sessions=hicache,
         )
+
+    async def _hicache_of(self, url: str) -> str:
+        backend = self._hicache.get(url)
+        if backend is None:
+            try:
+                backend = hicache_backend(await self._client(url).server_info())
+            except SGLangError:
+                backend = ""  # Gyre's server (no /server_info) or one that does not answer: no shared store
+            self._hicache[url] = backend
+            while len(self._hicache) > self.config.max_clients:
+                self._hicache.popitem(last=False)
+        return backend
+
+    async def _shared_hicache(self, source_url: str, target_url: str) -> bool:
+        """Whether both servers write their HiCache through to the same kind of storage backend."""
+        source = await self._hicache_of(source_url)
+        return bool(source) and source == await self._hicache_of(target_url)
 
     async def _move(
         self, source: SGLangClient | None, target: SGLangClient, ids: tuple[int, ...], capability: dict[str, bool]

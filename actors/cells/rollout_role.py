@@ -167,6 +167,8 @@ class RolloutHost(PullStaging):
         self.async_engine: AsyncEngine | None = None
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self.last_weight_update_path = "memory"
+        """How the last weight update reached the engine: in memory, for an engine in this process."""
         self._memory_held = False
 
     # ---- state --------------------------------------------------------------------------------------------

@@ -18,7 +18,12 @@ switch the same way whatever its engine kind:
   update_weights_from_disk -> continue. SGLang reports one weight_version per request; pausing around the update
   keeps every token's version right on Gyre's server, which tags tokens one by one.
 
-Each update's path ("disk") and seconds are recorded (`weight_updates`, `last_weight_update_s`). A server that
+With `EngineServerConfig.weight_path` "distributed" the update is a broadcast instead (init_weights_update_group
+once, then update_weights_from_distributed per bucket: engines/weight_broadcast.py), pausing the same way; a
+broadcast that fails closes the group, the update goes by disk, and the fallback is counted.
+
+Each update's path ("disk" or "distributed") and seconds are recorded (`weight_updates`, `last_weight_update_s`,
+`last_weight_update_path`). A server that
 does not start, dies or breaks is reported through `report` (the cell publishes EngineServerFailed) and then fails
 the cell through the task it runs in.
 """
@@ -49,6 +54,7 @@ from gyre.actors.cells.rollout_role import PullStaging, RecentSessions
 from gyre.actors.cells.train_role import Offload
 from gyre.engines.embedded_engine import EngineConfig, EngineStats
 from gyre.engines.model_format import ModelSpec, ServedModelMismatch, check_served_model
+from gyre.engines.weight_broadcast import BroadcastSender, WeightGroupError
 from gyre.engines.sglang_client import (
     API_KEY_PURPOSE,
     CapabilityMissing,
@@ -179,6 +185,9 @@ class ServerRolloutHost(PullStaging):
         self.weight_updates = 0
         self.last_weight_update_s = 0.0
         self.last_weight_update_path = ""
+        self.weight_broadcast_fallbacks = 0
+        """Updates meant to be broadcast that went by disk (the group could not form or a bucket failed)."""
+        self._sender: BroadcastSender | None = None
         self.kv_moves_unavailable = 0
         """Drains in which the server could not list its live generations (SGLang): the proxy re-prefilled them."""
 
@@ -319,7 +328,7 @@ class ServerRolloutHost(PullStaging):
         await self.prepare()
         assert self.client is not None
         if weights is not None:
-            await self._update_from_disk(weights, version)
+            await self._update(weights, version)
         await self.client.continue_generation()
         self._paused = False
         self._serving = True
@@ -372,6 +381,9 @@ class ServerRolloutHost(PullStaging):
 
     async def close(self) -> None:
         """Stop serving and stop the server if the cell launched it (the cell is stopping)."""
+        if self._sender is not None:
+            await self._sender.close()
+            self._sender = None
         if self.client is not None and self._serving:
             try:
                 await self.shutdown()
@@ -390,18 +402,52 @@ class ServerRolloutHost(PullStaging):
     # ---- weights ------------------------------------------------------------------------------------------
 
     async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Pause in place, update from disk, continue: in-flight requests keep their tokens and versions, and no
-        token straddles two versions."""
+        """Pause in place, update (disk or broadcast), continue: in-flight requests keep their tokens and versions,
+        and no token straddles two versions."""
         assert self.client is not None
-        path = await self._offload(self.weights_dir.write, weights, version)
+        path = None
+        if self.server_config.weight_path == "disk":  # written before the pause: serving goes on meanwhile
+            path = await self._offload(self.weights_dir.write, weights, version)
         was_paused = self._paused
         if self.server_config.pause_body:  # SGLang <= 0.5.5 can only pause by aborting: update under way then
             await self.client.pause("in_place")
         try:
-            await self._update_from_disk(weights, version, path)
+            await self._update(weights, version, path)
         finally:
             if not was_paused:
                 await self.client.continue_generation()
+
+    async def _update(self, weights: Mapping[str, torch.Tensor], version: int, path: str | None = None) -> None:
+        if self.server_config.weight_path == "distributed" and await self._update_from_distributed(weights, version):
+            return
+        await self._update_from_disk(weights, version, path)
+
+    async def _update_from_distributed(self, weights: Mapping[str, torch.Tensor], version: int) -> bool:
+        """Broadcast `weights` to the server; False (counted, logged, the group closed) if that failed and the
+        update must go by disk. A server that is gone fails the cell as in `_update_from_disk`."""
+        assert self.client is not None
+        config = self.server_config
+        started = self._clock()
+        if self._sender is None:
+            self._sender = BroadcastSender([self.client], self.host, backend=config.weight_group_backend,
+                                           timeout_s=config.weight_broadcast_timeout_s)
+        try:
+            sent = await self._sender.send(weights, version)
+        except WeightGroupError as error:
+            self.weight_broadcast_fallbacks += 1
+            log.warning("engine_weight_broadcast_failed", version=version, error=str(error), fallback="disk",
+                        fallbacks=self.weight_broadcast_fallbacks)
+            if not await self.client.health():
+                raise self._failure(f"the engine server failed a weight broadcast: {error}",
+                                    self.exit_code_or_none()) from None
+            return False
+        self._weight_version = version
+        self.weight_updates += 1
+        self.last_weight_update_s = self._clock() - started
+        self.last_weight_update_path = "distributed"
+        log.info("engine_weights_updated", path="distributed", version=version, bytes=sent,
+                 group=self._sender.group_name, seconds=round(self.last_weight_update_s, 4))
+        return True
 
     async def _update_from_disk(self, weights: Mapping[str, torch.Tensor], version: int,
                                 path: str | None = None) -> None:

@@ -26,7 +26,7 @@ def test_one_round_trip_under_load(tiny_model_dir):
     result = run_switch_bench(config, tiny_model_dir)
     figures = attrs.asdict(result)
     for key in ("rollout_to_train_s", "train_to_rollout_s", "prefix_reuse_after_switch", "prefix_reuse_reprefill",
-                "lost_requests", "weight_update_s"):
+                "lost_requests", "weight_update_s", "weight_update_distributed_s"):
         assert key in figures
     assert result.lost_requests == 0
     for run in (result.migrated, result.reprefill):
@@ -37,3 +37,4 @@ def test_one_round_trip_under_load(tiny_model_dir):
     assert result.prefix_reuse_after_switch >= 0.9
     assert result.prefix_reuse_reprefill < 0.5
     assert result.engine_kind == "server" and result.weight_update_path == "disk" and result.weight_update_s > 0
+    assert result.weight_update_distributed_s > 0 and result.weight_broadcast_fallbacks == 0

@@ -13,11 +13,13 @@ from aiohttp import web
 
 from gyre.actors.cells.cell import Cell, CellConfig
 from gyre.actors.cells.engine_process import EngineServerConfig
+from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig
 from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
 from gyre.engines.sglang_client import CapabilityMissing, ClientConfig, RequestRejected, SGLangClient
 from gyre.engines.testing import build_fake_sglang_app
-from gyre.messages.cells import ROLLOUT, TRAIN, EngineServerFailed, RoleChanged, SwitchRole
+from gyre.messages.cells import ROLLOUT, TRAIN, EngineServerFailed, MigrateSessions, RoleChanged, SwitchRole
+from gyre.messages.proxy import SessionPrefixes, SessionsOnCell
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, RestartPolicy, Topology, handler
 from gyre.runtime.testing import run_actors
@@ -140,3 +142,39 @@ def test_a_server_cell_runs_against_the_fake_sglang(tiny_model_dir):
     before, after, stats, model_check = run.value
     assert model_check == "config" and stats.engine_kind == "server" and stats.has_engine_memory
     assert before["output_ids"] == after["output_ids"]
+
+
+class FakeProxy(Actor):
+    """Answers SessionsOnCell with two sessions on the draining cell (the proxy's part in a migration)."""
+
+    @handler(SessionsOnCell)
+    def on_sessions(self, msg: SessionsOnCell) -> SessionPrefixes:
+        return SessionPrefixes(cell=msg.cell, sessions={"s1/main": (5, 6, 7, 8), "s2/main": (9, 10, 11)})
+
+
+@pytest.mark.parametrize("backends,expected", [
+    (("mooncake", "mooncake"), (2, 0)),  # one shared store: the target finds the prefixes there
+    (("", ""), (0, 2)),  # no HiCache: abort and re-prefill
+    (("mooncake", ""), (0, 2)),  # only the source writes through: the target cannot read it
+])
+def test_the_migrator_leaves_sessions_to_a_shared_hicache_and_re_prefills_otherwise(tiny_model_dir, backends,
+                                                                                     expected):
+    """Between SGLang servers (no /gyre/kv/*) the migrator cannot move blocks; it reads each server's /server_info
+    and counts a session as left to HiCache only when both write through to the same storage backend."""
+    torch.set_num_threads(1)
+    topology = Topology("hicache", seed=0)
+    topology.add("proxy", FakeProxy)
+    topology.add("kv_migrator", KVMigrator, KVMigratorConfig())
+
+    async def driver(h):
+        async with fake_sglang(tiny_model_dir, hicache_storage_backend=backends[0]) as source, \
+                fake_sglang(tiny_model_dir, hicache_storage_backend=backends[1]) as target:
+            answer = await h.ask("kv_migrator", MigrateSessions("cell-a", source, {"cell-b": target}, ()))
+            return answer, await h.ask("kv_migrator", StatisticsAsked())
+
+    run = run_actors(topology, driver, timeout_s=120)
+    assert run.stop_reason is None, run.stop_reason
+    answer, stats = run.value
+    assert answer.placement == {"s1/main": "cell-b", "s2/main": "cell-b"}  # placed either way
+    assert (answer.hicache_sessions, answer.reprefill_sessions) == expected
+    assert (stats.hicache_sessions, stats.reprefill_sessions) == expected and answer.moved_tokens == 0

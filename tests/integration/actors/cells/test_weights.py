@@ -20,6 +20,7 @@ import attrs
 import pytest
 import torch
 
+from gyre.actors.cells.engine_process import EngineServerConfig
 from gyre.actors.cells.cell import Cell, CellConfig
 from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer, check_exactly_once
 from gyre.actors.cells.weight_broker import WeightBroker
@@ -87,9 +88,12 @@ def make_group(name: str, seed: int, version: int) -> SamplesLanded:
 
 
 def topology(model_dir: str, save_dir: Path, engine_kind: str = "embedded") -> Topology:
+    """`engine_kind` "server-distributed": server engines that take their weights by broadcast."""
     engine = EngineConfig(num_blocks=128, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
+    weight_path = "distributed" if engine_kind == "server-distributed" else "disk"
     common = dict(model_dir=model_dir, engine=engine, trainer=TRAINER, report_interval_s=0.5,
-                  engine_kind=engine_kind)
+                  engine_kind=engine_kind.removesuffix("-distributed"),
+                  engine_server=EngineServerConfig(weight_path=weight_path))
     result = Topology("weights", seed=0)
     result.add("recorder", Recorder)
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
@@ -120,10 +124,11 @@ async def roller_loaded(h, version: int, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture(scope="module", params=["embedded", "server"])
+@pytest.fixture(scope="module", params=["embedded", "server", "server-distributed"])
 def trained(request, tiny_model_dir, tmp_path_factory):
     """Run the topology through three steps, with engines in the cells' processes or as engine server child
-    processes (weights then reach them through update_weights_from_disk); return what the driver saw."""
+    processes (weights then reach them through update_weights_from_disk, or by broadcast over a gloo group with
+    init_weights_update_group + update_weights_from_distributed); return what the driver saw."""
     torch.set_num_threads(1)
     groups = [make_group("g0", 0, version=0), make_group("g1", 1, version=0), make_group("g2", 2, version=1)]
 
@@ -232,9 +237,10 @@ def test_rollout_cell_pulls_each_version(trained):
 def test_each_engine_update_records_its_path_and_time(trained):
     _, seen = trained
     roller = seen["status"]["roller"]
-    assert roller.engine_kind == seen["engine_kind"]
+    assert roller.engine_kind == seen["engine_kind"].removesuffix("-distributed")
     assert roller.engine_weight_updates == 3  # versions 1, 2, 3 while serving
-    assert roller.last_weight_update_path == ("memory" if seen["engine_kind"] == "embedded" else "disk")
+    paths = {"embedded": "memory", "server": "disk", "server-distributed": "distributed"}
+    assert roller.last_weight_update_path == paths[seen["engine_kind"]]
     assert roller.last_weight_update_s > 0
     print(f"\n{seen['engine_kind']}: last weight update {roller.last_weight_update_s:.4f} s "
           f"({roller.last_weight_update_path})")

@@ -13,9 +13,9 @@ With `--model DIR` the agent's model is served through Gyre, as in training: the
 execution its own key, every call captured token-in/token-out) in front of one engine server, Gyre's own
 (`--engine-preset gyre`, CPU) or SGLang (`--engine-preset sglang`, a GPU node), which the eval launches as a child
 process with the run's engine key and stops at the end; or, with `--engine-url URL`, a server already running
-there, which must accept the proxy's requests without a key of its own (an SGLang server started without
---api-key; a server with its own key is not supported yet). The driver starts the tasks once the engine answers
-/health. Each task's tokens (calls, prompt, output and cached prompt tokens) come from those calls. With
+there. The proxy sends that server the run's engine token (as to any in-run server), so it must be a server that
+checks no key (SGLang started without --api-key) or one given that token; a server with a key of its own is not
+supported yet (the proxy takes no engine key file). The driver starts the tasks once the engine answers /health. Each task's tokens (calls, prompt, output and cached prompt tokens) come from those calls. With
 `--model-url URL` instead, agents call an OpenAI-compatible server directly (no key, nothing captured: no tokens).
 
 Agents (gyre.actors.executions.agents): `oracle` (each task's reference solution), `noop` (does nothing: a task

@@ -50,7 +50,8 @@ class TransferConfig:
     metadata_server: str = "P2PHANDSHAKE"
     """"P2PHANDSHAKE" needs no server: peers exchange segment metadata on first contact."""
     device_name: str = ""
-    """RDMA device filter; empty for TCP."""
+    """RDMA devices to use, comma-separated (e.g. "mlx5_0,mlx5_1"; Mooncake's filter); empty: every device the node
+    has. Must be empty for TCP."""
     max_batch_entries: int = 1024
     """Entries per batch call; Mooncake's TCP lane queue rejects batches above ~2048 entries to one peer."""
     init_retries: int = 5
@@ -65,6 +66,36 @@ class TransferConfig:
             raise ValueError(f"init_retries must be >= 1, got {self.init_retries}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        if self.device_name and self.protocol != "rdma":
+            raise ValueError(f"device_name {self.device_name!r} is for protocol 'rdma', not {self.protocol!r}")
+
+
+#: Where the kernel lists RDMA devices (one entry per device: mlx5_0, ...), as `ibv_devices` reads them.
+RDMA_DEVICES_DIR = "/sys/class/infiniband"
+
+
+def rdma_devices(root: str = RDMA_DEVICES_DIR) -> tuple[str, ...]:
+    """The RDMA devices of this node (sorted names); () where it has none."""
+    try:
+        return tuple(sorted(entry.name for entry in os.scandir(root)))
+    except OSError:  # no such folder: no RDMA stack, no device
+        return ()
+
+
+def check_rdma(config: TransferConfig, root: str = RDMA_DEVICES_DIR) -> None:
+    """For protocol "rdma": the node must have an RDMA device, and every one `device_name` names; TransferError
+    saying what is missing otherwise (Mooncake itself fails later, with a log line but no reason for the caller)."""
+    if config.protocol != "rdma":
+        return
+    found = rdma_devices(root)
+    if not found:
+        raise TransferError(
+            f"transfer protocol 'rdma' asked, but this node has no RDMA device ({root} lists none): use protocol "
+            f"'tcp' here, or run where an RDMA NIC and its driver are present"
+        )
+    missing = [name for name in config.device_name.split(",") if name.strip() and name.strip() not in found]
+    if missing:
+        raise TransferError(f"RDMA devices {missing} not on this node; it has {list(found)}")
 
 
 @attrs.frozen
@@ -172,6 +203,7 @@ class TransferAgent:
 
     def __init__(self, config: TransferConfig = TransferConfig()) -> None:
         self.config = config
+        check_rdma(config)
         engine_cls = _import_engine()
         self._lock = threading.Lock()  # guards the registry and counters
         self._batch_lock = threading.Lock()  # serialises batch calls into Mooncake

@@ -43,6 +43,18 @@ log = structlog.get_logger("gyre.launch")
 
 LAUNCHER_NODE = "launcher"
 
+#: Environment variable that holds the address other machines reach this process's node at; the Ray launcher sets it
+#: in each host (the node's address as Ray knows it), and children inherit it (an engine server).
+NODE_ADDRESS_ENV = "GYRE_NODE_ADDRESS"
+#: This machine, where no launcher said otherwise: every launcher but Ray's puts all processes on it.
+LOCAL_ADDRESS = "127.0.0.1"
+
+
+def node_address() -> str:
+    """The address this process's node is reached at by the run's other nodes: what binds an engine server or a
+    Mooncake endpoint (cells' `host`). `NODE_ADDRESS_ENV` where a launcher set it, else 127.0.0.1."""
+    return os.environ.get(NODE_ADDRESS_ENV, "").strip() or LOCAL_ADDRESS
+
 
 @attrs.frozen
 class RunOptions:

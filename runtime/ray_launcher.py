@@ -15,7 +15,9 @@ never in the environment, a command line, a config or a log (runtime/run_secrets
 Ray's own channel is the cluster's trust boundary: anyone who can submit Ray tasks to the cluster can read them.
 
 Endpoints. Each host reserves a free TCP port on its node's address (`ray.util.get_node_ip_address()`) and reports
-it; once every host has one the launcher hands out the whole table and the nodes start. A port taken by another
+it; once every host has one the launcher hands out the whole table and the nodes start. The host also puts that
+address in its environment (`runtime.launch.node_address()`), so what its actors bind besides the bus (a cell's
+engine server and Mooncake endpoint) is on the node's address too, never on loopback. A port taken by another
 process in between makes that node fail to start, and the run ends with a message naming it.
 
 Event log. Each host records its segment in a temporary folder on its node. The launcher pulls what is new in every
@@ -53,7 +55,7 @@ from gyre.runtime.clock import RealClock
 from gyre.runtime.codec import Codec
 from gyre.runtime.errors import GyreError
 from gyre.runtime.event_log import EventLogWriter, merge_segments
-from gyre.runtime.launch import LAUNCHER_NODE, RunOptions, RunResult, supervisor_spec
+from gyre.runtime.launch import LAUNCHER_NODE, NODE_ADDRESS_ENV, RunOptions, RunResult, supervisor_spec
 from gyre.runtime.node import Node, NodeConfig
 from gyre.runtime.run_secrets import install_run_secret, run_secret
 from gyre.runtime.topology import SUPERVISOR, Directory, Topology, load_topology_file
@@ -196,7 +198,12 @@ class GroupHost:
     The node runs on its own thread with its own event loop."""
 
     def __init__(self, plan: HostPlan, secret: bytes, bus_keys: BusKeys) -> None:
+        import ray
+
         install_run_secret(secret)
+        # What the group's actors bind on (runtime.launch.node_address: an engine server, a Mooncake endpoint), as
+        # the bus does: this worker process is the group's alone, and its children inherit it.
+        os.environ[NODE_ADDRESS_ENV] = ray.util.get_node_ip_address()
         self._plan = plan
         self._keys = bus_keys
         self._stderr = _LastLines(sys.stderr)

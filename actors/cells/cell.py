@@ -129,9 +129,10 @@ class CellConfig:
     """Actor name of the core cell (where satellites send gradients)."""
     report_interval_s: float = attrs.field(default=1.0, validator=positive)
     """Time between LoadReports."""
-    host: str = ""
-    """Address the engine server binds and that peers (and Mooncake) reach this cell at; "" = this node's address
-    (gyre.runtime.launch.node_address: the node's address under the Ray launcher, 127.0.0.1 on one machine)."""
+    host: str = attrs.field(factory=node_address)
+    """Address the engine server binds and that peers (and Mooncake) reach this cell at. Default: this node's address
+    (gyre.runtime.launch.node_address, read where the config is made: each Ray host makes its topology on its node,
+    so it is the node's address there; 127.0.0.1 on one machine)."""
     port: int = 0
     """Engine server port; 0 picks a free one (then reused across switches when it is still free)."""
     transfer_protocol: str = attrs.field(default="tcp", validator=attrs.validators.in_(("tcp", "rdma")))
@@ -434,17 +435,16 @@ class Cell(Actor):
         """The initial role (a switch from nothing)."""
         config = self.config
         started = self.clock.now()
-        host = config.host or node_address()
         self.agent = await self.offload(TransferAgent, TransferConfig(
-            hostname=host, protocol=config.transfer_protocol, device_name=config.rdma_devices))
+            hostname=config.host, protocol=config.transfer_protocol, device_name=config.rdma_devices))
         self.agent.register_tensor(self.fence_scratch)
         if config.engine_kind == EMBEDDED:
-            self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, host, config.port,
+            self.rollout = RolloutHost(config.model_dir, config.engine, self.agent, config.host, config.port,
                                        config.server_shutdown_s, self.offload, self.sessions)
         else:
             self.rollout = ServerRolloutHost(
                 config.engine_kind, config.model_dir, self.spec, config.engine, config.engine_server, self.agent,
-                host, config.port, self.offload, self.sessions,
+                config.host, config.port, self.offload, self.sessions,
                 spawn=lambda work, name: self.spawn(self.guarded(work), name=f"{self.name}.{name}"),
                 report=self._engine_server_failed, clock=self.clock.now,
             )

@@ -69,3 +69,17 @@ class CheckpointCommitted:
     """Groups a resume from it re-rolls."""
     seconds: float
     """From the core's part saved to the commit."""
+
+
+@message("gyre.checkpoints.CheckpointerStatistics")
+class CheckpointerStatistics:
+    """What the checkpointer has done so far."""
+
+    committed: int
+    """Checkpoints committed."""
+    abandoned: int
+    """Checkpoints given up (a participant could not answer, a part could not be written): nothing committed."""
+    last_step_id: int
+    """Step of the newest committed checkpoint (-1: none yet)."""
+    last_seconds: float
+    """How long the newest one took, from the core's part saved to the commit."""

@@ -49,7 +49,7 @@ FORMAT = "gyre-checkpoint/1"
 """The manifest's `format`; a reader refuses any other."""
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d{8})$")
-_STAGING = re.compile(r"^\.staging-step-(\d{8})$")
+_STAGING = re.compile(r"^\.(?:staging|replaced)-step-(\d{8})(?:-\d+)?$")
 _PART_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 """A manifest larger than this is corruption, not data (it lists parts and a few small records)."""
@@ -166,15 +166,13 @@ def commit(
 ) -> Path:
     """Seal the staging folder of `step_id`: check each part against its record, write the manifest last, rename
     the folder into place, prune to the newest `keep`. Raises CheckpointError (nothing committed) when a part is
-    missing or does not match. A step already committed stays as it is (its staging folder is removed)."""
+    missing or does not match. A step already committed is replaced: it belongs to a timeline a resume left behind
+    (a run resumed from an older checkpoint, or a torn newer one that a resume passed over)."""
     if keep < 1:
         raise CheckpointError(f"keep must be >= 1, got {keep}")
     root = Path(root)
     staging = staging_dir(root, step_id)
     final = step_dir(root, step_id)
-    if final.exists():
-        shutil.rmtree(staging, ignore_errors=True)
-        return final
     for name, record in parts.items():
         _check_part_name(name)
         if name != record.name:
@@ -193,8 +191,12 @@ def commit(
         os.fsync(handle.fileno())
     os.replace(temp, staging / MANIFEST)
     _fsync_dir(staging)
+    replaced = root / f".replaced-step-{step_id:08d}-{os.getpid()}"
+    if final.exists():
+        os.replace(final, replaced)  # a crash right here leaves the older checkpoints, still whole
     os.replace(staging, final)
     _fsync_dir(root)
+    shutil.rmtree(replaced, ignore_errors=True)
     prune(root, keep)
     return final
 

@@ -95,6 +95,8 @@ class CoreCheckpoints:
         self.last_saved_step = -1
         self.saved = 0
         self.failed = 0
+        self.restored_state_digest = ""
+        """`state_digest` of the state restored at start ("" when the run started afresh)."""
 
     async def restore(self, host: TrainerHost, tracker: StepTracker) -> int:
         """Load this rank's part of `resume_from` into `host`'s trainer; returns the checkpoint's step (-1 when
@@ -110,8 +112,9 @@ class CoreCheckpoints:
             host.fence[0] = host.trainer.version
         tracker.applied_through = checkpoint.step_id
         self.last_step_ended = self.last_saved_step = checkpoint.step_id
+        self.restored_state_digest = await self.offload(state_digest, state)
         self.log.info("core_restored", checkpoint=str(checkpoint.path), step_id=checkpoint.step_id,
-                      version=host.trainer.version, state_digest=state_digest(state))
+                      version=host.trainer.version, state_digest=self.restored_state_digest)
         return checkpoint.step_id
 
     async def after_step(self, host: TrainerHost, applied: StepApplied) -> None:

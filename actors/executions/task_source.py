@@ -35,8 +35,9 @@ shuffled cycle of tasks (its random generator's state, the epoch's order, the pl
 generator and the recent outcomes the sampling policy weighs. A run resumed from a checkpoint (`resume_from`) takes
 that back, sets the steps done and the weight version to the checkpoint's, and re-rolls the groups the checkpoint
 names (`reroll_groups` in its manifest: those in flight here, and those whose samples had landed but were not trained
-by the checkpoint's step): each runs again, before any new task, as a new group of the same task (group ids never
-repeat, so nothing of the old run can be taken for the new one). A re-rolled group is counted once in `started`
+by the checkpoint's step): each runs again, before any new task, as a new group of the same task. Group ids never
+repeat: after the k-th resume they end in "r<k>" (g000004r1), since the crashed run may have started groups past
+the checkpoint under the plain numbers; so nothing of the old run is taken for the new one, in the run or its logs. A re-rolled group is counted once in `started`
 (when it starts again) and in `groups_rerolled`; one whose task the source no longer knows is counted in
 `groups_lost_on_resume` and logged.
 
@@ -195,7 +196,8 @@ class TaskSource(Actor):
         self.history: collections.deque[GroupRecord] = collections.deque(maxlen=self.config.history_size)
         self.stopping = False
         self.next_group_number = 0
-        """Group ids are the prefix and this counter: never reused, also across a resume."""
+        """Group ids are the prefix and this counter (and the resume count after a resume): never reused."""
+        self.resumes = 0
         self.reroll_queue: collections.deque[tuple[str, str]] = collections.deque()
         """(old group id, task id) of groups to run again before any new task (module docstring, Checkpoints)."""
         self.rerolled = 0
@@ -220,6 +222,7 @@ class TaskSource(Actor):
             "next_group_number": self.next_group_number, "started": self.started, "done": self.done,
             "landed": self.landed, "dropped": self.dropped, "unknown_done": self.unknown_done,
             "steps_skipped": self.steps_skipped, "rerolled": self.rerolled, "lost_on_resume": self.lost_on_resume,
+            "resumes": self.resumes,
             "in_flight": {group: [task, version] for group, (task, version) in self.in_flight.items()},
             "reroll_queue": [list(entry) for entry in self.reroll_queue],
             "history": [attrs.astuple(record) for record in self.history],
@@ -241,6 +244,7 @@ class TaskSource(Actor):
         for key in ("next_group_number", "started", "done", "landed", "dropped", "unknown_done", "steps_skipped",
                     "rerolled", "lost_on_resume"):
             setattr(self, key, int(state[key]))
+        self.resumes = int(state.get("resumes", 0)) + 1
         self.order.restore(state["order"])
         for family, cycle in self.family_orders.items():
             cycle.restore(state["family_orders"][family])
@@ -306,7 +310,8 @@ class TaskSource(Actor):
                 self.rerolled += 1
             else:
                 task = self._next_task()
-            group_id = f"{cfg.group_id_prefix}{self.next_group_number:06d}"
+            resumed = f"r{self.resumes}" if self.resumes else ""
+            group_id = f"{cfg.group_id_prefix}{self.next_group_number:06d}{resumed}"
             self.next_group_number += 1
             self.started += 1
             self.in_flight[group_id] = (task.task_id, self.version)

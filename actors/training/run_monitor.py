@@ -2,20 +2,28 @@
 
 It reacts only to published events (roles, steps, finished groups), so any topology can add it without other
 actors knowing. The report (pictures, summary) is drawn from run.json afterwards, outside the actor system.
+
+Checkpoints (issue 28): its history (steps, groups, role changes, the run's elapsed time) is its part of a
+checkpoint. Resumed (`resume_from`), it takes the history back up to the checkpoint's step, its clock goes on from
+the elapsed time recorded then (the time between that checkpoint and the crash is not counted), and run.json gains a
+`resumes` entry; the run still ends after `steps` steps in all.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import attrs
 
 from gyre.messages.cells import RoleChanged, SwitchRole
+from gyre.messages.checkpoints import CheckpointAsked, CheckpointCommitted, CheckpointState
 from gyre.messages.executions import GroupDone
 from gyre.messages.training import StepApplied
 from gyre.runtime import Actor, handler
+from gyre.runtime.checkpoint import encode_json, read_actor_state
 
 
 @attrs.frozen
@@ -32,13 +40,15 @@ class RunMonitorConfig:
     """The core's name, recorded in run.json for tools that vary the split of cells (gyre bench policies)."""
     progress: bool = True
     """Draw a progress bar on stderr."""
+    resume_from: str = ""
+    """A committed checkpoint folder whose history this monitor continues ("" = start afresh)."""
 
 
 class RunMonitor(Actor):
     """Collects the run's timeline; stops the topology when the configured number of steps has been applied."""
 
     config_cls = RunMonitorConfig
-    subscriptions = (RoleChanged, StepApplied, GroupDone, SwitchRole)
+    subscriptions = (RoleChanged, StepApplied, GroupDone, SwitchRole, CheckpointCommitted)
 
     async def on_start(self) -> None:
         self.started_s = self.clock.now()
@@ -47,13 +57,42 @@ class RunMonitor(Actor):
         self.steps: list[dict] = []
         self.groups: list[dict] = []
         self.switch_requests = 0
+        self.checkpoints: list[dict] = []
+        self.resumes: list[dict] = []
+        if self.config.resume_from:
+            state, checkpoint = await self.offload(read_actor_state, self.config.resume_from, self.name)
+            self._restore(state, checkpoint.step_id, int(checkpoint.manifest["weight_version"]))
         self.bar = None
         if self.config.progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.config.steps, desc="GSPO steps", unit="step", file=sys.stderr,
-                            dynamic_ncols=True)
+            self.bar = tqdm(total=self.config.steps, initial=len(self.steps), desc="GSPO steps", unit="step",
+                            file=sys.stderr, dynamic_ncols=True)
         self._write()
+
+    def _state(self) -> dict:
+        return {"elapsed_s": self._elapsed(), "steps": self.steps, "groups": self.groups,
+                "role_changes": self.role_changes, "switch_requests": self.switch_requests,
+                "checkpoints": self.checkpoints, "resumes": self.resumes}
+
+    def _restore(self, state: dict, step_id: int, version: int) -> None:
+        elapsed = float(state["elapsed_s"])
+        self.started_s = self.clock.now() - elapsed
+        self.steps = [step for step in state["steps"] if step["step"] <= step_id]
+        self.groups = list(state["groups"])
+        self.role_changes = list(state["role_changes"])
+        self.switch_requests = int(state["switch_requests"])
+        self.checkpoints = [c for c in state.get("checkpoints", []) if c["step"] <= step_id]
+        self.resumes = [*state.get("resumes", []), {"t_s": elapsed, "from_step": step_id, "version": version}]
+
+    @handler(CheckpointAsked)
+    def on_checkpoint_asked(self, msg: CheckpointAsked) -> CheckpointState:
+        return CheckpointState(self.name, msg.step_id, encode_json(self._state()), ())
+
+    @handler(CheckpointCommitted)
+    def on_checkpoint(self, msg: CheckpointCommitted) -> None:
+        self.checkpoints.append({"t_s": self._elapsed(), "step": msg.step_id, "version": msg.weight_version,
+                                 "seconds": msg.seconds, "groups_to_reroll": msg.groups_to_reroll})
 
     def _elapsed(self) -> float:
         return self.clock.now() - self.started_s
@@ -114,5 +153,9 @@ class RunMonitor(Actor):
             "cells": list(self.config.cells), "core_cell": self.config.core_cell, "elapsed_s": self._elapsed(),
             "steps": self.steps,
             "groups": self.groups, "role_changes": self.role_changes, "switch_requests": self.switch_requests,
+            "checkpoints": self.checkpoints, "resumes": self.resumes,
         }
-        (folder / "run.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        # Whole or not at all: a run killed mid-write keeps the previous run.json (a resume continues from it).
+        temp = folder / ".run.json.tmp"
+        temp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        os.replace(temp, folder / "run.json")

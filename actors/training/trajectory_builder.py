@@ -23,6 +23,10 @@ Memory is bounded: trees of a finished group are deleted at once; live trees and
 beyond the cap is refused, counted and logged, and its execution cannot survive); finished group ids are
 remembered (bounded) so that a call that arrives late (an agent killed mid-call) is ignored, not turned into a
 tree that never ends.
+
+Checkpoints (issue 28): the builder keeps only its counters in a checkpoint. Its trees and incomplete groups follow
+the re-roll rule: they are named in `groups_not_trained` (the task source also has them in flight), and a resumed
+run runs their tasks again as new groups, so nothing half-built is carried across.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 
 import attrs
 
+from gyre.messages.checkpoints import CheckpointAsked, CheckpointState
 from gyre.messages.execution_stats import BuilderStatistics
 from gyre.messages.executions import GroupDone
 from gyre.messages.groups import GroupStarted
@@ -48,6 +53,7 @@ from gyre.policies.trajectory_processor import (
 )
 from gyre.policies.trajectory_tree import TrajectoryError, TrajectoryTree, TreeConfig
 from gyre.runtime import Actor, handler
+from gyre.runtime.checkpoint import encode_json, read_actor_state
 from gyre.runtime.validators import count
 
 __all__ = ["TrajectoryBuilderConfig", "TrajectoryBuilder", "scored_success", "call_work_tokens"]
@@ -84,6 +90,8 @@ class TrajectoryBuilderConfig:
     """Groups tracked at once; a group announced beyond it is dropped at once."""
     finished_groups_remembered: int = attrs.field(default=65536, validator=count)
     """Finished group ids kept to recognise late messages."""
+    resume_from: str = ""
+    """A committed checkpoint folder whose counters this builder continues ("" = start afresh)."""
 
 
 def scored_success(score: ExecutionScored, success_reward: float = 1.0) -> bool:
@@ -127,6 +135,16 @@ class TrajectoryBuilder(Actor):
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.work_tokens: dict[str, int] = {}  # group -> prompt tokens not cached + output tokens of its calls
         self.counts: collections.Counter[str] = collections.Counter()
+        if self.config.resume_from:
+            state, _ = await self.offload(read_actor_state, self.config.resume_from, self.name)
+            self.counts.update({key: int(value) for key, value in state["counts"].items()})
+
+    @handler(CheckpointAsked)
+    def on_checkpoint_asked(self, msg: CheckpointAsked) -> CheckpointState:
+        """The counters; the groups being built re-roll (module docstring)."""
+        groups = {*self.groups, *(tree.group_id for tree in self.trees.values())}
+        return CheckpointState(self.name, msg.step_id, encode_json({"counts": dict(self.counts)}),
+                               tuple(sorted(groups)))
 
     # ---- calls --------------------------------------------------------------------------------------------------
     @handler(ModelCallCompleted)

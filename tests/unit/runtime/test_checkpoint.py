@@ -109,3 +109,12 @@ def test_rng_state_survives_json():
     restored = random.Random()
     restored.setstate(to_tuples(decode_json(encode_json(rng.getstate()))))
     assert [restored.random() for _ in range(3)] == [rng.random() for _ in range(3)]
+
+
+def test_a_step_committed_again_replaces_the_old_timeline(tmp_path):
+    _checkpoint(tmp_path, 1, b"a")
+    _checkpoint(tmp_path, 2, b"old")  # a run resumed from step 1 makes its own step 2
+    _checkpoint(tmp_path, 2, b"new")
+    checkpoint, _ = load_latest(tmp_path)
+    assert checkpoint.step_id == 2 and checkpoint.read_part("core.tp0.pp0.pt") == b"new" * 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001", "step-00000002"]

@@ -100,7 +100,7 @@ def test_a_resumed_task_source_rerolls_then_continues_the_same_order(tmp_path: P
     assert [m.task.task_id for m in resumed[:5]] == [by_id[group] for group in sorted(reroll)]
     # New ids only, continuing the old counter; after the re-rolls, the tasks an uninterrupted run ran next.
     started = state["next_group_number"]
-    assert [m.group_id for m in resumed] == [f"g{i:06d}" for i in range(started, started + 12)]
+    assert [m.group_id for m in resumed] == [f"g{i:06d}r1" for i in range(started, started + 12)]
     assert [m.task.task_id for m in resumed[5:]] == [m.task.task_id for m in reference[started:started + 7]]
     assert all(m.weight_version == 1 for m in resumed)  # the checkpoint's version
 

@@ -177,7 +177,7 @@ PUBLIC = {
     "gyre.actors.serving": ["Proxy", "ProxyConfig", "ProxyHttpConfig", "ProxySessionsConfig", "RoutingConfig"],
     "gyre.actors.cells": ["Cell", "CellConfig", "KVMigrator", "KVMigratorConfig", "WeightBroker",
                           "WeightBrokerConfig"],
-    "gyre.actors.training": ["ClaimerConfig", "MicroStepClaimer", "RunMonitor", "RunMonitorConfig", "Scheduler",
+    "gyre.actors.training": ["Checkpointer", "CheckpointerConfig", "ClaimerConfig", "MicroStepClaimer", "RunMonitor", "RunMonitorConfig", "Scheduler",
                              "SchedulerConfig", "TrajectoryBuilder", "TrajectoryBuilderConfig"],
     "gyre.actors.executions": ["Evaluator", "EvaluatorConfig", "Executor", "ExecutorConfig", "TaskSource",
                                "TaskSourceConfig"],

@@ -36,13 +36,16 @@ from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaim
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.trainer import TrainerConfig
 from gyre.messages._define import message
-from gyre.messages.cells import ROLLOUT, TRAIN, LoadReport, RoleChanged, SessionPlaced, SwitchRole
+from gyre.messages.cells import ROLLOUT, TRAIN, RoleChanged, SessionPlaced, SwitchRole
 from gyre.messages.executions import IssueKey
+from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, RestartPolicy, Topology, handler
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud ember field".split()
 CELLS = ("core", "sat")
+#: Rounds of calls `Load._busy` makes at most to catch a cell generating (all calls can end between two polls).
+BUSY_ATTEMPTS = 5
 
 
 @message("gyre.test.ray_cells.DieNow")
@@ -77,11 +80,12 @@ class Load(Actor):
     """Agents and the switches (module docstring); ends the run with its verdict."""
 
     config_cls = LoadConfig
-    subscriptions = (RoleChanged, LoadReport, SessionPlaced)
+    subscriptions = (RoleChanged, SessionPlaced, ModelCallCompleted)
 
     async def on_start(self) -> None:
         self.changes: list[RoleChanged] = []
-        self.loads: dict[str, LoadReport] = {}
+        self.completed: list[ModelCallCompleted] = []
+        self.after_death = ""
         self.placed = 0
         self.calls = 0
         self.lost: list[str] = []
@@ -92,9 +96,9 @@ class Load(Actor):
     def on_role(self, msg: RoleChanged) -> None:
         self.changes.append(msg)
 
-    @handler(LoadReport)
-    def on_load(self, msg: LoadReport) -> None:
-        self.loads[msg.cell] = msg
+    @handler(ModelCallCompleted)
+    def on_call_completed(self, msg: ModelCallCompleted) -> None:
+        self.completed.append(msg)
 
     @handler(SessionPlaced)
     def on_placed(self, msg: SessionPlaced) -> None:
@@ -144,21 +148,20 @@ class Load(Actor):
             for round_index in range(config.rounds):
                 source = CELLS[(round_index + 1) % 2]  # the satellite first, then the core
                 other = CELLS[round_index % 2]
-                calls = self._calls(clients, conversations)
-                # Mid-generation if the load reports catch it (every 0.25 s), else between turns: the sessions
-                # move either way.
-                await self._until(lambda: self._generating(source) or all(call.done() for call in calls),
-                                  f"{source} generating")
+                calls = await self._busy(source, clients, conversations)
                 await self._switch(source, TRAIN)
                 await self._finish(calls, conversations)
                 await self._switch(source, ROLLOUT)
                 self.by_round.append(f"{source}->{other}")
         else:
-            calls = self._calls(clients, conversations)
-            await self._until(lambda: self._generating("sat"), "sat generating")
+            calls = await self._busy("sat", clients, conversations)
             back = sum(m.cell == "sat" and m.role == ROLLOUT for m in self.changes)
+            done_before = len(self.completed)
             self.tell("sat", DieNow(9))
             await self._finish(calls, conversations)
+            await self._until(lambda: len(self.completed) >= done_before + len(calls), "the calls' records")
+            cells = sorted({m.cell for m in self.completed[done_before:]})
+            self.after_death = f"; the calls in flight at the death completed on {','.join(cells)}"
             await self._until(lambda: sum(m.cell == "sat" and m.role == ROLLOUT for m in self.changes) > back,
                               "sat back in rollout")
             await self._finish(self._calls(clients, conversations), conversations)
@@ -166,14 +169,30 @@ class Load(Actor):
         lost = len(self.lost) + stats.calls_failed + stats.calls_rejected
         reason = (f"{self.calls - len(self.lost)} of {self.calls} agent calls completed, {lost} lost; "
                   f"switches {','.join(self.by_round) or 'none'}; sessions placed {self.placed}; "
-                  f"generations resumed {stats.resumed_generations}")
+                  f"generations resumed {stats.resumed_generations}{self.after_death}")
         if self.lost:
             reason += f"; lost: {'; '.join(self.lost[:4])}"
         return reason, 0 if lost == 0 else 1
 
-    def _generating(self, cell: str) -> bool:
-        load = self.loads.get(cell)
-        return load is not None and load.role == ROLLOUT and load.running_requests > 0
+    async def _busy(self, cell: str, clients: list[Any], conversations: list[list[dict]]) -> list[asyncio.Future]:
+        """Each agent's next call, once `cell`'s engine generates some of them (a few tokens each: the switch or
+        the death comes mid-generation). Calls that all end before that are finished and made again (the turns
+        grow), up to `BUSY_ATTEMPTS` times."""
+        from gyre.engines.sglang_client import SGLangClient
+
+        url = next(m.engine_url for m in reversed(self.changes) if m.cell == cell and m.role == ROLLOUT)
+        async with SGLangClient(url) as engine:
+            for _ in range(BUSY_ATTEMPTS):
+                before = int((await engine.get_load())["generated_tokens_total"])
+                calls = self._calls(clients, conversations)
+                while not all(call.done() for call in calls):
+                    load = await engine.get_load()
+                    running = int(load["running"])
+                    if running and int(load["generated_tokens_total"]) - before >= 4 * running:
+                        return calls
+                    await asyncio.sleep(0.01)
+                await self._finish(calls, conversations)
+        raise TimeoutError(f"{cell} finished every call before it was seen generating, {BUSY_ATTEMPTS} times")
 
     def _calls(self, clients: list[Any], conversations: list[list[dict]]) -> list[asyncio.Future]:
         self.calls += len(clients)

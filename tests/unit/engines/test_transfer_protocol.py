@@ -34,7 +34,7 @@ def test_rdma_needs_a_device_and_each_one_named(tmp_path: Path) -> None:
     two = _sysfs(tmp_path / "two", "mlx5_0", "mlx5_1")
     check_rdma(TransferConfig(protocol="rdma"), two)
     check_rdma(TransferConfig(protocol="rdma", device_name="mlx5_1"), two)
-    with pytest.raises(TransferError, match=r"RDMA devices \['mlx5_7'\] not on this node; it has \['mlx5_0', 'mlx5_1'\]"):
+    with pytest.raises(TransferError, match=r"devices \['mlx5_7'\] not on this node; it has \['mlx5_0', 'mlx5_1'\]"):
         check_rdma(TransferConfig(protocol="rdma", device_name="mlx5_0,mlx5_7"), two)
     check_rdma(TransferConfig(protocol="tcp"), empty)  # TCP needs no device
 

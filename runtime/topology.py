@@ -95,6 +95,9 @@ class Topology:
         self.seed = seed
         self.log_path = log_path
         """Where `gyre run` records the event log when not told otherwise (`--log`); "" records none."""
+        self.checkpoint_dir = ""
+        """The root of the run's full checkpoints (gyre.runtime.checkpoint), where `gyre run --resume` looks; ""
+        when the topology keeps none."""
         self._specs: dict[str, ActorSpec] = {}
         self.cpu_cores_by_process: dict[str, float] = {}
         """Process group -> cores it may use at most (`limit_cpu`); the local-process launcher applies them."""

@@ -1,7 +1,8 @@
 """The trainer a cell hosts: a megatron-core GPTModel in the Qwen3 layout, with flat gradients and parameters.
 
-Cells that train claim micro-steps, run `forward_backward` on each (gradients accumulate), and send
-`grads_to_flat()` to the core, which `add_flat_grads` them and calls `optimizer_step()`. New weights leave as an HF
+Cells that train claim micro-steps and run `forward_backward` on each (gradients accumulate); satellites' summed
+gradients reach the core in reduction rounds over `grad_buffer()` (engines/grad_exchange.py), which the core
+`add_flat_grads` before `optimizer_step()`. New weights leave as an HF
 state dict (`hf_state_dict`, for rollout engines) or as one flat tensor (`flat_params`, for other trainers), so the
 bulk of a move is one contiguous buffer that a transfer engine can register.
 
@@ -535,6 +536,11 @@ class MegatronTrainer:
     def grads_to_flat(self) -> torch.Tensor:
         """A copy of the accumulated gradients, fp32, 1-D, in `param_layout()` order."""
         return self._grads.clone()
+
+    def grad_buffer(self) -> torch.Tensor:
+        """The live flat fp32 gradient buffer, `param_layout()` order (a reduction round reads and then zeroes it in
+        place: no copy of a model-sized buffer per round)."""
+        return self._grads
 
     def add_flat_grads(self, flat: torch.Tensor, scale: float = 1.0) -> None:
         """grads += scale * flat (gradients another trainer computed on its micro-steps)."""

@@ -89,7 +89,8 @@ from gyre.messages.cells import (
 )
 from gyre.messages.executions import ExecutionEnded
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.training import GradientsTaken, MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
+from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded
+from gyre.messages.training import MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
 from gyre.runtime.errors import ConfigError
 from gyre.runtime.launch import node_address
@@ -160,7 +161,10 @@ class CellConfig:
     migrate_timeout_s: float = attrs.field(default=120.0, validator=positive)
     """How long the KV migration of a draining cell may take before the cell aborts and lets the proxy re-prefill."""
     grads_taken_timeout_s: float = attrs.field(default=60.0, validator=positive)
-    """How long a satellite waits for GradientsTaken before giving its send buffer up."""
+    """How long a satellite leaving training waits for the core to take its gradients in a round."""
+    reduce_timeout_s: float = attrs.field(default=60.0, validator=positive)
+    """Bound on every wait of a gradient reduction round (forming its group, each transfer): a member that is dead
+    or this slow fails the round, and its micro-steps are trained again."""
     server_shutdown_s: float = attrs.field(default=10.0, validator=positive)
     """Grace time for the engine server's open requests when it stops (they are aborted anyway)."""
     broker_timeout_s: float = attrs.field(default=10.0, validator=positive)
@@ -233,10 +237,13 @@ class Cell(Actor):
             ClaimSettings(cell=self.name, is_core=config.is_core, claimer=config.claimer, core=config.core,
                           claim_timeout_s=config.claim_timeout_s, claim_retry_s=config.claim_retry_s,
                           grads_taken_timeout_s=config.grads_taken_timeout_s, clip_low=config.clip_low,
-                          clip_high=config.clip_high, chunk_padded_tokens=config.train_chunk_padded_tokens),
+                          clip_high=config.clip_high, chunk_padded_tokens=config.train_chunk_padded_tokens,
+                          reduce_device=config.trainer.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                          reduce_timeout_s=config.reduce_timeout_s),
             ask=self.ask, send=self.send, offload=self.offload, compute_lock=self.compute_lock, log=self.log,
         )
         self._claim_task: asyncio.Task | None = None
+        self._round_task: asyncio.Task | None = None
         self._weights_task: asyncio.Task | None = None
         self.latest_version = 0
         """Newest weight version this cell has heard of (WeightsPublished, StepReady, its own pulls)."""
@@ -281,6 +288,7 @@ class Cell(Actor):
     # ---- resources ----------------------------------------------------------------------------------------
 
     async def _release_all(self) -> None:
+        self.claims.close()
         if self.rollout is not None:
             await self.rollout.close()
             self.rollout = None
@@ -313,7 +321,7 @@ class Cell(Actor):
     async def _build_trainer(self) -> None:
         config = self.config
         self.training = await self.offload(TrainerHost.build, config.model_dir, config.trainer, self.agent,
-                                           config.is_core, self.fence_scratch)
+                                           config.is_core, self.fence_scratch, config.host, config.reduce_timeout_s)
 
     # ---- weights ------------------------------------------------------------------------------------------
 
@@ -547,7 +555,7 @@ class Cell(Actor):
         try:
             await self._timed(phases, "claims_halted_s", self._halt_claims())
             if not self.config.is_core and self.training is not None:
-                if not await self.claims.wait_grads_taken():
+                if not await self._timed(phases, "gradients_flushed_s", self.claims.flush()):
                     self.log.error("gradients_not_taken_before_release")
                 released = self.clock.now()
                 self._release_trainer()
@@ -649,6 +657,8 @@ class Cell(Actor):
     @handler(RoleChanged)
     def on_role_changed(self, msg: RoleChanged) -> None:
         self.peers.on_role_changed(msg)
+        if self.core_steps is not None and msg.cell != self.name and (msg.role != TRAIN or not msg.previous_role):
+            self.core_steps.forget_cell(msg.cell)
 
     @handler(LoadReport)
     def on_load_report(self, msg: LoadReport) -> None:
@@ -688,6 +698,7 @@ class Cell(Actor):
             assert self.core_steps is not None
             if self.core_steps.on_ready(msg):
                 await self._apply_ready_steps()
+                self._maybe_round()
 
     @handler(MicroStepDone)
     async def on_microstep_done(self, msg: MicroStepDone) -> None:
@@ -698,10 +709,51 @@ class Cell(Actor):
         assert self.core_steps is not None
         if await self.core_steps.on_done(msg):
             await self._apply_ready_steps()
+            self._maybe_round()
 
-    @handler(GradientsTaken)
-    def on_gradients_taken(self, msg: GradientsTaken) -> None:
-        self.claims.on_gradients_taken(msg)
+    # ---- gradient reduction rounds (actors/cells/train_role.py says how they go) ------------------------------
+
+    @handler(GradientsHeld)
+    async def on_gradients_held(self, msg: GradientsHeld) -> None:
+        if not self.config.is_core:
+            self.log.error("gradients_held_sent_to_satellite", from_cell=msg.cell, step_id=msg.step_id)
+            return
+        await self.core_ready.wait()
+        assert self.core_steps is not None
+        if self.core_steps.on_held(msg):
+            self._maybe_round()
+
+    @handler(FlushGradients)
+    async def on_flush_gradients(self, msg: FlushGradients) -> RoundEnded:
+        await self.core_ready.wait()
+        assert self.core_steps is not None
+        ended = await self.core_steps.flush(msg)
+        await self._apply_ready_steps()
+        self._maybe_round()
+        return ended
+
+    @handler(JoinReduction)
+    def on_join_reduction(self, msg: JoinReduction) -> None:
+        # A task: the mailbox stays free while the round waits for the compute lock and for its peers.
+        self.spawn(self.claims.join_round(msg, self.training), name=f"{self.name}.round{msg.round_id}")
+
+    @handler(RoundEnded)
+    async def on_round_ended(self, msg: RoundEnded) -> None:
+        await self.claims.on_round_ended(msg)
+
+    def _maybe_round(self) -> None:
+        """Core: start a reduction round when one is due and none is under way."""
+        if self.core_steps is None or (self._round_task is not None and not self._round_task.done()):
+            return
+        if self.core_steps.round_members():
+            self._round_task = self.spawn(self.guarded(self._round()), name=f"{self.name}.round")
+
+    async def _round(self) -> None:
+        assert self.core_steps is not None
+        await self.core_steps.run_round()  # its members are settled when its turn comes
+        await self._apply_ready_steps()
+        self._round_task = None
+        self._maybe_round()
 
     @handler(WeightsDigestAsked)
     async def on_weights_digest_asked(self, msg: WeightsDigestAsked) -> WeightsDigest:

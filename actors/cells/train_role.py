@@ -4,16 +4,25 @@ Gradient exchange, end to end:
 - every train-role cell runs a claim loop: ClaimMicroStep -> forward/backward on the granted samples (the loss
   normalised by the whole step's execution count, so summed micro-steps give the step's mean) -> report;
 - the core's own gradients accumulate straight into its trainer and it reports `MicroStepDone(grad_peer="")` to
-  itself; a satellite copies its gradients into a registered send buffer, zeroes its trainer and tells the core
-  `MicroStepDone` with the buffer's descriptor; it reuses the buffer only after the core's `GradientsTaken`, and
-  meanwhile already computes the next micro-step;
-- the core pulls a satellite's gradients through Mooncake and adds them, and only then forwards the
-  `MicroStepDone` to the claimer (and frees the satellite's buffer with GradientsTaken). So the claimer counts a
-  micro-step done exactly when its gradients are in the core: if the pull fails (the satellite died or switched
-  away) the core hands the micro-step back with `ReleaseMicroStep` and it is trained again elsewhere;
-- the core adds each (step, micro-step) once: a second copy (the claimer re-queued a micro-step whose gradients
-  were on their way) is dropped, and a micro-step the core computes itself is reserved before its compute starts,
+  itself, which it forwards to the claimer; a micro-step the core computes is reserved before its compute starts,
   because its gradients land in the trainer as they are computed and could not be taken out again;
+- a satellite's gradients accumulate in its own trainer, micro-step after micro-step; it notes each one under its
+  compute lock and tells the core `GradientsHeld` (no bytes move);
+- a *reduction round* (engines/grad_exchange.py) brings them in: when the lowest open step has every micro-step
+  done, in compute on the core or held by a satellite, or when a satellite leaves training (`FlushGradients`), the
+  core asks the holders to `JoinReduction`; each leaves its list of held micro-steps in the core's rendezvous store
+  and reduces its buffer over a torch.distributed group (gloo on CPU, NCCL on CUDA) into the core, and zeroes it.
+  The core receives one buffer's worth of bytes (S) and each satellite sends S, however many join; a parameter
+  server would receive S per satellite. The core counts exactly the members' lists (micro-steps whose
+  GradientsHeld is still on the bus included), forwards each as MicroStepDone to the claimer, adds the sum to its
+  gradients, and tells every member `RoundEnded`;
+- a round that fails (a member dead, slow past the group's timeout, a bad list) or whose lists overlap each other or
+  what is in already (the claimer re-queued a micro-step a satellite still held: a buffer cannot give one
+  micro-step back) counts nothing: each member hands what it brought back with `ReleaseMicroStep` on
+  `RoundEnded(counted=False)`, and it is trained again. A GradientsHeld older than the satellite's last round is
+  void (that round counted it or handed it back);
+- membership: a round's group is the core plus the satellites it names; the group is formed when a membership is
+  new (a satellite joined training, one left, or the last round failed) and reused while it holds;
 - when the claimer's `StepReady` has fixed the step's size and all its micro-steps are in, the core runs the
   optimizer step (fence -1 while it writes, see actors/cells/weight_pull.py) and publishes `StepApplied`; the broker
   announces the new weights;
@@ -22,8 +31,8 @@ Gradient exchange, end to end:
   up, so the claimer moves to the next step (same base version), the task source's gate counts the step (it counts
   steps, not versions) and the broker publishes nothing (no new weights). Bumping the version instead would tag
   identical weights as new and make every rollout engine reload them.
-A cell can only claim micro-steps whose base version equals its weights (the claimer enforces it), so the core's
-gradient buffer never mixes two steps.
+A cell can only claim micro-steps whose base version equals its weights (the claimer enforces it), so no gradient
+buffer ever mixes two steps.
 
 Who does what: `TrainerHost`, `CoreSteps` and `ClaimLoop` never see the cell. They take explicit inputs (values,
 `ClaimSettings`, the cell's compute lock, `offload`/`send`/`ask` callables, the trainer host) and return results;
@@ -35,7 +44,9 @@ the cell (actors/cells/cell.py) owns all state and sequences: it runs the claim 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
+import json
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -44,13 +55,14 @@ import torch
 
 from gyre.actors.cells.weight_pull import pull_weights, source_from_layout
 from gyre.actors.errors import ActorError
+from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember, RendezvousServer
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
+from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.samples import TrainingSample
 from gyre.messages.training import (
     ClaimGranted,
     ClaimMicroStep,
-    GradientsTaken,
     MicroStepDone,
     ReleaseMicroStep,
     StepApplied,
@@ -82,14 +94,18 @@ class GradientBufferError(ActorError, ValueError):
 
 
 class TrainerHost:
-    """A MegatronTrainer plus the memory it shares through the cell's transfer agent.
+    """A MegatronTrainer plus the memory it shares through the cell's transfer agent and its side of the gradient
+    reduction rounds.
 
-    Registered: the live flat parameter buffer (the core serves pulls from it; a satellite pulls into it), on the
-    core the fence and a gradient receive buffer, on a satellite a gradient send buffer. Every method blocks: the
-    cell calls them off the event loop, one at a time (under its compute lock).
+    Registered with Mooncake: the live flat parameter buffer (the core serves pulls from it; a satellite pulls into
+    it) and, on the core, the fence. Gradients never go through Mooncake: a satellite's stay summed in its trainer
+    until a round (engines/grad_exchange.py) reduces them into the core's `reduced` buffer; the core's rendezvous
+    store is where each round's members meet. Every method blocks: the cell calls them off the event loop, the
+    compute ones one at a time (under its compute lock), the round ones on the host's own reduction thread.
     """
 
-    def __init__(self, trainer: MegatronTrainer, agent: Any, is_core: bool, fence_scratch: torch.Tensor) -> None:
+    def __init__(self, trainer: MegatronTrainer, agent: Any, is_core: bool, fence_scratch: torch.Tensor,
+                 address: str = "127.0.0.1", reduce_timeout_s: float = 60.0) -> None:
         self.trainer = trainer
         self.agent = agent
         self.is_core = is_core
@@ -97,19 +113,23 @@ class TrainerHost:
         self.params = trainer.param_buffer()
         self._registered: list[torch.Tensor] = []
         self._register(self.params)
-        numel = self.params.numel()
         self.fence = torch.full((1,), trainer.version, dtype=torch.int64)
-        self.grads_in = torch.zeros(numel, dtype=torch.float32) if is_core else None
-        self.grads_out = None if is_core else torch.zeros(numel, dtype=torch.float32)
-        for buffer in (self.fence if is_core else None, self.grads_in, self.grads_out):
-            if buffer is not None:
-                self._register(buffer)
+        if is_core:
+            self._register(self.fence)
+        self.address = address
+        self.rendezvous = RendezvousServer(address, reduce_timeout_s) if is_core else None
+        self.member = (ReductionMember(trainer.device.type, reduce_timeout_s, store=self.rendezvous.store)
+                       if self.rendezvous else None)
+        """Core: its side of every round (a satellite's member lives with its claim loop, across trainers)."""
+        self.reduced = torch.zeros_like(self.params) if is_core else None
+        """Core: the satellites' sum from the last round (added to the trainer only once the round checks out)."""
 
     @classmethod
     def build(
-        cls, model_dir: str, config: TrainerConfig, agent: Any, is_core: bool, fence_scratch: torch.Tensor
+        cls, model_dir: str, config: TrainerConfig, agent: Any, is_core: bool, fence_scratch: torch.Tensor,
+        address: str = "127.0.0.1", reduce_timeout_s: float = 60.0,
     ) -> TrainerHost:
-        return cls(MegatronTrainer(model_dir, config), agent, is_core, fence_scratch)
+        return cls(MegatronTrainer(model_dir, config), agent, is_core, fence_scratch, address, reduce_timeout_s)
 
     def _register(self, buffer: torch.Tensor) -> None:
         self.agent.register_tensor(buffer)
@@ -118,6 +138,10 @@ class TrainerHost:
     @property
     def version(self) -> int:
         return self.trainer.version
+
+    @property
+    def numel(self) -> int:
+        return self.params.numel()
 
     # ---- compute ------------------------------------------------------------------------------------------
 
@@ -138,35 +162,32 @@ class TrainerHost:
             parts.append(self.trainer.forward_backward(batch.input_ids, batch.lengths, loss_fn, batch.temperatures))
         return combine_chunk_metrics(parts)
 
-    # ---- gradients ----------------------------------------------------------------------------------------
+    # ---- gradients: reduction rounds ----------------------------------------------------------------------
 
-    def export_grads(self) -> tuple[int, int]:
-        """Satellite: move the accumulated gradients into the send buffer and zero the trainer's.
-        Returns the buffer's (addr, nbytes). The caller must know the previous contents were taken."""
-        assert self.grads_out is not None, "only a satellite exports gradients"
-        self.grads_out.copy_(self.trainer.grads_to_flat())
+    def reduce_as_core(self, round_id: int, group_id: int, size: int) -> tuple[ReductionBytes, list[bytes]]:
+        """Core: run its side of a round (the satellites' sum into `reduced`) and read every member's held list.
+        Raises GradientExchangeError."""
+        assert self.member is not None and self.rendezvous is not None and self.reduced is not None, \
+            "only the core leads a round"
+        moved = self.member.reduce(self.address, self.rendezvous.port, group_id, 0, size, self.reduced)
+        return moved, [self.member.read_held(round_id, rank) for rank in range(1, size)]
+
+    def add_reduced(self) -> None:
+        """Core: the last round's sum into the step's gradients (under the compute lock)."""
+        assert self.reduced is not None
+        self.trainer.add_flat_grads(self.reduced)
+
+    def reduce_as_member(self, member: ReductionMember, join: JoinReduction, payload: bytes) -> ReductionBytes:
+        """Satellite: leave the held list, reduce the trainer's gradients into the core, and zero them whatever the
+        outcome (the core counts them or hands them back). Raises GradientExchangeError."""
+        try:
+            return join_round(member, join, payload, self.trainer.grad_buffer())
+        finally:
+            self.trainer.zero_grads()
+
+    def discard_grads(self) -> None:
+        """Satellite: drop what its buffer holds (a micro-step failed halfway and polluted it)."""
         self.trainer.zero_grads()
-        return int(self.grads_out.data_ptr()), self.grads_out.numel() * self.grads_out.element_size()
-
-    def renew_grads_out(self) -> None:
-        """Satellite: give up the send buffer (its reader never confirmed) and register a fresh one, so that a late
-        reader fails loudly instead of reading new gradients as old ones."""
-        assert self.grads_out is not None
-        self.agent.unregister_tensor(self.grads_out)
-        self._registered.remove(self.grads_out)
-        self.grads_out = torch.zeros_like(self.grads_out)
-        self._register(self.grads_out)
-
-    def take_grads(self, peer: str, addr: int, nbytes: int) -> int:
-        """Core: pull a satellite's flat gradients and add them to the step's. Raises TransferError,
-        GradientBufferError."""
-        assert self.grads_in is not None, "only the core takes gradients"
-        expected = self.grads_in.numel() * self.grads_in.element_size()
-        if nbytes != expected:
-            raise GradientBufferError(f"gradient buffer of {nbytes} bytes from {peer}; this model's is {expected}")
-        moved = self.agent.pull_tensor(peer, addr, self.grads_in)
-        self.trainer.add_flat_grads(self.grads_in)
-        return moved
 
     def apply_step(self) -> dict[str, Any]:
         """Core: the optimizer step, with the fence showing -1 while the parameters change."""
@@ -195,10 +216,44 @@ class TrainerHost:
         return hashlib.sha256(self.params.numpy().tobytes()).hexdigest()
 
     def close(self) -> None:
-        """Unregister every buffer (peers' transfers into them fail from now on)."""
+        """Unregister every buffer (peers' transfers into them fail from now on), leave the round group."""
         for buffer in self._registered:
             self.agent.unregister_tensor(buffer)
         self._registered.clear()
+        if self.member is not None:
+            self.member.drop()
+
+
+def join_round(member: ReductionMember, join: JoinReduction, payload: bytes, grads: torch.Tensor) -> ReductionBytes:
+    """A member's side of a round: its held list into the store, then its gradients into the core."""
+    if grads.numel() != join.numel:
+        raise GradientBufferError(f"round {join.round_id} reduces {join.numel} elements; this buffer has "
+                                  f"{grads.numel()} (another model)")
+    member.publish_held(join.store_host, join.store_port, join.round_id, join.rank, payload)
+    return member.reduce(join.store_host, join.store_port, join.group_id, join.rank, join.size, grads)
+
+
+def encode_held(entries: Sequence[GradientsHeld]) -> bytes:
+    """A held list for the store: [[step, index, tokens, loss], ...] as JSON."""
+    return json.dumps([[e.step_id, e.microstep_index, e.num_tokens, e.loss] for e in entries]).encode()
+
+
+def decode_held(cell: str, payload: bytes) -> list[MicroStepDone]:
+    """The micro-steps of a member's held list, as the MicroStepDone the claimer counts. Raises GradientBufferError
+    for anything but a list of [int, int, int, number]."""
+    try:
+        rows = json.loads(payload)
+    except ValueError as error:
+        raise GradientBufferError(f"held list of {cell} is not JSON: {error}") from None
+    if not isinstance(rows, list):
+        raise GradientBufferError(f"held list of {cell} is not a list")
+    out = []
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 4 and all(type(v) is int for v in row[:3])
+                and isinstance(row[3], (int, float))):
+            raise GradientBufferError(f"held list of {cell} has a bad entry {row!r}")
+        out.append(MicroStepDone(cell, row[0], row[1], "", 0, 0, row[2], float(row[3])))
+    return out
 
 
 @attrs.define
@@ -297,13 +352,14 @@ class StepTracker:
 
 
 class CoreSteps:
-    """The core's side of gradient exchange: take gradients in, apply complete steps in order.
+    """The core's side of gradient exchange: count its own micro-steps, lead the reduction rounds that bring the
+    satellites' in, apply complete steps in order.
 
     Explicit inputs, no cell: the core's trainer host, the names it talks to, the cell's compute lock, and how to
-    offload blocking work and send a message. It sends what the exchange itself needs (GradientsTaken to a
-    satellite, ReleaseMicroStep or the MicroStepDone itself to the claimer) and returns what the cell acts on:
-    whether a micro-step counted in (then the cell applies what is complete), and each applied step's StepApplied
-    (the cell publishes it and decides what follows: the engine's weights, a checkpoint).
+    offload blocking work and send a message. It sends what the exchange itself needs (JoinReduction and RoundEnded
+    to a round's members, the counted MicroStepDone to the claimer) and returns what the cell acts on: whether a
+    micro-step counted in or a round should run (`round_members`), and each applied step's StepApplied (the cell
+    publishes it and decides what follows: the engine's weights, a checkpoint).
     """
 
     def __init__(
@@ -322,34 +378,172 @@ class CoreSteps:
         self.tracker = StepTracker()
         self.steps_applied = 0
         self.steps_skipped = 0
+        self.marks: dict[str, dict[tuple[int, int], GradientsHeld]] = {}
+        """Satellite -> the micro-steps it reported holding (for deciding when a round runs; what a round counts
+        is the members' own held lists)."""
+        self.last_round_of: dict[str, int] = {}
+        self.last_ended: dict[str, RoundEnded] = {}
+        self.flush_requests: set[str] = set()
+        self.round_id = 0
+        self.group_id = 0
+        self._group_members: tuple[str, ...] = ()
+        self._group_ok = False
+        self.round_lock = asyncio.Lock()
+        self.reduction_thread = concurrent.futures.ThreadPoolExecutor(1, "core-gradient-rounds")
+        """A round blocks on its members for up to the group's timeout: a thread of its own never starves (or is
+        starved by) compute, whatever else shares the process."""
+        self.rounds = self.rounds_counted = self.rounds_failed = 0
+        self.bytes_received = 0
+        self.last_round_bytes = 0
 
     async def on_done(self, msg: MicroStepDone) -> bool:
-        """Count a micro-step in: pull a satellite's gradients and add them, tell the claimer and the satellite.
-        True when it counted (a step may be complete now); False for a duplicate or stale report, or gradients
-        that could not be pulled (the micro-step then goes back to the claimer)."""
-        host = self.host
-        if not self.tracker.accept(msg, own=msg.cell == self.me):
+        """Count one of the core's own micro-steps in (its gradients are in its trainer already) and tell the
+        claimer. True when it counted (a step may be complete now); False for a duplicate or stale report, or a
+        report from a satellite (satellites report GradientsHeld; their micro-steps count after a round)."""
+        if msg.cell != self.me:
+            self.log.error("microstep_done_from_a_satellite_ignored", from_cell=msg.cell, step_id=msg.step_id,
+                           index=msg.microstep_index)
+            return False
+        if not self.tracker.accept(msg, own=True):
             self.log.warning("microstep_done_ignored", from_cell=msg.cell, step_id=msg.step_id,
                              index=msg.microstep_index, applied_through=self.tracker.applied_through)
-            if msg.grad_peer:
-                await self.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
             return False
-        if msg.grad_peer:
-            try:
-                async with self.compute_lock:
-                    await self.offload(host.take_grads, msg.grad_peer, msg.grad_addr, msg.grad_nbytes)
-            except (ValueError, RuntimeError) as error:  # TransferError is a RuntimeError
-                self.tracker.forget(msg.step_id, msg.microstep_index)
-                self.log.error("gradients_lost_requeued", from_cell=msg.cell, step_id=msg.step_id,
-                               index=msg.microstep_index, error=str(error))
-                await self.send(self.claimer, ReleaseMicroStep(msg.cell, msg.step_id, msg.microstep_index))
-                return False
-        # The claimer hears first, the satellite second: a satellite that switches away after GradientsTaken then
-        # announces it only after the claimer already counted its last micro-step (no needless re-queue).
         await self.send(self.claimer, msg)
-        if msg.grad_peer:
-            await self.send(msg.cell, GradientsTaken(msg.step_id, msg.microstep_index))
         return True
+
+    # ---- gradient reduction rounds ------------------------------------------------------------------------
+
+    def on_held(self, msg: GradientsHeld) -> bool:
+        """Note that a satellite holds a micro-step's gradients. False (nothing noted) for a report older than the
+        satellite's last round (that round counted it or handed it back) or for a micro-step already in."""
+        if msg.after_round < self.last_round_of.get(msg.cell, 0):
+            self.log.info("gradients_held_report_void", from_cell=msg.cell, step_id=msg.step_id,
+                          index=msg.microstep_index, after_round=msg.after_round)
+            return False
+        progress = self.tracker.open.get(msg.step_id)
+        if msg.step_id <= self.tracker.applied_through or (progress and msg.microstep_index in progress.done):
+            self.log.warning("gradients_held_for_what_is_in", from_cell=msg.cell, step_id=msg.step_id,
+                             index=msg.microstep_index)
+            return False
+        self.marks.setdefault(msg.cell, {})[(msg.step_id, msg.microstep_index)] = msg
+        return True
+
+    def forget_cell(self, cell: str) -> None:
+        """A satellite left training or restarted: what it reported holding is gone (the claimer re-queues it)."""
+        if self.marks.pop(cell, None):
+            self.log.info("held_gradients_forgotten", cell=cell)
+        self.flush_requests.discard(cell)
+
+    def round_members(self) -> tuple[str, ...]:
+        """Who should join a round now (empty: no round). A round runs when a satellite asked to flush, or when the
+        lowest open step has every micro-step in, in compute on the core, or held by a satellite."""
+        holders = sorted(cell for cell, marks in self.marks.items() if marks)
+        if self.flush_requests:
+            return tuple(sorted(set(holders) | self.flush_requests))
+        if not self.tracker.open:
+            return ()
+        progress = self.tracker.open[min(self.tracker.open)]
+        if progress.ready is None:
+            return ()
+        held = {index for marks in self.marks.values() for (step, index) in marks if step == progress.step_id}
+        if not held or len(held | set(progress.done) | progress.reserved) < progress.ready.num_microsteps:
+            return ()
+        return tuple(sorted(c for c in holders if any(step == progress.step_id for step, _ in self.marks[c])))
+
+    def _check_lists(self, members: Sequence[str], lists: Sequence[Sequence[MicroStepDone]]) -> str:
+        """Why a round's sum cannot be counted ("" when it can): a micro-step twice in it, or one already in or in
+        compute on the core (a buffer cannot give one micro-step's gradients back, so the whole sum goes)."""
+        seen: set[tuple[int, int]] = set()
+        for cell, entries in zip(members, lists):
+            for done in entries:
+                key = (done.step_id, done.microstep_index)
+                progress = self.tracker.open.get(done.step_id)
+                if key in seen:
+                    return f"micro-step {key} is in two members' buffers"
+                if done.step_id <= self.tracker.applied_through or (
+                        progress and (done.microstep_index in progress.done
+                                      or done.microstep_index in progress.reserved)):
+                    return f"micro-step {key} from {cell} is in already (or in compute on the core)"
+                if progress is not None and progress.ready is not None and \
+                        done.microstep_index >= progress.ready.num_microsteps:
+                    return f"micro-step {key} from {cell} is outside its step"
+                seen.add(key)
+        return ""
+
+    async def run_round(self, members: tuple[str, ...] | None = None) -> RoundEnded | None:
+        """One reduction round with `members` (satellites; the core is rank 0; None: `round_members()` once the
+        round's turn comes, and no round when that is empty): ask them to join, run the core's side, count the
+        micro-steps of their held lists in (then the cell applies what is complete) or, when the round failed or its
+        sum cannot be counted, count nothing (each member hands its micro-steps back). Every member hears
+        RoundEnded. Rounds run one at a time."""
+        host = self.host
+        assert host.rendezvous is not None
+        async with self.round_lock:
+            if members is None:
+                members = self.round_members()
+                if not members:
+                    return None
+            self.flush_requests -= set(members)
+            if members != self._group_members or not self._group_ok:
+                self.group_id += 1
+                self._group_members = members
+            self.round_id += 1
+            round_id, size = self.round_id, len(members) + 1
+            for rank, cell in enumerate(members, 1):
+                await self.send(cell, JoinReduction(round_id, self.group_id, rank, size, host.address,
+                                                    host.rendezvous.port, host.numel))
+            loop = asyncio.get_running_loop()
+            lists: list[list[MicroStepDone]] = []
+            try:
+                moved, payloads = await loop.run_in_executor(self.reduction_thread, host.reduce_as_core, round_id,
+                                                             self.group_id, size)
+                lists = [decode_held(cell, payload) for cell, payload in zip(members, payloads)]
+                reason = self._check_lists(members, lists)
+                self._group_ok = True
+            except (GradientExchangeError, GradientBufferError) as error:
+                reason, moved = str(error), None
+                self._group_ok = False
+            for cell in members:
+                self.last_round_of[cell] = round_id
+                self.marks[cell] = {k: m for k, m in self.marks.get(cell, {}).items() if m.after_round >= round_id}
+            entries = [done for entries in lists for done in entries]
+            if not reason:
+                async with self.compute_lock:
+                    await self.offload(host.add_reduced)
+                for done in entries:
+                    self.tracker.accept(done)
+                    await self.send(self.claimer, done)
+                self.rounds_counted += 1
+            else:
+                self.rounds_failed += 1
+            if moved is not None:
+                self.bytes_received += moved.received
+                self.last_round_bytes = moved.received
+            self.rounds += 1
+            ended = RoundEnded(round_id, not reason, len(entries), reason)
+            log = self.log.info if not reason else self.log.error
+            log("gradient_round_ended", round=round_id, group=self.group_id, members=list(members),
+                counted=not reason, microsteps=len(entries), reason=reason,
+                received_bytes=moved.received if moved else 0, join_s=round(host.member.last_join_s, 4))
+            for cell in members:
+                self.last_ended[cell] = ended
+                await self.send(cell, ended)
+            return ended
+
+    async def flush(self, msg: FlushGradients) -> RoundEnded:
+        """A satellite leaves: the RoundEnded of a round that took its buffer after `msg.after_round` (the round under
+        way may be it: it ends first), or of one run now for it and whoever else holds gradients."""
+        while True:
+            ended = self.last_ended.get(msg.cell)
+            if ended is not None and ended.round_id > msg.after_round:
+                return ended
+            if self.round_lock.locked():
+                async with self.round_lock:  # let the round under way end: it may be the one that takes it
+                    pass
+                continue
+            self.flush_requests.add(msg.cell)
+            if await self.run_round() is None:  # forgotten meanwhile (it restarted or left): nothing to take
+                return RoundEnded(0, True, 0, "nothing held")
 
     def on_ready(self, msg: StepReady) -> bool:
         """Record a step's size. True when it is news (a step may be complete now); False for a step applied."""
@@ -419,13 +613,23 @@ class ClaimSettings:
     claim_retry_s: float
     """Pause before claiming again after a failed claim."""
     grads_taken_timeout_s: float
-    """How long a satellite waits for GradientsTaken before giving its send buffer up."""
+    """How long a leaving satellite waits for the core to take its gradients in a round (FlushGradients)."""
     clip_low: float
     """GSPO lower clip range."""
     clip_high: float
     """GSPO upper clip range."""
     chunk_padded_tokens: int
     """Most padded tokens per compute chunk of a micro-step."""
+    reduce_device: str = "cpu"
+    """Where a satellite's trainer keeps its gradients ("cpu": gloo rounds, "cuda": NCCL)."""
+    reduce_timeout_s: float = 60.0
+    """Bound on every wait of a reduction round (forming its group, each transfer)."""
+
+    @property
+    def held_rounds_kept(self) -> int:
+        """Rounds whose held lists a satellite keeps until their RoundEnded (one is ever open; a few cover late
+        news): bounded so a core that never answers cannot grow them."""
+        return 8
 
 
 class ClaimLoop:
@@ -433,8 +637,8 @@ class ClaimLoop:
     The cell runs it over and over (a satellite first catches its trainer up) until it asks the loop to halt.
 
     Halting lets a micro-step whose compute started finish and report (it is one forward/backward); a grant that
-    arrives after the halt was asked for is handed back with ReleaseMicroStep, untouched. A satellite's send buffer
-    is reused only after the core's GradientsTaken for what it last sent.
+    arrives after the halt was asked for is handed back with ReleaseMicroStep, untouched. A satellite keeps what it
+    computed in its trainer until a round takes it (`join_round`); leaving, it asks for one (`flush`).
 
     Explicit inputs, no cell: its settings, how to ask, send and offload, the cell's compute lock; each claim gets
     the trainer host to compute with, and on the core the StepTracker to reserve its own micro-steps in.
@@ -453,9 +657,21 @@ class ClaimLoop:
         self._halt = asyncio.Event()
         self.computed = 0
         self.released = 0
-        self._outstanding: tuple[int, int] | None = None
-        self._grads_free = asyncio.Event()
-        self._grads_free.set()
+        self.held: list[GradientsHeld] = []
+        """Satellite: the micro-steps summed in its trainer's gradients since its last round."""
+        self.last_round = 0
+        """Satellite: the last round it joined."""
+        self._in_rounds: dict[int, list[GradientsHeld]] = {}
+        """Satellite: what it brought to each round whose RoundEnded has not come yet (handed back if not counted)."""
+        self._round_news = asyncio.Event()
+        self._joining = 0
+        """Satellite: rounds it is joining now (waiting for its compute lock or moving bytes)."""
+        self.member = None if settings.is_core else ReductionMember(settings.reduce_device, settings.reduce_timeout_s)
+        self.reduction_thread = concurrent.futures.ThreadPoolExecutor(1, f"{settings.cell}-gradient-rounds")
+        self.rounds_joined = 0
+        self.rounds_failed = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     def resume(self) -> None:
         """Claim again (the cell entered the train role)."""
@@ -469,18 +685,86 @@ class ClaimLoop:
     def halting(self) -> bool:
         return self._halt.is_set()
 
-    def on_gradients_taken(self, msg: GradientsTaken) -> None:
-        if self._outstanding == (msg.step_id, msg.microstep_index):
-            self._outstanding = None
-            self._grads_free.set()
+    # ---- satellite: reduction rounds ----------------------------------------------------------------------
 
-    async def wait_grads_taken(self) -> bool:
-        """Satellite: wait until the core took the last gradients sent (bounded). False on timeout."""
+    async def join_round(self, msg: JoinReduction, host: TrainerHost | None) -> None:
+        """Satellite: bring the held gradients to the core's round (a cell without a trainer any more brings zeros
+        and an empty list, so the round never waits for it). The buffer is zeroed whatever the outcome; what it held
+        waits for the round's RoundEnded (handed back unless counted)."""
+        assert self.member is not None, "the core leads rounds, it does not join them"
+        loop = asyncio.get_running_loop()
+        self._joining += 1
         try:
-            await asyncio.wait_for(self._grads_free.wait(), self.settings.grads_taken_timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
+            await self._join_round(msg, host, loop)
+        finally:
+            self._joining -= 1
+            self._round_news.set()
+
+    async def _join_round(self, msg: JoinReduction, host: TrainerHost | None, loop: asyncio.AbstractEventLoop) -> None:
+        async with self.compute_lock:  # no micro-step adds to the buffer while it is reduced
+            entries, self.held = self.held, []
+            self.last_round = max(self.last_round, msg.round_id)
+            self._in_rounds[msg.round_id] = entries
+            while len(self._in_rounds) > self.settings.held_rounds_kept:
+                self._in_rounds.pop(min(self._in_rounds))
+            payload = encode_held(entries)
+            try:
+                if host is None:
+                    moved = await loop.run_in_executor(self.reduction_thread, join_round, self.member, msg, payload,
+                                                       torch.zeros(msg.numel, dtype=torch.float32))
+                else:
+                    moved = await loop.run_in_executor(self.reduction_thread, host.reduce_as_member, self.member,
+                                                       msg, payload)
+            except (GradientExchangeError, GradientBufferError) as error:
+                self.rounds_failed += 1
+                self.log.error("gradient_round_failed_here", round=msg.round_id, held=len(entries), error=str(error))
+            else:
+                self.rounds_joined += 1
+                self.bytes_sent += moved.sent
+                self.bytes_received += moved.received
+                self.log.info("gradient_round_joined", round=msg.round_id, rank=msg.rank, size=msg.size,
+                              held=len(entries), sent_bytes=moved.sent, received_bytes=moved.received,
+                              join_s=round(self.member.last_join_s, 4))
+
+    async def on_round_ended(self, msg: RoundEnded) -> None:
+        """Satellite: a round it joined ended; if the core did not count it, hand its micro-steps back."""
+        entries = self._in_rounds.pop(msg.round_id, [])
+        if not msg.counted:
+            self.log.error("gradient_round_not_counted_released", round=msg.round_id, microsteps=len(entries),
+                           reason=msg.reason)
+            for held in entries:
+                self.released += 1
+                await self.send(self.settings.claimer, ReleaseMicroStep(self.settings.cell, held.step_id,
+                                                                        held.microstep_index))
+        self._round_news.set()
+
+    async def flush(self) -> bool:
+        """Satellite leaving the train role (claims halted): have the core take what it holds in a round, and wait
+        until every round it brought gradients to has ended (bounded). True when nothing is left in its hands."""
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.grads_taken_timeout_s
+        if self.held:
+            try:
+                await self.ask(settings.core, FlushGradients(settings.cell, self.last_round),
+                               timeout_s=settings.grads_taken_timeout_s)
+            except GyreError as error:
+                self.log.error("gradients_not_flushed", held=len(self.held), error=str(error))
+                return False
+        # A round's RoundEnded may come after the reply, and a round may be joining right now: wait for them (the
+        # RoundEnded handler hands back what was not counted).
+        while (self._in_rounds or self._joining) and loop.time() < deadline:
+            self._round_news.clear()
+            try:
+                await asyncio.wait_for(self._round_news.wait(), max(0.001, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                break
+        return not self.held and not self._in_rounds and not self._joining
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.drop()
+        self.reduction_thread.shutdown(wait=False)
 
     async def _pause(self, seconds: float) -> None:
         try:
@@ -517,19 +801,34 @@ class ClaimLoop:
             # A satellite's gradients for it reached the core already (the claimer re-queued it in between).
             self.log.info("microstep_already_in", step_id=grant.step_id, index=grant.microstep_index)
             return
-        try:
-            async with self.compute_lock:
+        failure: ValueError | None = None
+        discarded: list[GradientsHeld] = []
+        async with self.compute_lock:
+            try:
                 metrics = await self.offload(host.compute, grant.samples, grant.num_executions_in_step,
                                              settings.clip_low, settings.clip_high, settings.chunk_padded_tokens)
-        except ValueError as error:  # bad samples (LossInputError, TrainerError): hand it back, say loudly why
+            except ValueError as error:  # bad samples (LossInputError, TrainerError): hand it back, say loudly why
+                failure = error
+                if not settings.is_core:
+                    # Its buffer may hold part of the failed micro-step: what it held goes back with it.
+                    await self.offload(host.discard_grads)
+                    discarded, self.held = self.held, []
+            else:
+                if not settings.is_core:
+                    # Noted under the lock: a round's snapshot of `held` is exactly what the buffer sums.
+                    held = GradientsHeld(settings.cell, grant.step_id, grant.microstep_index,
+                                         int(metrics["num_tokens"]), float(metrics["loss"]), self.last_round)
+                    self.held.append(held)
+        if failure is not None:
             if tracker is not None:
                 tracker.unreserve(grant.step_id, grant.microstep_index)
-            self.released += 1
+            self.released += 1 + len(discarded)
             self.log.error("microstep_failed_released", step_id=grant.step_id, index=grant.microstep_index,
-                           error=str(error))
-            if not settings.is_core:
-                host.trainer.zero_grads()
+                           error=str(failure), held_released=len(discarded))
             await self.send(settings.claimer, ReleaseMicroStep(settings.cell, grant.step_id, grant.microstep_index))
+            for entry in discarded:
+                await self.send(settings.claimer, ReleaseMicroStep(settings.cell, entry.step_id,
+                                                                   entry.microstep_index))
             return
         self.computed += 1
         tokens, loss = int(metrics["num_tokens"]), float(metrics["loss"])
@@ -542,13 +841,4 @@ class ClaimLoop:
             await self.send(settings.cell, MicroStepDone(settings.cell, grant.step_id, grant.microstep_index, "", 0, 0,
                                                          tokens, loss))
             return
-        if not await self.wait_grads_taken():
-            self.log.error("gradients_never_taken", outstanding=self._outstanding)
-            async with self.compute_lock:
-                await self.offload(host.renew_grads_out)
-        async with self.compute_lock:
-            addr, nbytes = await self.offload(host.export_grads)
-        self._outstanding = (grant.step_id, grant.microstep_index)
-        self._grads_free.clear()
-        await self.send(settings.core, MicroStepDone(settings.cell, grant.step_id, grant.microstep_index,
-                                                     host.agent.peer, addr, nbytes, tokens, loss))
+        await self.send(settings.core, held)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import types
 
 import attrs
@@ -15,7 +16,15 @@ import torch
 from gyre.actors.cells.cell import Cell, CellConfig
 from gyre.actors.cells.kv_migrator import KVMigratorConfig
 from gyre.actors.cells.rollout_role import PeerView, RecentSessions
-from gyre.actors.cells.train_role import CoreSteps, GradientBufferError, StepTracker, TrainerHost
+from gyre.actors.cells.train_role import (
+    CoreSteps,
+    GradientBufferError,
+    StepTracker,
+    TrainerHost,
+    decode_held,
+    encode_held,
+    join_round,
+)
 from gyre.actors.cells.weight_broker import NO_SOURCE, WeightBroker, WeightBrokerConfig
 from gyre.actors.cells.weight_pull import (
     StaleWeights,
@@ -28,9 +37,11 @@ from gyre.actors.cells.weight_pull import (
 )
 from gyre.actors.errors import ActorError
 from gyre.engines.embedded_engine import EngineConfig
+from gyre.engines.grad_exchange import ReductionMember
 from gyre.engines.trainer import ParamSlot, TrainerConfig
 from gyre.engines.transfer import TransferAgent
 from gyre.messages.cell_internal import WeightsDigest, WeightsDigestAsked, WeightsQuery
+from gyre.messages.gradient_rounds import GradientsHeld, JoinReduction
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, CellDraining, LoadReport, RoleChanged, SwitchRole
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.samples import TrainingSample
@@ -124,6 +135,48 @@ class _CheckpointingCore:
 
     async def send(self, to, msg):
         raise AssertionError(f"a checkpoint sends nothing, yet {msg!r} went to {to}")
+
+
+def _round_ledger() -> CoreSteps:
+    log = types.SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None)
+    return CoreSteps(types.SimpleNamespace(), me="core", claimer="claimer", checkpoint_dir="",
+                     compute_lock=asyncio.Lock(), offload=None, send=None, log=log)
+
+
+def held(cell, index, after_round=0, step=0):
+    return GradientsHeld(cell, step, index, 10, 0.5, after_round)
+
+
+def test_a_round_is_due_once_every_micro_step_of_the_step_is_in_computed_or_held():
+    steps = _round_ledger()
+    assert steps.on_held(held("a", 0)) and steps.on_held(held("b", 1))
+    assert steps.round_members() == ()  # the step's size is not known yet
+    steps.on_ready(StepReady(0, 4, 4, 4, 0))
+    steps.tracker.reserve(0, 2)  # the core computes micro-step 2
+    assert steps.round_members() == ()  # micro-step 3 is nobody's yet
+    assert steps.on_held(held("b", 3))
+    assert steps.round_members() == ("a", "b")
+    # A satellite that leaves asks for a round now, with whoever else holds gradients.
+    steps.flush_requests.add("c")
+    assert steps.round_members() == ("a", "b", "c")
+    steps.forget_cell("c")
+    steps.forget_cell("a")  # a left training: what it held is the claimer's to re-queue
+    assert steps.round_members() == ()
+
+
+def test_reports_older_than_a_cells_last_round_are_void_and_overlapping_lists_are_not_counted():
+    steps = _round_ledger()
+    steps.on_ready(StepReady(0, 3, 3, 3, 0))
+    steps.last_round_of["a"] = 2
+    assert not steps.on_held(held("a", 0, after_round=1))  # round 2 counted it or handed it back
+    assert steps.on_held(held("a", 0, after_round=2))
+    steps.tracker.accept(done(0, 1, cell="core"), own=True)
+    assert not steps.on_held(held("b", 1))  # in already
+    lists = [[done(0, 0, cell="a")], [done(0, 2, cell="b")]]
+    assert steps._check_lists(("a", "b"), lists) == ""
+    assert "two members" in steps._check_lists(("a", "b"), [[done(0, 0, cell="a")], [done(0, 0, cell="b")]])
+    assert "in already" in steps._check_lists(("a",), [[done(0, 1, cell="a")]])
+    assert "outside" in steps._check_lists(("a",), [[done(0, 5, cell="a")]])
 
 
 def test_a_checkpoint_is_a_model_directory_and_a_failed_one_is_logged(tiny_model_dir, tmp_path):
@@ -445,17 +498,31 @@ def test_a_micro_step_in_length_sorted_chunks_has_the_gradients_of_one_padded_ba
     satellite.trainer.zero_grads()
 
 
-def test_gradients_and_weights_move_between_hosts(hosts):
+def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
     core, satellite = hosts
     samples = [sample(1), sample(2, execution="f")]
     satellite.compute(samples, 2, 3e-4, 4e-4, 4096)
     expected = satellite.trainer.grads_to_flat()
     assert float(expected.abs().sum()) > 0
-    addr, nbytes = satellite.export_grads()
+    member = ReductionMember(timeout_s=60.0)
+    join = JoinReduction(1, 1, 1, 2, core.address, core.rendezvous.port, core.numel)
+    held = [GradientsHeld("sat", 0, 3, 86, 0.5, 0)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two sides of one round, as two cells run them
+        satellite_side = pool.submit(satellite.reduce_as_member, member, join, encode_held(held))
+        moved, payloads = pool.submit(core.reduce_as_core, 1, 1, 2).result(120)
+        sent = satellite_side.result(120)
+    assert decode_held("sat", payloads[0]) == [MicroStepDone("sat", 0, 3, "", 0, 0, 86, 0.5)]
+    assert sent.sent == moved.received == core.numel * 4  # one buffer, once
     assert float(satellite.trainer.grads_to_flat().abs().sum()) == 0  # ready for the next micro-step
     core.trainer.zero_grads()
-    core.take_grads(satellite.agent.peer, addr, nbytes)
+    core.add_reduced()
     assert torch.equal(core.trainer.grads_to_flat(), expected)
+    with pytest.raises(GradientBufferError, match="another model"):
+        join_round(member, attrs.evolve(join, numel=core.numel + 1), b"[]", satellite.trainer.grad_buffer())
+    for bad in (b"{", b"{}", b'[[0, 1, 2]]', b'[["0", 1, 2, 0.5]]'):
+        with pytest.raises(GradientBufferError, match="held list"):
+            decode_held("sat", bad)
+    member.drop()
     # The same micro-step computed on the core gives the same gradients (the hosts start from the same weights).
     core.trainer.zero_grads()
     batch = pack_samples(samples)

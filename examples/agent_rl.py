@@ -173,6 +173,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cell-resources", type=parse_resources, default={}, metavar="CPU=N,GPU=N,NAME=N",
                         help="what each cell reserves on its node under `gyre run --ray` (Ray's resource names; "
                         "default 1 CPU)")
+    parser.add_argument("--transfer-protocol", choices=("tcp", "rdma"), default="tcp",
+                        help="Mooncake transport of the cells' weights, gradients and KV: rdma where every cell's node "
+                        "has an RDMA NIC (a cell on a node without one fails at start, saying so)")
     parser.add_argument("--cell-cpu-cores", type=float, default=0.0,
                         help="cap each cell's process at this many cores (a cgroup quota: one device per cell, as on "
                         "a GPU cluster; 0: no cap)")
@@ -487,7 +490,8 @@ def topology(argv: list[str]) -> Topology:
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
                                           engine_kind=args.engine_kind, engine_server=engine_server,
                                           trainer=cell_trainer, prepare_trainer_at_start=True,
-                                          clip_low=args.clip_low, clip_high=args.clip_high, **saves))
+                                          clip_low=args.clip_low, clip_high=args.clip_high,
+                                          transfer_protocol=args.transfer_protocol, **saves))
         if args.cell_cpu_cores > 0:
             result.limit_cpu(name, args.cell_cpu_cores)
         if args.cell_resources:

@@ -44,6 +44,7 @@ the cell (actors/cells/cell.py) owns all state and sequences: it runs the claim 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import hashlib
 import json
@@ -77,7 +78,7 @@ from gyre.policies.loss import (
 )
 from gyre.runtime import GyreError
 
-__all__ = ["Ask", "ClaimLoop", "ClaimSettings", "CoreSteps", "GradientBufferError", "Offload", "Send",
+__all__ = ["Ask", "ClaimLoop", "ClaimSettings", "CoreSteps", "GradientBufferError", "Offload", "RoundRecord", "Send",
            "StepProgress", "StepTracker", "TrainerHost"]
 
 Offload = Callable[..., Awaitable[Any]]
@@ -256,6 +257,23 @@ def decode_held(cell: str, payload: bytes) -> list[MicroStepDone]:
     return out
 
 
+@attrs.frozen
+class RoundRecord:
+    """One reduction round as the core saw it."""
+
+    round_id: int
+    group_id: int
+    members: tuple[str, ...]
+    """The satellites (the core is rank 0)."""
+    counted: bool
+    microsteps: int
+    received_bytes: int
+    """What the core received: one gradient buffer, whatever the number of members."""
+    join_s: float
+    """Seconds the core spent forming the group (0 when it was reused)."""
+    reason: str
+
+
 @attrs.define
 class StepProgress:
     """What the core knows of one optimizer step."""
@@ -395,6 +413,8 @@ class CoreSteps:
         self.rounds = self.rounds_counted = self.rounds_failed = 0
         self.bytes_received = 0
         self.last_round_bytes = 0
+        self.history: collections.deque[RoundRecord] = collections.deque(maxlen=64)
+        """The last rounds (bounded: for logs and tests, not for bookkeeping)."""
 
     async def on_done(self, msg: MicroStepDone) -> bool:
         """Count one of the core's own micro-steps in (its gradients are in its trainer already) and tell the
@@ -521,6 +541,8 @@ class CoreSteps:
                 self.last_round_bytes = moved.received
             self.rounds += 1
             ended = RoundEnded(round_id, not reason, len(entries), reason)
+            self.history.append(RoundRecord(round_id, self.group_id, members, not reason, len(entries),
+                                            moved.received if moved else 0, host.member.last_join_s, reason))
             log = self.log.info if not reason else self.log.error
             log("gradient_round_ended", round=round_id, group=self.group_id, members=list(members),
                 counted=not reason, microsteps=len(entries), reason=reason,

@@ -4,6 +4,8 @@
     gyre run examples/agent_rl.py --report report --policy async    # the baselines, same cells and staleness
     gyre run examples/agent_rl.py --report report --policy colocate
     gyre run examples/agent_rl.py --report report --cell-cpu-cores 0.4  # each cell capped: a device of its own
+    gyre run examples/agent_rl.py --report report --checkpoint-every 2  # full checkpoints every 2 steps
+    gyre run examples/agent_rl.py --report report --resume              # after a crash: continue from the newest
     gyre run examples/agent_rl.py --report report --tasks examples/tasks   # Harbor tasks, mini-swe-agent, sandboxed
 
 What happens:
@@ -21,7 +23,10 @@ What happens:
    the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
    executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
    runs until `--steps` optimizer steps are applied; the core saves the final weights (and, when asked, a
-   checkpoint every `--checkpoint-every` steps and the weights' moving average, `--weight-average-decay`). The
+   checkpoint every `--checkpoint-every` steps and the weights' moving average, `--weight-average-decay`). With
+   `--checkpoint-every N` the run also keeps full checkpoints in REPORT/run_checkpoints (the core's weights and
+   optimizer moments, the claimer's ledger, the task source's position, the run monitor's history: the checkpointer,
+   actors/training/checkpointer.py), from which `gyre run ... --report REPORT --resume` continues the run. The
    task source runs the task kinds whose groups still teach (rewards that differ) more often
    (policies/task_sampling.py).
 3. finish: the final model is scored on the same held-out tasks the same two ways and the report is written:
@@ -53,6 +58,7 @@ from gyre.actors.executions.sandbox import SandboxConfig  # noqa: E402
 from gyre.actors.cells.kv_migrator import KVMigrator, KVMigratorConfig  # noqa: E402
 from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer  # noqa: E402
 from gyre.actors.serving.proxy import Proxy, ProxyConfig  # noqa: E402
+from gyre.actors.training.checkpointer import Checkpointer, CheckpointerConfig  # noqa: E402
 from gyre.actors.training.run_monitor import RunMonitor, RunMonitorConfig  # noqa: E402
 from gyre.actors.training.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig  # noqa: E402
@@ -185,6 +191,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="save the weights every N steps to REPORT/checkpoints/vNNNNN (0: never); "
                         "benchmarks/studies/average_checkpoints.py averages them afterwards")
+    parser.add_argument("--keep-checkpoints", type=int, default=3,
+                        help="full checkpoints kept in REPORT/run_checkpoints (the newest; with --checkpoint-every N)")
+    parser.add_argument("--resume-from", default="", metavar="CHECKPOINT",
+                        help="set by `gyre run --resume`: the checkpoint folder the actors restore from")
     parser.add_argument("--engine-kind", choices=("server", "embedded"), default="server",
                         help="each cell's engine: a server child process driven over SGLang's HTTP API (default) or "
                         "in the cell's own process")
@@ -233,6 +243,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--lr-warmup-steps must be >= 0 (0: none), got {args.lr_warmup_steps}")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
+    if args.keep_checkpoints < 1:
+        parser.error(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
     if not 0.0 <= args.clip_low < 1.0 or args.clip_high < 0.0:
         parser.error(f"need 0 <= --clip-low < 1 and --clip-high >= 0, got {args.clip_low} and {args.clip_high}")
     if args.tasks:
@@ -407,10 +419,13 @@ def prepare(argv: list[str]) -> None:
             print(f"agent_rl: held-out success before RL, sampled at {args.rollout_temperature} "
                   f"({args.sampled_eval_samples} attempts a task; the report's headline): "
                   f"{sampled_before['success_rate']:.2f}", file=sys.stderr)
+    started_at = time.time()
+    if args.resume_from and (report / "prepare.json").is_file():
+        started_at = json.loads((report / "prepare.json").read_text())["started_at"]  # the run goes on
     (report / "prepare.json").write_text(json.dumps({
         "model_dir": str(sft_dir), "before": before, "sampled_before": sampled_before,
         "prepare_s": time.perf_counter() - started,
-        "started_at": time.time(),
+        "started_at": started_at,
     }, indent=1))
 
 
@@ -473,6 +488,9 @@ def topology(argv: list[str]) -> Topology:
     model_dir = json.loads(prepared.read_text())["model_dir"]
     # The event log goes into the report: `gyre replay` / `gyre log` debug the very run the report describes.
     result = Topology("agent_rl", seed=args.seed, log_path=str(Path(args.report) / "events.glog"))
+    result.checkpoint_dir = str(Path(args.report) / "run_checkpoints")  # where `gyre run --resume` looks
+    run_checkpoints = result.checkpoint_dir if args.checkpoint_every else ""
+    resume = args.resume_from
     engine = cell_engine(args)
     engine_server = EngineServerConfig(preset=args.engine_preset, extra_args=tuple(args.engine_arg))
     trainer = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, num_threads=1, seed=args.seed)
@@ -483,7 +501,9 @@ def topology(argv: list[str]) -> Topology:
         saves = {}
         if name == "core":
             saves = {"save_dir": str(report / "final_model"), "checkpoint_every_steps": max(1, args.checkpoint_every),
-                     "checkpoint_dir": str(report / "checkpoints") if args.checkpoint_every else ""}
+                     "checkpoint_dir": str(report / "checkpoints") if args.checkpoint_every else "",
+                     "run_checkpoint_dir": run_checkpoints, "run_checkpoint_every_steps": max(1, args.checkpoint_every),
+                     "resume_from": resume}
             if args.weight_average_decay > 0:
                 saves["average_save_dir"] = str(report / "final_model_average")
         cell_trainer = attrs.evolve(trainer, average_decay=args.weight_average_decay) if name == "core" else trainer
@@ -503,7 +523,7 @@ def topology(argv: list[str]) -> Topology:
     result.add("weight_broker", WeightBroker, WeightBrokerConfig(), process="control")
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
         groups_per_step=args.groups_per_step, group_size=args.group_size, microstep_token_budget=8192,
-        staleness=MaxVersionLag(args.staleness)), process="control")
+        staleness=MaxVersionLag(args.staleness), resume_from=resume), process="control")
     result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=args.cell_names),
                process="control")
     # A task set (--tasks) runs its agents and verifiers in the bubblewrap sandbox (the workspace at the task's
@@ -521,15 +541,19 @@ def topology(argv: list[str]) -> Topology:
         remove_workspace=True, sandbox=sandbox, warm_launcher_preload=() if args.tasks else SCORER_PRELOAD),
         process="runs")
     result.add("trajectory_builder", TrajectoryBuilder, TrajectoryBuilderConfig(
-        min_reward_spread=args.min_reward_spread), process="control")
+        min_reward_spread=args.min_reward_spread, resume_from=resume), process="control")
     result.add("task_source", TaskSource, TaskSourceConfig(
         tasks=_task_specs(args), group_size=args.group_size, groups_in_flight=args.groups_per_step * 2,
         groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),
         seed=args.seed, stop_topology_when_done=False,
-        sampling=TASK_SAMPLING[args.task_sampling]()), process="control")
+        sampling=TASK_SAMPLING[args.task_sampling](), resume_from=resume), process="control")
     monitor = RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=args.cell_names,
-                               core_cell=args.cell_names[0])
+                               core_cell=args.cell_names[0], resume_from=resume)
     result.add("monitor", RunMonitor, monitor, process="control")
+    if run_checkpoints:
+        result.add("checkpointer", Checkpointer, CheckpointerConfig(
+            root=run_checkpoints, participants=("task_source", "trajectory_builder", "claimer", "monitor"),
+            keep=args.keep_checkpoints), process="control")
     return result
 
 

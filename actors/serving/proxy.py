@@ -86,7 +86,7 @@ class Proxy(Actor):
     """Serves agents' model calls over HTTP and routes them to rollout cells; see the module doc."""
 
     config_cls = ProxyConfig
-    subscriptions = (RoleChanged, LoadReport, CellDraining, SessionPlaced)
+    subscriptions = (RoleChanged, LoadReport, CellDraining, SessionPlaced, EngineServerFailed)
 
     async def on_start(self) -> None:
         from gyre.engines.chat_template import ChatTemplate

@@ -24,7 +24,9 @@ from gyre.actors.serving.proxy import Proxy, ProxyConfig
 from gyre.actors.serving.routing import RoutingConfig
 from gyre.actors.serving.http_app import ProxyHttpConfig
 from gyre.engines.sglang_client import SGLangClient
-from gyre.messages.cells import ROLLOUT, TRAIN, CellDraining, LoadReport, RoleChanged, SessionPlaced
+from gyre.messages.cells import (
+    ROLLOUT, TRAIN, CellDraining, EngineServerFailed, LoadReport, RoleChanged, SessionPlaced,
+)
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import CallsWaitingForCell, ProxyStatistics, SessionPrefixes, SessionsOnCell
@@ -267,6 +269,51 @@ async def draining_cell_gets_no_new_calls(driver: Driver) -> dict[str, Any]:
 def test_a_draining_cell_gets_no_new_calls(engines, tiny_model_dir) -> None:
     out = run("draining_cell_gets_no_new_calls", engines, tiny_model_dir)
     assert sorted(out["cells"]) == [("exec-a", 0, "cell-a"), ("exec-a", 1, "cell-b"), ("exec-b", 0, "cell-b")]
+
+
+@scenario
+async def failed_and_unreachable_engines_get_no_calls(driver: Driver) -> dict[str, Any]:
+    # A cell whose engine refuses connections: the call waits (no other cell yet), then goes to the cell announced.
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    driver.publish(RoleChanged("cell-dead", ROLLOUT, "", dead_url, 0, 0.0, 0, False))
+    _, client = await driver.agent("exec-u")
+    pending = asyncio.ensure_future(chat(client, [{"role": "user", "content": "anyone alive"}]))
+    while (await driver.status()).engines_unreachable < 1:
+        await asyncio.sleep(0.01)
+    driver.announce("cell-a")
+    await pending
+    [first] = await driver.wait_calls(1)
+    # A cell whose engine server failed (EngineServerFailed): its sessions and new ones go elsewhere.
+    driver.announce("cell-b")
+    _, client_f = await driver.agent("exec-f")
+    messages = [{"role": "user", "content": "first turn"}]
+    reply = await chat(client_f, messages)
+    calls = await driver.wait_calls(2)
+    holder = calls[-1].cell
+    driver.publish(EngineServerFailed(holder, driver.config.cells[holder], "the server died", 137, ("killed",)))
+    while not (await driver.status()).failed_cells:
+        await asyncio.sleep(0.01)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                 {"role": "user", "content": "second turn"}]
+    await chat(client_f, messages)
+    _, client_n = await driver.agent("exec-n")
+    await chat(client_n, [{"role": "user", "content": "a new session"}])
+    calls = await driver.wait_calls(4)
+    failed_status = await driver.status()
+    driver.announce(holder)  # a rollout cell again (restarted): it takes calls again
+    while (await driver.status()).failed_cells:
+        await asyncio.sleep(0.01)
+    return {"first": first, "holder": holder, "after": [c.cell for c in calls[2:4]], "failed": failed_status,
+            "recovered": await driver.status()}
+
+
+def test_failed_and_unreachable_engines_get_no_calls(engines, tiny_model_dir) -> None:
+    out = run("failed_and_unreachable_engines_get_no_calls", engines, tiny_model_dir, no_cell_wait_s=60.0)
+    assert out["first"].cell == "cell-a" and out["first"].finish_reason in ("stop", "length")
+    other = "cell-b" if out["holder"] == "cell-a" else "cell-a"
+    assert out["after"] == [other, other]  # the failed cell's session and a new one
+    assert out["failed"].failed_cells == (out["holder"],) and out["failed"].engines_unreachable >= 1
+    assert out["recovered"].failed_cells == () and out["failed"].calls_failed == 0
 
 
 @scenario

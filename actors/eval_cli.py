@@ -13,9 +13,8 @@ With `--model DIR` the agent's model is served through Gyre, as in training: the
 execution its own key, every call captured token-in/token-out) in front of one engine server, Gyre's own
 (`--engine-preset gyre`, CPU) or SGLang (`--engine-preset sglang`, a GPU node), which the eval launches as a child
 process with the run's engine key and stops at the end; or, with `--engine-url URL`, a server already running
-there. The proxy sends that server the run's engine token (as to any in-run server), so it must be a server that
-checks no key (SGLang started without --api-key) or one given that token; a server with a key of its own is not
-supported yet (the proxy takes no engine key file). The driver starts the tasks once the engine answers /health. Each task's tokens (calls, prompt, output and cached prompt tokens) come from those calls. With
+there. The proxy sends that server the key in `--engine-api-key-file PATH` (the --api-key SGLang was started
+with), or else the run's engine token (as to any in-run server: fine for a server that checks no key). The driver starts the tasks once the engine answers /health. Each task's tokens (calls, prompt, output and cached prompt tokens) come from those calls. With
 `--model-url URL` instead, agents call an OpenAI-compatible server directly (no key, nothing captured: no tokens).
 
 Agents (gyre.actors.executions.agents): `oracle` (each task's reference solution), `noop` (does nothing: a task
@@ -51,7 +50,9 @@ from gyre.actors.executions.harbor import HarborTaskError
 from gyre.actors.executions.sandbox import SANDBOX_KINDS, SandboxConfig
 from gyre.actors.serving.http_app import ProxyHttpConfig
 from gyre.actors.serving.proxy import Proxy, ProxyConfig
+from gyre.actors.serving.routing import RoutingConfig
 from gyre.engines.embedded_engine import EngineConfig
+from gyre.engines.sglang_client import ClientConfig
 from gyre.messages.cells import ROLLOUT, RoleChanged
 from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey, StartGroup, TaskSpec
 from gyre.messages.groups import GroupStarted
@@ -203,11 +204,14 @@ class EvalEngine(Actor):
 def run_eval(task_dir: str | Path, agent: str, sandbox: str = "bubblewrap", *, attempts: int = 1,
              max_concurrent: int = 4, workspace_root: str = "", log_path: str = "", model_url: str = "",
              model_name: str = "gyre", model_dir: str = "", engine_url: str = "", engine_preset: str = "gyre",
-             max_context_tokens: int = 8192, agent_options: tuple[str, ...] = ()) -> dict[str, Any]:
+             max_context_tokens: int = 8192, agent_options: tuple[str, ...] = (),
+             engine_api_key_file: str | None = None) -> dict[str, Any]:
     """Run `agent` on the task set; {"success_rate", "mean_reward", "tasks": [{task_id, reward, success, tokens,
     wall_s, agent_s, ...}], ...}. With `model_dir` the model is served through the proxy (module docstring)."""
     if engine_url and not model_dir:
         raise ValueError("--engine-url needs --model (the proxy tokenises with the model's tokenizer)")
+    if engine_api_key_file and not engine_url:
+        raise ValueError("--engine-api-key-file needs --engine-url (a server the eval launches gets the run's key)")
     if model_dir and model_url:
         raise ValueError("--model serves the model through Gyre; --model-url calls a server directly: not both")
     specs = agent_task_specs(task_dir, agent, model_name, agent_options)
@@ -231,7 +235,8 @@ def run_eval(task_dir: str | Path, agent: str, sandbox: str = "bubblewrap", *, a
                                   max_running_requests=max(2 * max_concurrent, 8), num_threads=1)
             topology.add("engine", EvalEngine, EvalEngineConfig(model_dir, engine_url, engine_preset, engine))
             http = ProxyHttpConfig(model_names=(model_name,), max_context_tokens=max_context_tokens)
-            topology.add("proxy", Proxy, ProxyConfig(model_dir=model_dir, http=http))
+            routing = RoutingConfig(client=ClientConfig(api_key_file=engine_api_key_file))
+            topology.add("proxy", Proxy, ProxyConfig(model_dir=model_dir, http=http, routing=routing))
             limit_s += 300.0  # the engine's start
         result = InProcessLauncher().run(topology, RunOptions(log_path=log_file, until_s=limit_s))
         report = _report(specs, attempts, log_file, result.reason)
@@ -369,8 +374,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="", metavar="DIR",
                         help="serve this model (an HF directory) through Gyre's proxy: tokens captured per task")
     parser.add_argument("--engine-url", default="",
-                        help="with --model: an engine server already running there (SGLang without a key); default: "
-                        "launch one")
+                        help="with --model: an engine server already running there (its key: --engine-api-key-file); "
+                        "default: launch one")
+    parser.add_argument("--engine-api-key-file", default=None, metavar="PATH",
+                        help="with --engine-url: the file holding that server's key (SGLang's --api-key)")
     parser.add_argument("--engine-preset", choices=PRESETS, default="gyre",
                         help="with --model: the server launched (gyre: CPU; sglang: a GPU node)")
     parser.add_argument("--max-context-tokens", type=int, default=8192, help="with --model: prompt + output bound")
@@ -395,7 +402,8 @@ def _command(args: argparse.Namespace) -> int:
         report = run_eval(args.tasks, args.agent, args.sandbox, attempts=args.attempts,
                           max_concurrent=args.max_concurrent, model_url=args.model_url, model_name=args.model_name,
                           model_dir=args.model, engine_url=args.engine_url, engine_preset=args.engine_preset,
-                          max_context_tokens=args.max_context_tokens, agent_options=tuple(args.agent_option))
+                          max_context_tokens=args.max_context_tokens, agent_options=tuple(args.agent_option),
+                          engine_api_key_file=args.engine_api_key_file)
     except (HarborTaskError, ValueError, OSError) as error:
         print(f"gyre eval: {error}", file=sys.stderr)
         return 2

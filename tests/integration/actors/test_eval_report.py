@@ -81,8 +81,49 @@ def test_an_engine_already_running_is_used_through_the_proxy(tiny_model_dir: Pat
     assert report["tasks"][0]["tokens"]["calls"] == 2
 
 
+@needs_bwrap
+@pytest.mark.timeout(300)
+def test_an_engine_with_a_key_of_its_own_is_used_with_its_key_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A server started with its own key (as SGLang with --api-key): the proxy sends the key in the file."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    (tmp_path / "agent.toml").write_text(AGENT)
+    key = "own-engine-key-" + os.urandom(8).hex()
+    key_file = tmp_path / "engine.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "gyre.engines.engine_server", "--model-dir", str(tiny_model_dir),
+                               "--port", str(port), "--num-threads", "1", "--max-context", "4096"],
+                              env=dict(os.environ, GYRE_ENGINE_API_KEY=key), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):  # up to ~2 minutes to import torch and load the model: a bound
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        report = run_eval(EXAMPLES / "tasks" / "fix-add", str(tmp_path / "agent.toml"), "bubblewrap",
+                          model_dir=str(tiny_model_dir), engine_url=url, max_context_tokens=4096,
+                          workspace_root=str(tmp_path / "executions"), engine_api_key_file=str(key_file))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert report["tasks"][0]["tokens"]["calls"] == 2  # without the key every call would be refused (401)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--engine-url", "http://127.0.0.1:1"], "--engine-url needs --model"),
+    (["--engine-api-key-file", "/nowhere"], "needs --engine-url"),
     (["--model", "/nowhere"], "no config.json there"),
     (["--attempts", "0"], "must be >= 1"),
 ])

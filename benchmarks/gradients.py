@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import statistics
 import sys
@@ -25,6 +26,7 @@ import time
 from typing import Any
 
 import attrs
+import structlog
 import torch
 
 __all__ = ["GradientBenchConfig", "GradientBenchResult", "PathFigures", "main", "register", "run_gradient_bench"]
@@ -90,6 +92,12 @@ class GradientBenchResult:
     """Most bytes one cell received, parameter server over rounds, at the most cells."""
 
 
+def _quiet() -> None:
+    """stdout carries the result: log lines go to stderr, warnings and worse only (here and in each satellite)."""
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
 def _satellite_buffer(rank: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank))
 
@@ -97,6 +105,7 @@ def _satellite_buffer(rank: int, numel: int) -> torch.Tensor:
 def _satellite(rank: int, size: int, numel: int, rounds: int, host: str, port: int, timeout_s: float,
                conn: Any) -> None:
     """A satellite process: the old path's registered buffer first, then its side of every round."""
+    _quiet()
     torch.set_num_threads(1)
     from gyre.engines.grad_exchange import ReductionMember
     from gyre.engines.transfer import TransferAgent
@@ -223,6 +232,7 @@ def run_gradient_bench(config: GradientBenchConfig = GradientBenchConfig()) -> G
 
 
 def _handle(args: argparse.Namespace) -> int:
+    _quiet()
     config = GradientBenchConfig(cells=tuple(args.cells), numel=args.numel, rounds=args.rounds)
     result = run_gradient_bench(config)
     if args.json:

@@ -43,7 +43,7 @@ import torch
 from gyre.engines.errors import ConversionError, ModelFormatError
 from gyre.engines.model_format import ModelSpec, check_state_dict
 
-__all__ = ["ConversionError", "hf_to_megatron", "megatron_param_names", "megatron_to_hf"]
+__all__ = ["ConversionError", "hf_to_megatron", "megatron_layer_to_hf", "megatron_param_names", "megatron_to_hf"]
 
 
 def _expert_names(spec: ModelSpec, i: int) -> list[tuple[str, str, str, str]]:
@@ -144,36 +144,9 @@ def megatron_to_hf(
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         raise ConversionError(f"megatron state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    hd, groups, h = spec.head_dim, spec.num_kv_heads, spec.hidden_size
-    per_group = spec.num_heads // groups
     out = {"model.embed_tokens.weight": weights["embedding.word_embeddings.weight"].detach().clone()}
     for i in range(spec.num_layers):
-        sparse = spec.is_sparse_layer(i)
-        p, names = f"model.layers.{i}.", _layer_names(i, fused_norms, sparse)
-        qkv = weights[names["qkv"]].detach()
-        if tuple(qkv.shape) != ((per_group + 2) * groups * hd, h):
-            raise ConversionError(f"{names['qkv']} has shape {tuple(qkv.shape)}, which does not fit {spec}")
-        qkv = qkv.reshape(groups, (per_group + 2) * hd, h)
-        q, k, v = qkv.split([per_group * hd, hd, hd], dim=1)
-        out[p + "input_layernorm.weight"] = weights[names["input_norm"]].detach().clone()
-        out[p + "self_attn.q_proj.weight"] = q.reshape(-1, h).clone()
-        out[p + "self_attn.k_proj.weight"] = k.reshape(-1, h).clone()
-        out[p + "self_attn.v_proj.weight"] = v.reshape(-1, h).clone()
-        out[p + "self_attn.o_proj.weight"] = weights[names["proj"]].detach().clone()
-        out[p + "self_attn.q_norm.weight"] = weights[names["q_norm"]].detach().clone()
-        out[p + "self_attn.k_norm.weight"] = weights[names["k_norm"]].detach().clone()
-        out[p + "post_attention_layernorm.weight"] = weights[names["mlp_norm"]].detach().clone()
-        if sparse:
-            out[p + "mlp.gate.weight"] = weights[names["router"]].detach().clone()
-            for x, fc1, fc2, _ in _expert_names(spec, i):
-                gate, up = weights[fc1].detach().split([spec.moe_ffn_size, spec.moe_ffn_size], dim=0)
-                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate.clone(), up.clone()
-                out[x + "down_proj.weight"] = weights[fc2].detach().clone()
-            continue
-        gate, up = weights[names["fc1"]].detach().split([spec.ffn_size, spec.ffn_size], dim=0)
-        out[p + "mlp.gate_proj.weight"] = gate.clone()
-        out[p + "mlp.up_proj.weight"] = up.clone()
-        out[p + "mlp.down_proj.weight"] = weights[names["fc2"]].detach().clone()
+        out.update(megatron_layer_to_hf(weights, spec, i, fused_norms))
     out["model.norm.weight"] = weights["decoder.final_layernorm.weight"].detach().clone()
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = weights["output_layer.weight"].detach().clone()
@@ -181,4 +154,41 @@ def megatron_to_hf(
         check_state_dict(spec, out)
     except ModelFormatError as error:
         raise ConversionError(str(error)) from None
+    return out
+
+
+def megatron_layer_to_hf(
+    weights: Mapping[str, torch.Tensor], spec: ModelSpec, i: int, fused_norms: bool = False
+) -> dict[str, torch.Tensor]:
+    """Decoder layer `i`'s weights under HF names, from a mapping that holds at least that layer's megatron weights
+    (what `megatron_to_hf` does per layer; a publisher converting bucket by bucket calls it directly)."""
+    hd, groups, h = spec.head_dim, spec.num_kv_heads, spec.hidden_size
+    per_group = spec.num_heads // groups
+    out: dict[str, torch.Tensor] = {}
+    sparse = spec.is_sparse_layer(i)
+    p, names = f"model.layers.{i}.", _layer_names(i, fused_norms, sparse)
+    qkv = weights[names["qkv"]].detach()
+    if tuple(qkv.shape) != ((per_group + 2) * groups * hd, h):
+        raise ConversionError(f"{names['qkv']} has shape {tuple(qkv.shape)}, which does not fit {spec}")
+    qkv = qkv.reshape(groups, (per_group + 2) * hd, h)
+    q, k, v = qkv.split([per_group * hd, hd, hd], dim=1)
+    out[p + "input_layernorm.weight"] = weights[names["input_norm"]].detach().clone()
+    out[p + "self_attn.q_proj.weight"] = q.reshape(-1, h).clone()
+    out[p + "self_attn.k_proj.weight"] = k.reshape(-1, h).clone()
+    out[p + "self_attn.v_proj.weight"] = v.reshape(-1, h).clone()
+    out[p + "self_attn.o_proj.weight"] = weights[names["proj"]].detach().clone()
+    out[p + "self_attn.q_norm.weight"] = weights[names["q_norm"]].detach().clone()
+    out[p + "self_attn.k_norm.weight"] = weights[names["k_norm"]].detach().clone()
+    out[p + "post_attention_layernorm.weight"] = weights[names["mlp_norm"]].detach().clone()
+    if sparse:
+        out[p + "mlp.gate.weight"] = weights[names["router"]].detach().clone()
+        for x, fc1, fc2, _ in _expert_names(spec, i):
+            gate, up = weights[fc1].detach().split([spec.moe_ffn_size, spec.moe_ffn_size], dim=0)
+            out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate.clone(), up.clone()
+            out[x + "down_proj.weight"] = weights[fc2].detach().clone()
+        return out
+    gate, up = weights[names["fc1"]].detach().split([spec.ffn_size, spec.ffn_size], dim=0)
+    out[p + "mlp.gate_proj.weight"] = gate.clone()
+    out[p + "mlp.up_proj.weight"] = up.clone()
+    out[p + "mlp.down_proj.weight"] = weights[names["fc2"]].detach().clone()
     return out

@@ -11,7 +11,8 @@ told `CorePartsSaved` with each file's digest; it gathers the other actors' part
 
 At resume the cell, given the committed checkpoint's folder, loads its shard into the freshly built trainer, sets
 the fence to the restored version (peers pull the restored weights as that version) and marks the steps up to the
-checkpoint's as applied, before it registers with the weight broker. `state_digest` hashes weights and moments, so
+checkpoint's as applied, before it registers with the weight broker. A satellite given the checkpoint starts its
+engine only on the checkpoint's weights (`resumed_engine_weights`), pulled from the restored core. `state_digest` hashes weights and moments, so
 a test (or an operator reading the log) can check that the moments after resume equal those saved.
 
 Explicit inputs, no cell: the roots and names, the compute lock, offload and tell; the trainer host and step
@@ -23,18 +24,53 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import torch
 
 from gyre.actors.cells.train_role import Offload, StepTracker, TrainerHost
+from gyre.actors.errors import ActorError
 from gyre.messages.checkpoints import CorePartsSaved
 from gyre.messages.training import StepApplied
 from gyre.runtime import GyreError
-from gyre.runtime.checkpoint import open_checkpoint, staging_dir, write_file_atomic
+from gyre.runtime.checkpoint import MANIFEST, open_checkpoint, staging_dir, write_file_atomic
 
-__all__ = ["CoreCheckpoints", "core_part_name", "state_digest"]
+__all__ = ["CoreCheckpoints", "ResumedWeightsUnavailable", "checkpoint_weight_version", "core_part_name",
+           "resumed_engine_weights", "state_digest"]
+
+RESUMED_WEIGHTS_TIMEOUT_S = 600.0
+"""How long a resumed satellite waits for the checkpoint's weights before it fails: the core restores (and registers
+them) only once it has read its whole shard, minutes for a large model on a slow disk."""
+
+
+class ResumedWeightsUnavailable(ActorError, RuntimeError):
+    """A resumed satellite did not get the checkpoint's weights in time (the core did not restore or register)."""
+
+
+def checkpoint_weight_version(resume_from: str) -> int:
+    """The weight version a checkpoint holds, from its manifest alone (a satellite needs no part of it)."""
+    return int(json.loads((Path(resume_from) / MANIFEST).read_text(encoding="utf-8"))["weight_version"])
+
+
+async def resumed_engine_weights(
+    newest: Callable[[], Awaitable[tuple[Any, int]]], first: tuple[Any, int], resume_from: str, *, retry_s: float,
+    clock: Callable[[], float], timeout_s: float = RESUMED_WEIGHTS_TIMEOUT_S,
+) -> tuple[Any, int]:
+    """A satellite of a resumed run starts its engine on the checkpoint's weights (its version or newer), never on
+    the model folder's, which would pass for version 0: the claimer would refuse every sample of them as too stale,
+    and the task source would wait for ever for those groups to train. `first` is what `newest()` gave already."""
+    wanted = checkpoint_weight_version(resume_from)
+    weights, version = first
+    deadline = clock() + timeout_s
+    while version < wanted:
+        if clock() > deadline:
+            raise ResumedWeightsUnavailable(f"no weights of version {wanted} (the checkpoint's) within {timeout_s} s; "
+                                            f"the newest offered is {version}")
+        await asyncio.sleep(retry_s)
+        weights, version = await newest()
+    return weights, version
 
 
 def core_part_name() -> str:

@@ -54,7 +54,7 @@ from typing import Any
 import attrs
 import torch
 
-from gyre.actors.cells.core_checkpoint import CoreCheckpoints
+from gyre.actors.cells.core_checkpoint import CoreCheckpoints, resumed_engine_weights
 from gyre.actors.cells.engine_process import EMBEDDED, ENGINE_KINDS, URL, EngineServerConfig
 from gyre.actors.cells.engine_process import EngineServerFailed as ServerFailure
 from gyre.actors.cells.rollout_role import EngineWeights, PeerView, RecentSessions, RolloutHost
@@ -197,7 +197,8 @@ class CellConfig:
     checkpointer: str = "checkpointer"
     """Actor name of the checkpointer (actors/training/checkpointer.py)."""
     resume_from: str = ""
-    """Core only: a committed checkpoint folder to restore the trainer from at start ("" = start afresh)."""
+    """A committed checkpoint folder ("" = start afresh): the core restores its trainer from it; a satellite starts
+    its engine only on the checkpoint's weights (core_checkpoint.resumed_engine_weights)."""
 
     def __attrs_post_init__(self) -> None:
         if self.rdma_devices and self.transfer_protocol != "rdma":
@@ -482,6 +483,10 @@ class Cell(Actor):
             version = self.training.version
         else:
             weights, version = await self._newest_engine_weights()
+            if config.resume_from and not config.is_core:
+                weights, version = await resumed_engine_weights(self._newest_engine_weights, (weights, version),
+                                                                config.resume_from, retry_s=config.claim_retry_s,
+                                                                clock=self.clock.now)
             url = await self.rollout.start(weights, version)
             version = self.rollout.weight_version
             self.tell_broker(WeightsLoaded(self.name, version, self.clock.now() - started))

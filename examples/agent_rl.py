@@ -502,14 +502,13 @@ def topology(argv: list[str]) -> Topology:
         if name == "core":
             saves = {"save_dir": str(report / "final_model"), "checkpoint_every_steps": max(1, args.checkpoint_every),
                      "checkpoint_dir": str(report / "checkpoints") if args.checkpoint_every else "",
-                     "run_checkpoint_dir": run_checkpoints, "run_checkpoint_every_steps": max(1, args.checkpoint_every),
-                     "resume_from": resume}
+                     "run_checkpoint_dir": run_checkpoints, "run_checkpoint_every_steps": max(1, args.checkpoint_every)}
             if args.weight_average_decay > 0:
                 saves["average_save_dir"] = str(report / "final_model_average")
         cell_trainer = attrs.evolve(trainer, average_decay=args.weight_average_decay) if name == "core" else trainer
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
                                           engine_kind=args.engine_kind, engine_server=engine_server,
-                                          trainer=cell_trainer, prepare_trainer_at_start=True,
+                                          trainer=cell_trainer, prepare_trainer_at_start=True, resume_from=resume,
                                           clip_low=args.clip_low, clip_high=args.clip_high,
                                           transfer_protocol=args.transfer_protocol, **saves))
         if args.cell_cpu_cores > 0:

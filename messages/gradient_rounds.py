@@ -74,3 +74,12 @@ class RoundEnded:
     """Micro-steps the round counted in (or handed back)."""
     reason: str
     """Why it was not counted ("" when it was)."""
+
+
+@message("gyre.gradient_rounds.RoundFinished")
+class RoundFinished:
+    """Core -> itself: a round it ran in the background ended; apply what is complete (in a handler, so a stop waits
+    for the step and its checkpoint as it does for any handler)."""
+
+    round_id: int
+    """The round (0: none ran)."""

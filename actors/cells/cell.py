@@ -89,7 +89,7 @@ from gyre.messages.cells import (
 )
 from gyre.messages.executions import ExecutionEnded
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded
+from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded, RoundFinished
 from gyre.messages.training import MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
 from gyre.runtime.errors import ConfigError
@@ -755,9 +755,12 @@ class Cell(Actor):
 
     async def _round(self) -> None:
         assert self.core_steps is not None
-        await self.core_steps.run_round()  # its members are settled when its turn comes
+        ended = await self.core_steps.run_round()  # its members are settled when its turn comes
+        self.tell(self.name, RoundFinished(ended.round_id if ended else 0))
+
+    @handler(RoundFinished)
+    async def on_round_finished(self, msg: RoundFinished) -> None:
         await self._apply_ready_steps()
-        self._round_task = None
         self._maybe_round()
 
     @handler(WeightsDigestAsked)

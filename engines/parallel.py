@@ -33,8 +33,8 @@ import torch
 from gyre.engines.errors import TrainerError
 from gyre.engines.model_format import ModelSpec
 
-__all__ = ["ParallelSizes", "backend_for", "gather_state", "init_parallel", "shard_state", "split_dim",
-           "unshard_state"]
+__all__ = ["ParallelSizes", "backend_for", "bucket_plan", "gather_buckets", "gather_state", "init_parallel",
+           "shard_state", "split_dim", "unshard_state"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _DIM0 = ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight")
@@ -197,7 +197,7 @@ def gather_state(local: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str
     """Collective over the model-parallel group: every rank passes its shard and gets the full state dict (CPU).
 
     It moves the whole model to every rank, fine for tests and small models; publishing weights from a large
-    sharded trainer should gather per bucket instead (issue 26, item 3)."""
+    sharded trainer gathers per bucket instead (`gather_buckets`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -210,3 +210,119 @@ def gather_state(local: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str
     key = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
     dist.all_gather_object(entries, (key, mine), group=group)
     return unshard_state(dict(entries), spec, sizes.tensor, sizes.pipeline)
+
+
+def _units(spec: ModelSpec) -> list[list[str]]:
+    """The full megatron names in publishing units: the embedding, each decoder layer, the final norm (+ output
+    layer). A unit is what one HF conversion needs (weight_convert.megatron_layer_to_hf takes one layer)."""
+    from gyre.engines.weight_convert import megatron_param_names
+
+    units: dict[str, list[str]] = {}
+    for name in megatron_param_names(spec):
+        match = _LAYER.match(name)
+        key = f"layer{match.group(1)}" if match else ("embedding" if name.startswith("embedding.") else "final")
+        units.setdefault(key, []).append(name)
+    return list(units.values())
+
+
+def _unit_bytes(spec: ModelSpec, names: list[str]) -> int:
+    return sum(_full_numel(spec, name) for name in names) * 4
+
+
+def _full_numel(spec: ModelSpec, name: str) -> int:
+    """Elements of full megatron weight `name` (from the spec alone: every rank plans alike, nothing gathered)."""
+    h, hd = spec.hidden_size, spec.head_dim
+    leaf = _LAYER.sub(r"\2", name)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return spec.vocab_size * h
+    if leaf == "self_attention.linear_qkv.weight":
+        return (spec.num_heads + 2 * spec.num_kv_heads) * hd * h
+    if leaf == "self_attention.linear_proj.weight":
+        return h * spec.num_heads * hd
+    if leaf in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        return hd
+    if leaf == "mlp.linear_fc1.weight":
+        return 2 * spec.ffn_size * h
+    if leaf == "mlp.linear_fc2.weight":
+        return spec.ffn_size * h
+    if leaf.endswith("linear_fc1.weight"):  # an expert's
+        return 2 * spec.moe_ffn_size * h
+    if leaf.endswith("linear_fc2.weight"):
+        return spec.moe_ffn_size * h
+    if leaf == "mlp.router.weight":
+        return spec.num_experts * h
+    return h  # norms
+
+
+def bucket_plan(spec: ModelSpec, bucket_bytes: int) -> list[list[str]]:
+    """Full megatron names in buckets of whole units (embedding, one decoder layer, final norm and output layer)
+    of at most `bucket_bytes` fp32 bytes each; a unit larger than that is a bucket of its own. Every rank computes
+    the same plan from the spec alone."""
+    if bucket_bytes < 1:
+        raise TrainerError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for unit in _units(spec):
+        unit_size = _unit_bytes(spec, unit)
+        if current and size + unit_size > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.extend(unit)
+        size += unit_size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _local_name(name: str, spec: ModelSpec, pp_rank: int, pp_size: int) -> str | None:
+    """What rank `pp_rank` calls full megatron weight `name`, or None when its stage does not hold it."""
+    per_stage = spec.num_layers // pp_size
+    match = _LAYER.match(name)
+    if match:
+        index = int(match.group(1)) - pp_rank * per_stage
+        return f"decoder.layers.{index}.{match.group(2)}" if 0 <= index < per_stage else None
+    if name == "embedding.word_embeddings.weight":
+        return name if pp_rank == 0 else None  # a tied last stage's copy is not published: the first stage's is
+    return name if pp_rank == pp_size - 1 else None
+
+
+def gather_buckets(local: Mapping[str, torch.Tensor], spec: ModelSpec, bucket_bytes: int):
+    """Collective generator over the model-parallel group: every rank iterates it in step, passing its shard; the
+    group's first rank in data-parallel replica 0 gets each bucket's full megatron tensors (CPU), every other rank an
+    empty dict per bucket. One bucket (`bucket_plan`) is gathered at a time, so no rank ever holds more of the model
+    than its own shard plus one bucket: a publisher converts and sends each bucket, then drops it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    sizes = current_sizes()
+    plan = bucket_plan(spec, bucket_bytes)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    single = sizes.tensor == sizes.pipeline == 1
+    group = None if single else parallel_state.get_model_parallel_group()
+    replica0 = parallel_state.get_data_parallel_rank() == 0
+    publisher = replica0 and (single or dist.get_rank() == dist.get_global_rank(group, 0))
+    for bucket in plan:
+        mine = {}
+        for name in bucket:
+            local_name = _local_name(name, spec, pp_rank, sizes.pipeline)
+            if local_name is not None:
+                mine[name] = local[local_name].detach().cpu()
+        if single:
+            yield {name: tensor.clone() for name, tensor in mine.items()} if replica0 else {}
+            continue
+        if not replica0:  # another replica's group holds the same weights: nothing to gather there
+            yield {}
+            continue
+        entries: list | None = [None] * dist.get_world_size(group) if publisher else None
+        dist.gather_object(((tp_rank, pp_rank), mine), entries, dst=dist.get_global_rank(group, 0), group=group)
+        if not publisher:
+            yield {}
+            continue
+        pieces = dict(entries)
+        full = {}
+        for name in bucket:
+            stage = next(p for p in range(sizes.pipeline) if _local_name(name, spec, p, sizes.pipeline) is not None)
+            full[name] = _tp_join(name, [pieces[(t, stage)][name] for t in range(sizes.tensor)])
+        yield full

@@ -649,6 +649,42 @@ class MegatronTrainer:
         weights = {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self._layout}
         return {k: v.cpu() for k, v in megatron_to_hf(parallel.gather_state(weights, self.spec), self.spec).items()}
 
+    def iter_hf_buckets(self, bucket_bytes: int = 256 << 20, averaged: bool = False):
+        """The weights under HF names, one bucket at a time (`parallel.bucket_plan`: whole decoder layers, at most
+        `bucket_bytes` fp32 bytes unless one layer is larger): a collective generator every rank of the trainer
+        iterates in step; the publishing rank (`is_publisher`) gets each bucket's tensors, the others empty dicts.
+        No rank holds more than its shard plus one bucket, where `hf_state_dict` gathers the whole model."""
+        from gyre.engines.weight_convert import megatron_layer_to_hf
+
+        flat = self.averaged_params() if averaged else self._params.detach()
+        weights = {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self._layout}
+        for bucket in parallel.gather_buckets(weights, self.spec, bucket_bytes):
+            if not bucket:
+                yield {}
+                continue
+            out: dict[str, torch.Tensor] = {}
+            if "embedding.word_embeddings.weight" in bucket:
+                out["model.embed_tokens.weight"] = bucket["embedding.word_embeddings.weight"]
+            layers = sorted({int(n.split(".")[2]) for n in bucket if n.startswith("decoder.layers.")})
+            for i in layers:
+                out.update(megatron_layer_to_hf(bucket, self.spec, i))
+            if "decoder.final_layernorm.weight" in bucket:
+                out["model.norm.weight"] = bucket["decoder.final_layernorm.weight"]
+            if "output_layer.weight" in bucket:
+                out["lm_head.weight"] = bucket["output_layer.weight"]
+            yield out
+
+    @property
+    def is_publisher(self) -> bool:
+        """Whether this rank is the one `iter_hf_buckets` gives the weights to."""
+        if self.sizes.world_size == 1:
+            return True
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_model_parallel_group()
+        return parallel_state.get_data_parallel_rank() == 0 and dist.get_rank() == dist.get_global_rank(group, 0)
+
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Load HF-named weights (optimizer moments are kept)."""
         from megatron.core import parallel_state

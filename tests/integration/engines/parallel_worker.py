@@ -2,7 +2,8 @@
 
 For each layout (tensor 2, pipeline 2, data 2; tied models at tensor 2 and pipeline 2; MoE at pipeline 2 and data 2) it joins megatron's
 parallel state over gloo, builds a MegatronTrainer, and records what the test compares with a one-process trainer:
-the loss, the full gradients after the reduction, the log-probs, and the full weights after three optimizer steps.
+the loss, the full gradients after the reduction, the log-probs, and the full weights after three optimizer steps,
+gathered whole (`hf_state_dict`) and bucket by bucket (`iter_hf_buckets`, what a publisher sends).
 Rank 0 saves the records to OUT (torch.save). MODELS is a JSON object {"untied": dir, "tied": dir, "moe": dir}.
 """
 
@@ -23,6 +24,9 @@ LAYOUTS = {  # name: (model, tensor, pipeline, data)
     "moe_dp2": ("moe", 1, 1, 2),
 }
 STEPS = 3
+BUCKET_BYTES = 1 << 20
+"""Publishing buckets of at most 1 MiB: a decoder layer of the tiny models is 0.75-1.7 MiB, so every bucket is one
+layer (or the embedding, or the final norm and output layer) and the whole model never sits in one buffer."""
 LR = 1e-4  # TrainerConfig's default; see test_parallel.py on Adam and round-off
 
 
@@ -63,7 +67,14 @@ def run_layout(trainer, rank: int, data: int) -> dict:
             local = {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in trainer.param_layout()}
             grads = parallel.gather_state(local, trainer.spec)
         trainer.optimizer_step()
-    return {"losses": losses, "grads": grads, "logprobs": logprobs, "weights": trainer.hf_state_dict()}
+    weights = trainer.hf_state_dict()
+    buckets = list(trainer.iter_hf_buckets(bucket_bytes=BUCKET_BYTES))  # a collective: every rank iterates it
+    if not trainer.is_publisher:
+        assert all(not bucket for bucket in buckets), "only the publishing rank gets the weights"
+    sizes = [sum(t.numel() * t.element_size() for t in bucket.values()) for bucket in buckets]
+    union = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
+    return {"losses": losses, "grads": grads, "logprobs": logprobs, "weights": weights,
+            "buckets": {"publisher": trainer.is_publisher, "sizes": sizes, "union": union}}
 
 
 def main() -> None:

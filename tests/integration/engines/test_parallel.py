@@ -105,6 +105,39 @@ def test_two_process_layout_matches_one_process(records, reference, layout):
     assert max_diff(got["weights"], want["weights"]) < TOL
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2", "moe_pp2", "moe_dp2"])
+def test_weights_are_published_bucket_by_bucket_never_the_whole_model_at_once(records, layout):
+    got = records[layout]
+    buckets, whole = got["buckets"], got["weights"]
+    assert buckets["publisher"]  # rank 0 publishes; the worker checked rank 1 got nothing
+    assert buckets["union"].keys() == whole.keys()
+    assert all(torch.equal(buckets["union"][k], whole[k]) for k in whole)
+    total = sum(t.numel() * t.element_size() for t in whole.values())
+    assert len(buckets["sizes"]) >= 5 and sum(buckets["sizes"]) == total
+    assert max(buckets["sizes"]) < total / 2  # one decoder layer or the embedding at most, never the model
+
+
+def test_bucket_plan_keeps_units_whole_and_within_the_bound():
+    from gyre.engines.errors import TrainerError
+    from gyre.engines.parallel import bucket_plan
+    from gyre.engines.weight_convert import megatron_param_names
+
+    for preset in ("tiny", "tiny-tied", "tiny-moe"):
+        spec = PRESETS[preset]
+        full = hf_to_megatron(init_state_dict(spec, seed=4), spec)
+        for bound in (1, 1 << 20, 1 << 30):
+            plan = bucket_plan(spec, bound)
+            assert [n for bucket in plan for n in bucket] == megatron_param_names(spec)
+            for bucket in plan:
+                layers = {n.split(".")[2] for n in bucket if n.startswith("decoder.layers.")}
+                size = sum(full[n].numel() * 4 for n in bucket)
+                assert size <= bound or len(layers) <= 1  # only a single unit may exceed the bound
+        assert len(bucket_plan(spec, 1 << 30)) == 1 and len(bucket_plan(spec, 1)) == spec.num_layers + 2
+    with pytest.raises(TrainerError):
+        bucket_plan(PRESETS["tiny"], 0)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-tied"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_shards_put_back_together_exactly(preset, tp, pp):

@@ -42,6 +42,7 @@ from gyre.runtime.errors import (
     UnknownAddress,
 )
 from gyre.runtime.event_log import EventLogWriter
+from gyre.runtime.faults import InjectedFault
 from gyre.runtime.topology import SUPERVISOR, ActorSpec, Directory, RestartPolicy, client_name
 
 log = structlog.get_logger("gyre.runtime")
@@ -259,6 +260,9 @@ class Node:
         self._capture: list[tuple[Envelope, Any]] | None = None
         self._flush_scheduled = False
         self._debug = False
+        self.fault_injector: Any = None
+        """Tests only (gyre.runtime.faults, gyre.runtime.testing.run_with_faults): decides each local delivery's
+        fate under a fault plan; None (always, outside fault runs) delivers as usual."""
 
     # ---- set-up ---------------------------------------------------------------------------------------------------
     def add_actor(self, spec: ActorSpec, seed: int) -> ActorSlot:
@@ -488,6 +492,34 @@ class Node:
         if not slot.alive:
             self._refuse(slot, envelope, msg)
             return
+        if self.fault_injector is not None and self._injected(slot, envelope, msg, frames):
+            return
+        self._enqueue(slot, envelope, msg, frames)
+
+    def _injected(self, slot: ActorSlot, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> bool:
+        """Apply the fault plan to one delivery (gyre.runtime.faults); True when the plan took the message over."""
+        action, delay_s = self.fault_injector.intercept(envelope, msg, self.clock.now())
+        if action == "deliver" and delay_s <= 0:
+            return False
+        self.statistics[f"fault_{action}"] += 1
+        if action == "kill":
+            self._fail_actor(slot, InjectedFault(f"the fault plan killed {slot.name} at {type(msg).__name__}"))
+        elif action == "duplicate":
+            self._enqueue(slot, envelope, msg, frames)
+            self._enqueue(slot, envelope, msg, frames)
+        elif action == "deliver":  # late
+
+            def arrive() -> None:
+                if slot.alive:
+                    try:
+                        self._enqueue(slot, envelope, msg, frames)
+                    except Backpressure:
+                        self.statistics["fault_delayed_refused"] += 1
+
+            asyncio.get_running_loop().call_later(delay_s, arrive)
+        return True
+
+    def _enqueue(self, slot: ActorSlot, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
         if self._shuffle is not None and frames is None:
             pending = self._batched_for[slot.name]
             if slot.mailbox.qsize() + pending >= slot.mailbox.maxsize:

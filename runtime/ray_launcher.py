@@ -28,9 +28,11 @@ also brings the host's last stderr lines, so a death can be reported with them.
 Death. A host whose actor dies (a killed worker, a lost node: `RayActorError` on its `serve` call) is handled by
 its actors' `RestartPolicy`: if every actor of the group is in mode "restart", the group is started again in the
 same bundle (where Ray put it, which is another node when the node is gone) with the same keys, up to the smallest
-`max_restarts` of its actors; it must bind the same endpoint (same node address and port), since the other nodes
-keep sending there. Otherwise, or when that fails, the run ends with status 1 and a reason naming the group, its
-node and its last log lines. Every wait on Ray is bounded, so a run never hangs on a dead node.
+`max_restarts` of its actors. It binds its old endpoint where it can (same node, port still free); else a fresh
+one on its node, and before it starts the launcher moves every other host's socket towards it
+(`ZmqTransport.move_peer`; what was queued for the dead one is dropped). Otherwise, or when that fails, the run
+ends with status 1 and a reason naming the group, its node and its last log lines. Every wait on Ray is bounded,
+so a run never hangs on a dead node.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ log = structlog.get_logger("gyre.ray_launcher")
 
 #: stderr lines a host keeps for a death report: enough for a traceback's end, small enough to pull twice a second.
 LAST_LINES = 40
+#: Pause between attempts at starting a dead group again (`RayLauncher._recreate`): Ray notices a lost node within
+#: seconds (missed heartbeats), so a few attempts suffice; each one is a Ray actor creation.
+RESTART_PAUSE_S = 1.0
 #: Concurrent calls into one host actor: `serve` blocks for the whole run while `pull` and `stop` come in.
 HOST_CONCURRENCY = 4
 
@@ -152,6 +157,14 @@ class HostPlace:
     """The host's worker process."""
 
 
+def _free_endpoint(address: str, port: int) -> str:
+    """tcp://ADDRESS:PORT where nothing listens now (port 0: one the OS picks); OSError where it is taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((address, port))
+        return f"tcp://{address}:{probe.getsockname()[1]}"
+
+
 class _LastLines:
     """A text stream that passes writes on and keeps the last `LAST_LINES` lines (bounded: a deque)."""
 
@@ -218,6 +231,7 @@ class GroupHost:
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self._transport: ZmqTransport | None = None
         self._thread: threading.Thread | None = None
 
     def where(self) -> HostPlace:
@@ -226,21 +240,30 @@ class GroupHost:
         return HostPlace(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
     def reserve_endpoint(self, wanted: str | None) -> str:
-        """A tcp:// endpoint on this node's address that nothing listens on now; `wanted` (a restart) must be
-        free and on this node, else this raises."""
+        """A tcp:// endpoint on this node's address that nothing listens on now: `wanted` (a restart's old one)
+        where it is on this node and still free, else a fresh port (the launcher then moves its peers to it)."""
         import ray
 
         address = ray.util.get_node_ip_address()
-        port = 0
         if wanted is not None:
             host, _, wanted_port = wanted[len("tcp://"):].rpartition(":")
-            if host != address:
-                raise RayLaunchError(f"{self._plan.process}: restarted on {address}, its endpoint is {wanted}")
-            port = int(wanted_port)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((address, port))
-            return f"tcp://{address}:{probe.getsockname()[1]}"
+            if host == address:
+                try:
+                    return _free_endpoint(address, int(wanted_port))
+                except OSError:  # taken since: any port will do
+                    pass
+        return _free_endpoint(address, 0)
+
+    def move_peer(self, node: str, endpoint: str, timeout_s: float) -> None:
+        """Node `node` binds `endpoint` from now on (a group started again elsewhere); applied on the node's loop."""
+        if self._loop is None or self._transport is None:
+            raise RayLaunchError(f"{self._plan.process}: its node is not running")
+
+        async def move() -> None:
+            assert self._transport is not None
+            self._transport.move_peer(node, endpoint)
+
+        asyncio.run_coroutine_threadsafe(move(), self._loop).result(timeout_s)
 
     def start(self, endpoints: dict[str, str], start_timeout_s: float) -> None:
         """Build the node and start its actors; returns once they started (raises what stopped them)."""
@@ -283,15 +306,15 @@ class GroupHost:
             self._started.set()
             self._finished.set()
 
-    def _node_started(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-        self._loop, self._stop = loop, stop
+    def _node_started(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event, transport: ZmqTransport) -> None:
+        self._loop, self._stop, self._transport = loop, stop, transport
         self._started.set()
 
 
 # Not a method: Ray makes a class with any `async def` an async actor, whose calls share one event loop, and
 # `serve` blocks for the whole run.
 async def _host_main(plan: HostPlan, keys: BusKeys, endpoints: dict[str, str], segment: Path,
-                     started: Callable[[asyncio.AbstractEventLoop, asyncio.Event], None]) -> None:
+                     started: Callable[[asyncio.AbstractEventLoop, asyncio.Event, ZmqTransport], None]) -> None:
     """Build the group's node, start it, tell `started` how to stop it, flush its segment until told to stop."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -309,7 +332,7 @@ async def _host_main(plan: HostPlan, keys: BusKeys, endpoints: dict[str, str], s
     await node.start()
     if node.recorder is not None:
         node.recorder.flush()  # the start records are on disk before the launcher's first pull
-    started(loop, stop)
+    started(loop, stop, transport)
     try:
         while not stop.is_set():
             try:
@@ -430,8 +453,12 @@ class RayLauncher:
                     max_restarts=0, max_concurrency=HOST_CONCURRENCY,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, unit_of[process]),
                 ).remote(plan, secret, bus_keys[process])
-                place = ray.get(handle.where.remote(), timeout=self.config.start_timeout_s)
-                endpoint = ray.get(handle.reserve_endpoint.remote(wanted), timeout=self.config.start_timeout_s)
+                try:
+                    place = ray.get(handle.where.remote(), timeout=self.config.start_timeout_s)
+                    endpoint = ray.get(handle.reserve_endpoint.remote(wanted), timeout=self.config.start_timeout_s)
+                except BaseException:
+                    ray.kill(handle, no_restart=True)  # never leave a half-made host holding its bundle
+                    raise
                 return _Host(process, handle, None, place, endpoint, incarnation)
 
             for process in sorted(groups):
@@ -480,15 +507,25 @@ class RayLauncher:
                 pass
         pulled: dict[tuple[str, int], int] = {}
         last_lines: dict[str, list[str]] = {}
+        # One pull at a time per host, never abandoned: on a loaded node a pull can take longer than the wait for
+        # it, and a pull given up on would lose its lines (a death report without them) and be asked again.
+        pulling: dict[tuple[str, int], tuple[asyncio.Future, int]] = {}
 
-        async def pull(host: _Host) -> None:
-            offset = pulled.get((host.name, host.incarnation), 0)
+        async def pull(host: _Host, wait_s: float | None = None) -> None:
+            key = (host.name, host.incarnation)
+            if key not in pulling:
+                offset = pulled.get(key, 0)
+                pulling[key] = (asyncio.wrap_future(host.handle.pull.remote(offset).future()), offset)
+            future, offset = pulling[key]
+            done, _ = await asyncio.wait([future], timeout=self.config.pull_every_s * 4 if wait_s is None else wait_s)
+            if not done:
+                return  # still on its way: taken on a later turn
+            del pulling[key]
             try:
-                data, lines = await asyncio.wait_for(asyncio.wrap_future(host.handle.pull.remote(offset).future()),
-                                                     self.config.pull_every_s * 4)
-            except (ray.exceptions.RayError, asyncio.TimeoutError) as error:
+                data, lines = future.result()
+            except ray.exceptions.RayError as error:
                 log.debug("pull_failed", process=host.name, error=repr(error))
-                return  # a dead host is seen on its serve call; a slow one is pulled next time
+                return  # a dead host is seen on its serve call
             last_lines[host.name] = lines
             if data and parts_dir is not None:
                 with open(parts_dir / f"{host.name}.{host.incarnation}.glog", "ab") as part:
@@ -498,6 +535,21 @@ class RayLauncher:
         async def start(host: _Host) -> _Host:
             await asyncio.wrap_future(host.handle.start.remote(endpoints, self.config.start_timeout_s).future())
             return attrs.evolve(host, serving=host.handle.serve.remote())
+
+        async def move(name: str, endpoint: str) -> None:
+            """Group `name` binds `endpoint` now: the table later starts hand out, this node and every other host
+            send there. A host that cannot be told is dying or dead; its own serve call says so, and its restart
+            gets the new table."""
+            endpoints[name] = endpoint
+            transport.move_peer(name, endpoint)
+            told = [(other, asyncio.wait_for(asyncio.wrap_future(
+                        host.handle.move_peer.remote(name, endpoint, self.config.start_timeout_s).future()),
+                        self.config.start_timeout_s * 2))
+                    for other, host in hosts.items() if other != name]
+            results = await asyncio.gather(*(waiting for _, waiting in told), return_exceptions=True)
+            for (other, _), result in zip(told, results):
+                if isinstance(result, BaseException):
+                    log.warning("peer_move_not_applied", process=other, moved=name, error=repr(result))
 
         await node.start()
         try:
@@ -509,7 +561,7 @@ class RayLauncher:
             while not node.stop_requested.done():
                 # Pull first: what a group logged while starting is then known even if it dies at once.
                 await asyncio.gather(*(pull(host) for host in hosts.values()))
-                await self._check_hosts(topology, node, hosts, last_lines, create, start)
+                await self._check_hosts(topology, node, hosts, last_lines, create, start, move)
                 await asyncio.wait([node.stop_requested], timeout=self.config.pull_every_s)
             return await node.stop_requested
         except (RayLaunchError, ray.exceptions.RayError, asyncio.TimeoutError) as error:
@@ -520,10 +572,33 @@ class RayLauncher:
             serving = [host.serving for host in hosts.values() if host.serving is not None]
             if serving:
                 await asyncio.to_thread(ray.wait, serving, num_returns=len(serving), timeout=self.config.stop_timeout_s)
-            await asyncio.gather(*(pull(host) for host in hosts.values()))
+            # A pull under way may predate the stop: take it, then the rest.
+            for _ in range(2):
+                await asyncio.gather(*(pull(host, self.config.stop_timeout_s) for host in hosts.values()))
             await node.stop()
 
-    async def _check_hosts(self, topology, node, hosts, last_lines, create, start) -> None:
+    async def _recreate(self, create, host: _Host) -> _Host:
+        """A new host for a dead one's group, in its bundle. Where the node itself is lost, Ray may place the first
+        attempt on it still (its death is noticed only when its heartbeats stop), and that attempt dies: try again,
+        RESTART_PAUSE_S apart, until `place_timeout_s + start_timeout_s` have passed (Ray then has placed the bundle
+        on another node, or the cluster has no room and the run ends)."""
+        import ray
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.place_timeout_s + self.config.start_timeout_s
+        incarnation = host.incarnation
+        while True:
+            incarnation += 1  # each attempt its own actor name and log part
+            try:
+                return await asyncio.to_thread(create, host.name, incarnation, host.endpoint)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
+                if loop.time() + RESTART_PAUSE_S >= deadline:
+                    raise
+                log.warning("restart_attempt_failed", process=host.name, incarnation=incarnation,
+                            error=str(error).splitlines()[0] if str(error) else type(error).__name__)
+                await asyncio.sleep(RESTART_PAUSE_S)
+
+    async def _check_hosts(self, topology, node, hosts, last_lines, create, start, move) -> None:
         import ray
 
         for name, host in list(hosts.items()):
@@ -546,11 +621,16 @@ class RayLauncher:
                 self.restarts[name] = self.restarts.get(name, 0) + 1
                 try:
                     ray.kill(host.handle, no_restart=True)
-                    fresh = await asyncio.to_thread(create, name, host.incarnation + 1, host.endpoint)
+                    fresh = await self._recreate(create, host)
+                    if fresh.endpoint != host.endpoint:
+                        # Another node (Ray placed the bundle elsewhere: the old node is gone) or the old port is
+                        # taken: everyone sends there before it starts (a PUSH socket queues until it binds).
+                        await move(name, fresh.endpoint)
                     hosts[name] = await asyncio.wait_for(start(fresh), self.config.start_timeout_s * 2)
                     self.placement[name] = fresh.place
                     log.warning("process_group_restarted", process=name, restarts=self.restarts[name],
-                                node_ip=fresh.place.node_ip, node_id=fresh.place.node_id)
+                                node_ip=fresh.place.node_ip, node_id=fresh.place.node_id, endpoint=fresh.endpoint,
+                                moved=fresh.endpoint != host.endpoint)
                     continue
                 except (RayLaunchError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError,
                         asyncio.TimeoutError) as error:

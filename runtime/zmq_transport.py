@@ -317,6 +317,20 @@ class ZmqTransport:
             self._push[node] = socket
         return socket
 
+    def move_peer(self, node: str, endpoint: str) -> None:
+        """Node `node` binds `endpoint` from now on (its process group was started again on another machine, with
+        the same keys): later sends go there. What was queued towards the old endpoint is dropped, as it would have
+        been had the old process taken it and died. Call on the transport's event loop (sockets are not threadsafe)."""
+        if node not in self._peers:
+            raise UnknownAddress(f"no endpoint known for node {node!r}")
+        if self._peers[node] == endpoint:
+            return
+        old, self._peers[node] = self._peers[node], endpoint
+        socket = self._push.pop(node, None)
+        if socket is not None:
+            socket.close(linger=0)
+        log.info("peer_moved", node=node, old=old, endpoint=endpoint)
+
     def send_nowait(self, node: str, frames: tuple[bytes, bytes]) -> None:
         socket = self._push.get(node) or self._socket_for(node)
         header, body = frames

@@ -1,6 +1,6 @@
 """A ping-pong for the Ray launcher's tests: pong's process dies (os._exit, a real death of its Ray worker) when it
 receives ball number `--crash-at`, once (a marker file records that it did, so a restarted pong plays on); and
-placement declarations to check: pong pinned by a custom resource, both groups packed on one node, a group that
+placement declarations to check: ping or pong pinned by a custom resource, both groups packed on one node, a group that
 asks for more than the cluster has."""
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def topology(argv: list[str]) -> Topology:
     parser.add_argument("--ask-every", type=int, default=5)
     parser.add_argument("--marker", default="", help="no crash without one")
     parser.add_argument("--pong-needs", default="", help="a custom resource pong reserves one of")
+    parser.add_argument("--ping-needs", default="", help="a custom resource ping reserves one of")
     parser.add_argument("--pack", action="store_true", help="ping and pong on one node, half a CPU each")
     parser.add_argument("--pong-gpus", type=float, default=0.0)
     parser.add_argument("--mode", choices=("restart", "stop_topology"), default="stop_topology")
@@ -68,6 +69,8 @@ def topology(argv: list[str]) -> Topology:
     result.add("pong", CrashingPong, CrashingPongConfig(args.crash_at, args.marker), restart=RestartPolicy(args.mode))
     if args.pong_needs or args.pong_gpus:
         result.resources("pong", CPU=1, GPU=args.pong_gpus, custom={args.pong_needs: 1} if args.pong_needs else {})
+    if args.ping_needs:
+        result.resources("ping", CPU=1, custom={args.ping_needs: 1})
     if args.pack:
         result.resources("ping", CPU=0.5)
         result.resources("pong", CPU=0.5)

@@ -553,6 +553,9 @@ def topology(argv: list[str]) -> Topology:
         result.add("checkpointer", Checkpointer, CheckpointerConfig(
             root=run_checkpoints, participants=("task_source", "trajectory_builder", "claimer", "monitor"),
             keep=args.keep_checkpoints), process="control")
+    # Agents reach the proxy at the 127.0.0.1 URL it issues with their keys: under `gyre run --ray` the executor's
+    # and evaluator's group goes on the proxy's node.
+    result.pack("front", ["proxy", "runs"])
     return result
 
 

@@ -1,5 +1,6 @@
-"""The main job's cells name their Mooncake protocol from the command line (--transfer-protocol, TCP by default) and
-bind on their node's address (CellConfig.host's default, runtime.launch.node_address)."""
+"""The main job on several nodes: its cells name their Mooncake protocol from the command line (--transfer-protocol,
+TCP by default) and bind on their node's address (CellConfig.host's default, runtime.launch.node_address); the
+agents' group is packed with the proxy's, whose URLs are on loopback."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def test_cells_take_the_protocol_asked_for_and_the_nodes_address(agent_rl, tmp_p
     assert [(c.transfer_protocol, c.host) for c in rdma] == [("rdma", "10.0.0.7")] * 2
     with pytest.raises(SystemExit):
         agent_rl.parse_args(["--transfer-protocol", "ib"])
+
+
+def test_the_agents_group_shares_the_proxys_node(agent_rl, tmp_path: Path) -> None:
+    # The proxy issues 127.0.0.1 URLs: under the Ray launcher the executor's group must be on its node.
+    (tmp_path / "prepare.json").write_text('{"model_dir": "%s"}' % (tmp_path / "model"))
+    topology = agent_rl.topology(["--report", str(tmp_path)])
+    assert topology.spec("executor").process == topology.spec("evaluator").process == "runs"
+    assert topology.packs == {"front": ("proxy", "runs")}
+    units = dict(topology.placement_units())
+    assert units["front"] == ("proxy", "runs") and "runs" not in units

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import socket
 import types
 
 import attrs
@@ -17,6 +18,8 @@ from gyre.actors.cells.cell import Cell, CellConfig
 from gyre.actors.cells.kv_migrator import KVMigratorConfig
 from gyre.actors.cells.rollout_role import PeerView, RecentSessions
 from gyre.actors.cells.train_role import (
+    ClaimLoop,
+    ClaimSettings,
     CoreSteps,
     GradientBufferError,
     StepTracker,
@@ -41,7 +44,7 @@ from gyre.engines.grad_exchange import ReductionMember
 from gyre.engines.trainer import ParamSlot, TrainerConfig
 from gyre.engines.transfer import TransferAgent
 from gyre.messages.cell_internal import WeightsDigest, WeightsDigestAsked, WeightsQuery
-from gyre.messages.gradient_rounds import GradientsHeld, JoinReduction
+from gyre.messages.gradient_rounds import GradientsHeld, JoinReduction, RoundEnded
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, CellDraining, LoadReport, RoleChanged, SwitchRole
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.samples import TrainingSample
@@ -141,6 +144,12 @@ def _round_ledger() -> CoreSteps:
     log = types.SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None)
     return CoreSteps(types.SimpleNamespace(), me="core", claimer="claimer", checkpoint_dir="",
                      compute_lock=asyncio.Lock(), offload=None, send=None, log=log)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def held(cell, index, after_round=0, step=0):
@@ -541,6 +550,74 @@ def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
     assert satellite.version == -1
     satellite.pull(source)
     assert satellite.version == 1
+
+
+def test_a_round_whose_member_never_joins_counts_nothing_and_its_micro_steps_go_back(tiny_model_dir, agents):
+    """The core's side against a satellite that never comes (dead, or gone): bounded by the group's timeout, the
+    round counts nothing, the member hears RoundEnded(counted=False), the next round forms a new group; on the
+    satellite's side a round that was not counted hands back what it brought."""
+    core_agent, _ = agents
+    host = TrainerHost.build(str(tiny_model_dir), TrainerConfig(), core_agent, True,
+                             torch.zeros(1, dtype=torch.int64), "127.0.0.1", reduce_timeout_s=1.0)
+    sent: list = []
+
+    async def send(to, msg):
+        sent.append((to, msg))
+
+    async def offload(fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    log = types.SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None,
+                                error=lambda *a, **k: None)
+    steps = CoreSteps(host, me="core", claimer="claimer", checkpoint_dir="", compute_lock=asyncio.Lock(),
+                      offload=offload, send=send, log=log)
+    steps.on_ready(StepReady(0, 2, 2, 2, 0))
+    assert steps.on_held(held("sat", 0)) and steps.on_held(held("sat", 1))
+
+    async def two_rounds():
+        first = await steps.run_round()
+        group = steps.group_id
+        second = await steps.run_round(("sat",))
+        return first, group, second
+
+    try:
+        first, group, second = asyncio.run(two_rounds())
+    finally:
+        host.close()
+    assert not first.counted and "did not form" in first.reason and first.round_id == 1
+    assert (steps.group_id, group) == (2, 1)  # a failed group is never reused
+    joins = [m for to, m in sent if isinstance(m, JoinReduction)]
+    assert [(j.round_id, j.group_id, j.rank, j.size, j.numel) for j in joins] == [
+        (1, 1, 1, 2, host.numel), (2, 2, 1, 2, host.numel)]
+    assert [(to, m) for to, m in sent if to == "sat" and not isinstance(m, JoinReduction)] == [
+        ("sat", first), ("sat", second)]
+    assert not [m for to, m in sent if to == "claimer"]  # nothing counted
+    assert not steps.tracker.open[0].done and not steps.marks["sat"]  # the reports are void now
+    assert not steps.on_held(held("sat", 0, after_round=0))
+    assert steps.history[-1].counted is False and steps.rounds_failed == 2
+
+    # The satellite's side: what it brought to a round that was not counted goes back to the claimer.
+    released: list = []
+
+    async def satellite_send(to, msg):
+        released.append((to, msg))
+
+    settings = ClaimSettings(cell="sat", is_core=False, claimer="claimer", core="core", claim_timeout_s=1.0,
+                             claim_retry_s=0.1, grads_taken_timeout_s=1.0, clip_low=3e-4, clip_high=4e-4,
+                             chunk_padded_tokens=2048, reduce_timeout_s=1.0)
+    claims = ClaimLoop(settings, ask=None, send=satellite_send, offload=offload, compute_lock=asyncio.Lock(), log=log)
+    claims.held = [held("sat", 0), held("sat", 1)]
+    port = free_port()  # nobody listens: the join fails within its timeout
+
+    async def satellite():
+        await claims.join_round(JoinReduction(3, 3, 1, 2, "127.0.0.1", port, 64), None)
+        await claims.on_round_ended(RoundEnded(3, False, 0, "test"))
+        return await claims.flush()
+
+    flushed = asyncio.run(satellite())
+    claims.close()
+    assert flushed and claims.rounds_failed == 1 and claims.last_round == 3 and not claims.held
+    assert [(to, m.step_id, m.microstep_index) for to, m in released] == [("claimer", 0, 0), ("claimer", 0, 1)]
 
 
 # ---- the cell actor against a scripted claimer ---------------------------------------------------------------------

@@ -129,6 +129,10 @@ class RunMonitor(Actor):
 
     @handler(StepApplied)
     def on_step(self, msg: StepApplied) -> None:
+        if self.steps and msg.step_id <= self.steps[-1]["step"]:
+            # A second copy, or a step older than the newest: recorded once (found by gyre bench faults).
+            self.log.warning("step_applied_again_ignored", step=msg.step_id, newest=self.steps[-1]["step"])
+            return
         self.steps.append({
             "t_s": self._elapsed(), "step": msg.step_id, "version": msg.version, "loss": msg.loss,
             "grad_norm": msg.grad_norm, "tokens": msg.num_tokens, "samples": msg.num_samples,

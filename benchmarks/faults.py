@@ -1,0 +1,308 @@
+"""`gyre bench faults [--json] [--seeds N] [--kinds K,...]`: a training run under seeded faults, in virtual time, with
+its invariants checked after each (issue 28).
+
+The run: the real task source, micro-step claimer, run monitor and checkpointer around a scripted executor (each
+group lands a moment after it starts) and a scripted core (claims each step's micro-steps, applies the step, saves
+its checkpoint part: the contract of actors/cells/core_checkpoint.py). Each case is one fault drawn from (kind,
+seed) by gyre.runtime.faults.random_plan and run with gyre.runtime.testing.run_with_faults. Checked after it, from
+the event log and the actors' statistics:
+- samples_lost_in_transit: samples the executor sent that the claimer never counted (a dropped SamplesLanded);
+- samples_unaccounted: the claimer's ledger does not balance (landed != trained + skipped + dropped + in flight);
+- samples_trained_twice: an execution the scripted core trained twice (its own record) or the claimer counted twice;
+- versions_not_monotone: a StepApplied whose version is below an earlier one, or a step id applied twice;
+- staleness_violations: a granted sample older than the step's base version minus the staleness bound;
+- finished: the run reached its steps within the time limit; recover_s: from the fault to the next applied step.
+Agent calls are not part of this run (no proxy, no agents): "lost calls" are not measured here.
+Every number is what happened: a fault kind the system does not yet survive shows up as a non-zero column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig, groups_ahead_for_staleness
+from gyre.actors.training.checkpointer import Checkpointer, CheckpointerConfig
+from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer
+from gyre.actors.training.run_monitor import RunMonitor, RunMonitorConfig
+from gyre.messages.checkpoints import CorePartsSaved
+from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
+from gyre.messages.runtime_control import StatisticsAsked
+from gyre.messages.samples import SamplesLanded, TrainingSample
+from gyre.messages.training import ClaimGranted, ClaimMicroStep, MicroStepDone, StepApplied, StepReady
+from gyre.policies.staleness import MaxVersionLag
+from gyre.runtime import Actor, Codec, GyreError, Topology, handler, read_log
+from gyre.runtime.checkpoint import encode_json, read_actor_state, staging_dir, write_file_atomic
+from gyre.runtime.faults import random_plan
+from gyre.runtime.testing import run_with_faults
+
+GROUP_SIZE = 2
+STALENESS = 1
+TASKS = tuple(TaskSpec(f"t{i}", f"do t{i}", {}, (sys.executable, "agent.py"), (sys.executable, "score.py"), 60.0, 5.0)
+              for i in range(6))
+ACTORS = ("task_source", "claimer", "monitor", "checkpointer")
+"""Actors a kill or a partition may hit: the real ones (the scripted executor and core stand in for processes whose
+kills need a real-time run)."""
+LINKS = (("executor", "claimer", "SamplesLanded"), ("executor", "task_source", "GroupDone"),
+         ("core", "claimer", "MicroStepDone"), ("core", "claimer", "ClaimMicroStep"),
+         ("task_source", "executor", "StartGroup"), ("claimer", "core", "StepReady"),
+         ("core", "monitor", "StepApplied"), ("core", "task_source", "StepApplied"))
+"""(sender, receiver, type) a drop, delay or duplicate may hit."""
+_APPLIED = (("core", "monitor", "StepApplied"), ("core", "task_source", "StepApplied"), ("core", "claimer", "StepApplied"))
+KINDS: dict[str, tuple[str, tuple[tuple[str, str, str], ...]]] = {
+    "kill": ("kill", LINKS),
+    "partition": ("partition", LINKS),
+    "delay": ("delay", LINKS),
+    "drop-samples": ("drop", (("executor", "claimer", "SamplesLanded"),)),
+    "drop-microstep-done": ("drop", (("core", "claimer", "MicroStepDone"),)),
+    "drop-step-ready": ("drop", (("claimer", "core", "StepReady"),)),
+    "drop-step-applied": ("drop", _APPLIED),
+    "duplicate-samples": ("duplicate", (("executor", "claimer", "SamplesLanded"),)),
+    "duplicate-microstep-done": ("duplicate", (("core", "claimer", "MicroStepDone"),)),
+    "duplicate-step-applied": ("duplicate", _APPLIED),
+}
+"""The benchmark's fault kinds: a gyre.runtime.faults kind and the links it may hit."""
+HORIZON_S = 2.0
+"""Virtual seconds a fault-free run of 6 steps takes (2.1): partitions and kills fall inside it."""
+
+
+def _sample(execution: str, group: str, version: int) -> TrainingSample:
+    return TrainingSample(execution, group, 0, "main", 0, (1, 2, 3, 4), (False, True, True, True), (0.0,) * 4,
+                          (1.0,) * 4, (1.0,) * 4, (1 / 3,) * 4, version, version, 3)
+
+
+class ScriptedExecutor(Actor):
+    """Executor, evaluator and trajectory builder in one: each group lands at the claimer 0.7 s after it starts, then
+    its GroupDone reaches the task source (the builder's order). Counts the samples it sent."""
+
+    async def on_start(self) -> None:
+        self.starts: dict[str, StartGroup] = {}
+        self.samples_sent = 0
+
+    @handler(StartGroup)
+    def on_start_group(self, msg: StartGroup) -> None:
+        self.starts[msg.group_id] = msg
+        self.send_later(0.7, GroupDone(msg.group_id, True, 1.0, 1.0, msg.group_size, 0, 10))
+
+    @handler(GroupDone)
+    def on_landed(self, msg: GroupDone) -> None:
+        start = self.starts.pop(msg.group_id, None)
+        if start is None:  # a duplicated timer of a group already landed
+            return
+        ids = tuple(f"{msg.group_id}-{i}" for i in range(start.group_size))
+        samples = tuple(_sample(e, msg.group_id, start.weight_version) for e in ids)
+        self.samples_sent += len(samples)
+        self.tell("claimer", SamplesLanded(msg.group_id, samples, ids, (1.0,) * len(ids), (1.0,) * len(ids), 0,
+                                           4 * len(ids), 3 * len(ids), start.weight_version, start.weight_version))
+        self.tell("task_source", msg)
+
+
+@attrs.frozen
+class ScriptedCoreConfig:
+    root: str
+    every_steps: int = 1
+    resume_from: str = ""
+    crash_after_step: int = -1
+    """End a fresh run (not a resumed one) with status 1 right after this step, as a dying core does."""
+
+
+class ScriptedCore(Actor):
+    """The core's side of a step and of a checkpoint: claims a step's micro-steps once StepReady fixed it, reports
+    them done, publishes StepApplied; its "weights" are a hash chain of what it trained."""
+
+    config_cls = ScriptedCoreConfig
+    subscriptions = (StepReady,)
+
+    async def on_start(self) -> None:
+        self.version = 0
+        self.weights = "0" * 64
+        self.trained: list[str] = []
+        self.applied_through = -1
+        if self.config.resume_from:
+            state, checkpoint = read_actor_state(self.config.resume_from, "core")
+            self.version, self.weights, self.trained = state["version"], state["weights"], state["trained"]
+            self.applied_through = checkpoint.step_id
+
+    @handler(StepReady)
+    async def on_step_ready(self, msg: StepReady) -> None:
+        if msg.step_id <= self.applied_through:
+            return
+        done = 0
+        for _ in range(4 * msg.num_microsteps):  # bounded: claims refused while a re-queued one comes back
+            if done == msg.num_microsteps:
+                break
+            try:
+                grant = await self.ask("claimer", ClaimMicroStep(self.name, self.version), timeout_s=5.0)
+            except GyreError:
+                return  # the claimer is gone or silent: the step cannot end here
+            if grant.step_id != msg.step_id:
+                return
+            for sample in grant.samples:
+                self.trained.append(sample.execution_id)
+                self.weights = hashlib.sha256((self.weights + sample.execution_id).encode()).hexdigest()
+            self.tell("claimer", MicroStepDone(self.name, grant.step_id, grant.microstep_index, "", 0, 0, 4, 0.0))
+            done += 1
+        if done < msg.num_microsteps:
+            return
+        self.version += 1
+        self.applied_through = msg.step_id
+        self.publish(StepApplied(msg.step_id, self.version, 0.1, 1.0, 4 * msg.num_samples, msg.num_samples, 0))
+        if self.config.root and (msg.step_id + 1) % self.config.every_steps == 0:
+            part = write_file_atomic(staging_dir(self.config.root, msg.step_id) / "core.json", encode_json(
+                {"version": self.version, "weights": self.weights, "trained": self.trained}))
+            self.tell("checkpointer", CorePartsSaved(self.name, msg.step_id, self.version, (part.name,),
+                                                     (part.sha256,), (part.size_bytes,), self.weights))
+        if msg.step_id == self.config.crash_after_step and not self.config.resume_from:
+            self.stop_topology(f"the core died after step {msg.step_id}", 1)
+
+
+def fault_topology(root: str, *, steps: int, seed: int, resume_from: str = "", crash_after_step: int = -1,
+                   report: str = "") -> Topology:
+    """The run of this benchmark (module docstring); checkpoints under `root`."""
+    result = Topology("fault-run", seed=seed)
+    result.checkpoint_dir = root
+    result.add("executor", ScriptedExecutor)
+    result.add("task_source", TaskSource, TaskSourceConfig(
+        tasks=TASKS, group_size=GROUP_SIZE, groups_in_flight=3, groups_per_step=1, seed=seed,
+        max_groups_ahead_of_training=groups_ahead_for_staleness(STALENESS, 1), stop_topology_when_done=False,
+        resume_from=resume_from))
+    result.add("claimer", MicroStepClaimer, ClaimerConfig(groups_per_step=1, group_size=GROUP_SIZE,
+                                                          staleness=MaxVersionLag(STALENESS), cell_silence_limit_s=5.0,
+                                                          liveness_check_s=1.0, resume_from=resume_from))
+    result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=report or root, steps=steps, cells=("core",),
+                                                       core_cell="core", progress=False, resume_from=resume_from))
+    result.add("core", ScriptedCore, ScriptedCoreConfig(root, 1, resume_from, crash_after_step))
+    result.add("checkpointer", Checkpointer, CheckpointerConfig(
+        root=root, participants=("task_source", "claimer", "monitor"), keep=2, ask_timeout_s=5.0))
+    return result
+
+
+async def _inspect(node) -> dict:
+    """The claimer's ledger (asked), and what the scripted actors recorded (read off their instances: they are this
+    benchmark's own, and a killed one's record restarts with it)."""
+    found: dict[str, Any] = {}
+    try:
+        found["claimer"] = await node.ask("claimer", StatisticsAsked(), 5.0)
+    except GyreError as error:
+        found["claimer"] = error
+    found["samples_sent"] = getattr(node.slots["executor"].actor, "samples_sent", 0)
+    found["trained"] = list(getattr(node.slots["core"].actor, "trained", []))
+    return found
+
+
+def check_invariants(log_path: Path, inspected: dict, fault_times: list[float]) -> dict:
+    """The invariants of the module docstring, as counts (0 is good), from the run's log and statistics."""
+    codec = Codec()
+    versions: list[tuple[float, int, int]] = []
+    base_of: dict[int, int] = {}
+    stale = 0
+    for record in read_log(log_path, codec):
+        name = record.type_name.rsplit(".", 1)[-1]
+        if name == "StepApplied" and record.envelope.receiver == "monitor":
+            msg = record.decode(codec)
+            versions.append((record.handled_s, msg.step_id, msg.version))
+        elif name == "StepReady" and record.envelope.receiver == "core":
+            msg = record.decode(codec)
+            base_of[msg.step_id] = msg.base_version
+        elif name == "ClaimGranted" and record.envelope.receiver == "core":
+            msg: ClaimGranted = record.decode(codec)
+            base = base_of.get(msg.step_id)
+            if base is not None:
+                stale += sum(1 for s in msg.samples if s.min_weight_version < base - STALENESS)
+    # A duplicated delivery of the same (step, version) is no regression; a lower version, or a step applied
+    # again under another version, is.
+    seen: dict[int, int] = {}
+    not_monotone = newest = 0
+    for _, step, version in versions:
+        if seen.get(step, version) != version or version < newest:
+            not_monotone += 1
+        seen.setdefault(step, version)
+        newest = max(newest, version)
+    steps = list(seen)
+    claimer, trained = inspected.get("claimer"), inspected.get("trained", [])
+    row: dict[str, Any] = {"steps_applied": len(set(steps)), "versions_not_monotone": not_monotone,
+                           "staleness_violations": stale,
+                           "samples_trained_twice": len(trained) - len(set(trained))}
+    if isinstance(claimer, Exception):
+        row["inspect_error"] = f"claimer: {claimer}"
+    elif claimer is not None:
+        accounted = (claimer.samples_trained + claimer.samples_skipped + claimer.samples_dropped_stale
+                     + claimer.samples_dropped_overflow + claimer.samples_duplicate + claimer.samples_in_flight
+                     + claimer.samples_rerolled)
+        row["samples_unaccounted"] = claimer.samples_landed - accounted + claimer.samples_lost
+        row["samples_trained_twice"] += claimer.samples_trained_twice
+        row["samples_lost_in_transit"] = inspected.get("samples_sent", 0) - (claimer.samples_landed
+                                                                             - claimer.samples_duplicate)
+    if fault_times:
+        after = [t for t, _, _ in versions if t >= fault_times[0]]
+        row["recover_s"] = round(after[0] - fault_times[0], 3) if after else None
+    return row
+
+
+def run_case(kind: str, seed: int, *, steps: int = 6, until_s: float = 120.0) -> dict:
+    """One fault of `kind` drawn from `seed`, the run, its invariants."""
+    base, links = KINDS[kind]
+    plan = random_plan(base, seed, actors=ACTORS, links=links, horizon_s=HORIZON_S)
+    with tempfile.TemporaryDirectory(prefix="gyre-faults-") as folder:
+        log_path = Path(folder) / "events.glog"
+        run = run_with_faults(fault_topology(str(Path(folder) / "checkpoints"), steps=steps, seed=seed), plan,
+                              until_s=until_s, log_path=str(log_path), inspect=_inspect)
+        row = {"kind": kind, "seed": seed, "plan": plan, "fired": len(run.applied),
+               "finished": run.exit_code == 0 and run.reason.startswith("trained"), "reason": run.reason}
+        row.update(check_invariants(log_path, run.value or {}, [t for t, _, _ in run.applied]))
+    return row
+
+
+def sweep(kinds: tuple[str, ...], seeds: int, steps: int = 6) -> dict:
+    rows = [run_case(kind, seed, steps=steps) for kind in kinds for seed in range(seeds)]
+    columns = ("samples_lost_in_transit", "samples_unaccounted", "samples_trained_twice", "versions_not_monotone",
+               "staleness_violations")
+    by_kind = {}
+    for kind in kinds:
+        mine = [r for r in rows if r["kind"] == kind]
+        recover = sorted(r["recover_s"] for r in mine if r.get("recover_s") is not None)
+        by_kind[kind] = {
+            "cases": len(mine), "fired": sum(1 for r in mine if r["fired"]),
+            "finished": sum(1 for r in mine if r["finished"]),
+            **{c: sum(r.get(c) or 0 for r in mine) for c in columns},
+            "recover_s_median": recover[len(recover) // 2] if recover else None,
+        }
+    return {"kinds": list(kinds), "seeds": seeds, "steps": steps, "by_kind": by_kind, "cases": rows}
+
+
+def _handle(args: argparse.Namespace) -> int:
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging("critical")  # the faults make the actors log errors by design: the table is the output
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        print(f"gyre bench faults: unknown kinds {unknown}; the kinds are {', '.join(KINDS)}", file=sys.stderr)
+        return 2
+    result = sweep(kinds, args.seeds, args.steps)
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+        return 0
+    print(f"{'kind':<24} {'cases':>5} {'fired':>5} {'done':>5} {'transit':>7} {'unacc':>5} {'twice':>5} "
+          f"{'mono':>4} {'stale':>5} {'recover_s':>9}")
+    for kind, row in result["by_kind"].items():
+        print(f"{kind:<24} {row['cases']:>5} {row['fired']:>5} {row['finished']:>5} "
+              f"{row['samples_lost_in_transit']:>7} {row['samples_unaccounted']:>5} {row['samples_trained_twice']:>5} "
+              f"{row['versions_not_monotone']:>4} {row['staleness_violations']:>5} {row['recover_s_median']!s:>9}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("faults", help="a training run under seeded faults in virtual time, invariants checked")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per fault kind (default 5)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps each run trains (default 6)")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated ({', '.join(KINDS)})")
+    p.set_defaults(func=_handle)

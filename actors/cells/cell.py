@@ -16,8 +16,8 @@ gradients complete, and loads each new version into its own engine straight from
 is the scheduler's call, as for any cell. Satellites hold a trainer only in the train role; leaving it releases
 the trainer (they never step, so they never hold optimizer state).
 
-A switch runs as a background task (the mailbox stays free: a satellite must still receive GradientsTaken while it
-winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role and announces it.
+A switch runs as a background task (the mailbox stays free: a satellite must still join a gradient round and hear
+its RoundEnded while it winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role and announces it.
 
 Who holds what. The cell owns all of its state (its role, the newest version it has heard of, the engine and trainer
 hosts, its counters) and orders every step: the switches, the claim loop (ClaimLoop.claim_once, over and over),
@@ -40,7 +40,8 @@ engine's memory -> the newest weights into a trainer (a satellite builds it whil
 -> RoleChanged(train) -> claim.
 
 train -> rollout: stop claiming (a micro-step in compute finishes and reports, a later grant goes back) -> a
-satellite waits for the core to take its last gradients and releases its trainer -> the engine gets its memory back
+satellite has the core take its last gradients in a round (FlushGradients, actors/cells/train_role.py) and releases
+its trainer -> the engine gets its memory back
 (concurrently) and the newest weights -> serve -> RoleChanged(rollout).
 """
 

@@ -17,7 +17,8 @@ is the scheduler's call, as for any cell. Satellites hold a trainer only in the 
 the trainer (they never step, so they never hold optimizer state).
 
 A switch runs as a background task (the mailbox stays free: a satellite must still join a gradient round and hear
-its RoundEnded while it winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role and announces it.
+its RoundEnded while it winds down) and ends by telling the cell `SwitchFinished`, whose handler commits the role
+and announces it.
 
 Who holds what. The cell owns all of its state (its role, the newest version it has heard of, the engine and trainer
 hosts, its counters) and orders every step: the switches, the claim loop (ClaimLoop.claim_once, over and over),

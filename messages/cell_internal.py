@@ -88,7 +88,7 @@ class SwitchFinished:
     """Sessions the KV migrator placed elsewhere (rollout -> train)."""
 
 
-@message("gyre.cell_internal.CellStatistics", version=3)
+@message("gyre.cell_internal.CellStatistics", version=4)
 class CellStatistics:
     """A cell's statistics (its answer to StatisticsAsked): cheap, it reads counters only."""
 
@@ -124,6 +124,14 @@ class CellStatistics:
     """How the last update reached the engine: "memory" (embedded), "disk" (update_weights_from_disk); "" = none."""
     last_weight_update_s: float = 0.0
     """Seconds the last update took, from the weights in hand to the engine holding them."""
+    gradient_rounds: int = 0
+    """Gradient reduction rounds: led (the core) or joined (a satellite)."""
+    gradient_rounds_failed: int = 0
+    """Of those, rounds that counted nothing (their micro-steps went back to the claimer)."""
+    gradient_bytes_sent: int = 0
+    """Gradient bytes this cell sent in rounds (a satellite: one buffer a round)."""
+    gradient_bytes_received: int = 0
+    """Gradient bytes this cell received in rounds (the core: one buffer a round, whatever the number of members)."""
 
 
 @message("gyre.cell_internal.WeightsDigestAsked")

@@ -795,4 +795,14 @@ class Cell(Actor):
             engine_weight_updates=self.engine_weight_updates,
             last_weight_update_path=self.last_weight_update_path,
             last_weight_update_s=self.last_weight_update_s,
+            **self._gradient_round_statistics(),
         )
+
+    def _gradient_round_statistics(self) -> dict[str, int]:
+        steps, claims = self.core_steps, self.claims
+        if steps is not None:
+            return dict(gradient_rounds=steps.rounds, gradient_rounds_failed=steps.rounds_failed,
+                        gradient_bytes_sent=0, gradient_bytes_received=steps.bytes_received)
+        return dict(gradient_rounds=claims.rounds_joined + claims.rounds_failed,
+                    gradient_rounds_failed=claims.rounds_not_counted, gradient_bytes_sent=claims.bytes_sent,
+                    gradient_bytes_received=claims.bytes_received)

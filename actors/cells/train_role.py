@@ -692,6 +692,9 @@ class ClaimLoop:
         self.reduction_thread = concurrent.futures.ThreadPoolExecutor(1, f"{settings.cell}-gradient-rounds")
         self.rounds_joined = 0
         self.rounds_failed = 0
+        """Rounds that failed on this side (the core then counts nothing either)."""
+        self.rounds_not_counted = 0
+        """Rounds whose RoundEnded said the core counted nothing."""
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -752,6 +755,7 @@ class ClaimLoop:
         """Satellite: a round it joined ended; if the core did not count it, hand its micro-steps back."""
         entries = self._in_rounds.pop(msg.round_id, [])
         if not msg.counted:
+            self.rounds_not_counted += 1
             self.log.error("gradient_round_not_counted_released", round=msg.round_id, microsteps=len(entries),
                            reason=msg.reason)
             for held in entries:

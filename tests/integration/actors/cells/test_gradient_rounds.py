@@ -119,7 +119,6 @@ def trained(tiny_model_dir):
             "core_params": core.training.trainer.flat_params(),
             "numel": core.training.numel,
             "rounds": list(core.core_steps.history),
-            "satellites": {name: h.actor(name).claims for name in ("sat_a", "sat_b")},
             "status": {name: await h.ask(name, StatisticsAsked()) for name in ("core", "sat_a", "sat_b")},
             "claimer": await h.ask("claimer", StatisticsAsked()),
         }
@@ -163,7 +162,10 @@ def test_a_group_of_three_formed_when_the_satellite_joined_and_bytes_do_not_grow
     assert ("sat_a", "sat_b") in groups.values()
     buffer_bytes = seen["numel"] * 4
     assert {r.received_bytes for r in rounds} == {buffer_bytes}  # the core: one buffer a round, 1 or 2 satellites
-    for claims in seen["satellites"].values():
-        assert claims.rounds_joined >= 1 and claims.rounds_failed == 0
-        assert claims.bytes_sent == claims.rounds_joined * buffer_bytes  # one buffer a round, whatever its size
-        assert claims.bytes_received < claims.rounds_joined * buffer_bytes
+    for name in ("sat_a", "sat_b"):  # CellStatistics: one buffer sent a round, whatever the round's size
+        stats = seen["status"][name]
+        assert stats.gradient_rounds >= 1 and stats.gradient_rounds_failed == 0
+        assert stats.gradient_bytes_sent == stats.gradient_rounds * buffer_bytes
+        assert stats.gradient_bytes_received < stats.gradient_rounds * buffer_bytes
+    core = seen["status"]["core"]
+    assert core.gradient_rounds == len(rounds) and core.gradient_bytes_received == len(rounds) * buffer_bytes

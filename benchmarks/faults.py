@@ -39,7 +39,7 @@ from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.messages.training import ClaimGranted, ClaimMicroStep, MicroStepDone, StepApplied, StepReady
 from gyre.policies.staleness import MaxVersionLag
 from gyre.runtime import Actor, Codec, GyreError, Topology, handler, read_log
-from gyre.runtime.checkpoint import encode_json, read_actor_state, staging_dir, write_file_atomic
+from gyre.runtime.checkpoint import encode_json, read_actor_state, staging_dir, write_core_record, write_file_atomic
 from gyre.runtime.faults import random_plan
 from gyre.runtime.testing import run_with_faults
 
@@ -125,10 +125,11 @@ class ScriptedCore(Actor):
         self.weights = "0" * 64
         self.trained: list[str] = []
         self.applied_through = -1
+        self.saved_through = -1
         if self.config.resume_from:
             state, checkpoint = read_actor_state(self.config.resume_from, "core")
             self.version, self.weights, self.trained = state["version"], state["weights"], state["trained"]
-            self.applied_through = checkpoint.step_id
+            self.applied_through = self.saved_through = checkpoint.step_id
 
     @handler(StepReady)
     async def on_step_ready(self, msg: StepReady) -> None:
@@ -155,12 +156,27 @@ class ScriptedCore(Actor):
         self.applied_through = msg.step_id
         self.publish(StepApplied(msg.step_id, self.version, 0.1, 1.0, 4 * msg.num_samples, msg.num_samples, 0))
         if self.config.root and (msg.step_id + 1) % self.config.every_steps == 0:
-            part = write_file_atomic(staging_dir(self.config.root, msg.step_id) / "core.json", encode_json(
-                {"version": self.version, "weights": self.weights, "trained": self.trained}))
-            self.tell("checkpointer", CorePartsSaved(self.name, msg.step_id, self.version, (part.name,),
-                                                     (part.sha256,), (part.size_bytes,), self.weights))
+            self._save(msg.step_id)
         if msg.step_id == self.config.crash_after_step and not self.config.resume_from:
             self.stop_topology(f"the core died after step {msg.step_id}", 1)
+
+    def _save(self, step_id: int) -> None:
+        folder = staging_dir(self.config.root, step_id)
+        part = write_file_atomic(folder / "core.json", encode_json(
+            {"version": self.version, "weights": self.weights, "trained": self.trained}))
+        saved = CorePartsSaved(self.name, step_id, self.version, (part.name,), (part.sha256,), (part.size_bytes,),
+                               self.weights)
+        write_core_record(folder, saved)
+        self.saved_through = step_id
+        try:
+            self.tell("checkpointer", saved)
+        except GyreError:
+            pass  # stopping: the checkpointer reads the record instead
+
+    async def on_stop(self) -> None:
+        """As the core does: the newest step's part, if not saved yet (actors/cells/core_checkpoint.py)."""
+        if self.config.root and self.applied_through > self.saved_through:
+            self._save(self.applied_through)
 
 
 def fault_topology(root: str, *, steps: int, seed: int, resume_from: str = "", crash_after_step: int = -1,
@@ -178,9 +194,11 @@ def fault_topology(root: str, *, steps: int, seed: int, resume_from: str = "", c
                                                           liveness_check_s=1.0, resume_from=resume_from))
     result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=report or root, steps=steps, cells=("core",),
                                                        core_cell="core", progress=False, resume_from=resume_from))
-    result.add("core", ScriptedCore, ScriptedCoreConfig(root, 1, resume_from, crash_after_step))
     result.add("checkpointer", Checkpointer, CheckpointerConfig(
         root=root, participants=("task_source", "claimer", "monitor"), keep=2, ask_timeout_s=5.0))
+    # After the checkpointer: on one node actors stop in reverse order, so the core leaves its final part before
+    # the checkpointer, stopping, looks for it (in a multi-process run they stop at once).
+    result.add("core", ScriptedCore, ScriptedCoreConfig(root, 1, resume_from, crash_after_step))
     return result
 
 

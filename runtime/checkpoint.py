@@ -39,15 +39,18 @@ import attrs
 from gyre.runtime.errors import GyreError
 
 __all__ = [
-    "FORMAT", "MANIFEST", "Checkpoint", "CheckpointError", "PartRecord", "Skipped", "actor_part_name",
+    "CORE_RECORD", "FORMAT", "MANIFEST", "Checkpoint", "CheckpointError", "PartRecord", "Skipped", "actor_part_name",
     "commit", "decode_json", "read_actor_state",
     "encode_json", "file_sha256", "list_steps", "load_latest", "open_checkpoint", "prune", "staging_dir", "step_dir",
-    "to_tuples", "write_file_atomic",
+    "read_core_record", "to_tuples", "write_core_record", "write_file_atomic",
 ]
 
 FORMAT = "gyre-checkpoint/1"
 """The manifest's `format`; a reader refuses any other."""
 MANIFEST = "manifest.json"
+CORE_RECORD = "core.record.json"
+"""The core's CorePartsSaved as a file in the staging folder, written after its parts: how a checkpointer that can
+no longer receive messages (it is stopping) learns of the core's final part."""
 _STEP = re.compile(r"^step-(\d{8})$")
 _STAGING = re.compile(r"^\.(?:staging|replaced)-step-(\d{8})(?:-\d+)?$")
 _PART_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
@@ -312,3 +315,19 @@ def read_actor_state(resume_from: str | os.PathLike, actor: str) -> tuple[Any, C
     and the checkpoint (its manifest has the step, the weight version and the groups that re-roll)."""
     checkpoint = open_checkpoint(resume_from)
     return checkpoint.read_json(actor_part_name(actor)), checkpoint
+
+
+def write_core_record(folder: str | os.PathLike, saved: Any) -> PartRecord:
+    """Write the core's CorePartsSaved (gyre.messages.checkpoints) next to its parts, atomically."""
+    return write_file_atomic(Path(folder) / CORE_RECORD, encode_json(attrs.asdict(saved)))
+
+
+def read_core_record(folder: str | os.PathLike) -> Any:
+    """The CorePartsSaved a core left in `folder` (None if it has not written one)."""
+    from gyre.messages.checkpoints import CorePartsSaved
+
+    try:
+        fields = decode_json((Path(folder) / CORE_RECORD).read_bytes())
+    except FileNotFoundError:
+        return None
+    return CorePartsSaved(**{key: to_tuples(value) for key, value in fields.items()})

@@ -35,7 +35,7 @@ from gyre.actors.errors import ActorError
 from gyre.messages.checkpoints import CorePartsSaved
 from gyre.messages.training import StepApplied
 from gyre.runtime import GyreError
-from gyre.runtime.checkpoint import MANIFEST, open_checkpoint, staging_dir, write_file_atomic
+from gyre.runtime.checkpoint import MANIFEST, open_checkpoint, staging_dir, write_core_record, write_file_atomic
 
 __all__ = ["CoreCheckpoints", "ResumedWeightsUnavailable", "checkpoint_weight_version", "core_part_name",
            "resumed_engine_weights", "state_digest"]
@@ -184,6 +184,10 @@ class CoreCheckpoints:
         digest = await self.offload(state_digest, state)
         saved = CorePartsSaved(self.me, step_id, int(state["version"]), (record.name,), (record.sha256,),
                                (record.size_bytes,), digest)
+        try:
+            await self.offload(write_core_record, folder, saved)  # for a checkpointer that is stopping
+        except OSError as error:
+            self.log.warning("core_record_not_written", step_id=step_id, error=str(error))
         self.last_saved_step = max(self.last_saved_step, step_id)
         self.saved += 1
         self.log.info("core_checkpoint_part_saved", step_id=step_id, version=saved.weight_version,

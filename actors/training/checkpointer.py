@@ -21,14 +21,19 @@ in between is in flight for the task source: re-rolled either way. So `reroll_gr
 samples are not in the checkpointed weights. The participants that keep nothing of their own (executor, evaluator,
 proxy, scheduler, broker, migrator) are not asked: their in-flight work re-rolls with its group.
 
-At a stop (SIGTERM, SIGINT, the run's end) the core saves the newest step's part if it is not saved yet and tells
-the checkpointer; that becomes a checkpoint only if the checkpointer and participants are still running (under the
-local-process launcher every process stops at once, so often not): the last periodic checkpoint is the resume
-point otherwise.
+At a stop (SIGTERM, SIGINT, the run's end) the core saves the newest step's part if it is not saved yet, and leaves
+its CorePartsSaved as a file beside it (gyre.runtime.checkpoint.CORE_RECORD): a stopping checkpointer no longer
+takes messages. The checkpointer, stopping, waits up to `final_wait_s` for that file of the newest step that ended
+(StepApplied), then asks the participants (still running: they stop after it, being lower in the topology, or in
+other processes) and commits: the final checkpoint. If the core's part does not come in time, or a participant
+has stopped already, nothing is committed and the last periodic checkpoint stays the resume point. The wait is
+kept under the local-process launcher's 10 s stop limit; a large model's state may take longer to write, and then
+only the periodic checkpoints count.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -41,8 +46,18 @@ from gyre.messages.checkpoints import (
     CheckpointState,
     CorePartsSaved,
 )
+from gyre.messages.training import StepApplied
 from gyre.runtime import Actor, GyreError, handler
-from gyre.runtime.checkpoint import PartRecord, actor_part_name, commit, staging_dir, write_file_atomic
+from gyre.runtime.checkpoint import (
+    CORE_RECORD,
+    PartRecord,
+    actor_part_name,
+    commit,
+    file_sha256,
+    read_core_record,
+    staging_dir,
+    write_file_atomic,
+)
 from gyre.runtime.validators import count, positive
 
 __all__ = ["RUN_ARGS", "Checkpointer", "CheckpointerConfig"]
@@ -50,6 +65,10 @@ __all__ = ["RUN_ARGS", "Checkpointer", "CheckpointerConfig"]
 RUN_ARGS = "run_args.json"
 """The run's arguments in a checkpoint root, written by `gyre run` (runtime/cli_run.py) and copied into each
 manifest as its "run" record."""
+
+
+def _record_of(path: Path) -> PartRecord:
+    return PartRecord(path.name, file_sha256(path), path.stat().st_size)
 
 
 def _names(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
@@ -70,18 +89,43 @@ class CheckpointerConfig:
     """Checkpoints kept (the newest); older ones are deleted after each commit."""
     ask_timeout_s: float = attrs.field(default=60.0, validator=positive)
     """How long one participant may take to answer before the checkpoint is abandoned."""
+    final_wait_s: float = attrs.field(default=5.0, validator=attrs.validators.ge(0.0))
+    """Stopping: how long to wait for the core's final part (module docstring); 0 takes no final checkpoint. Under
+    the local-process launcher's 10 s stop limit, with room for the asks and the commit."""
 
 
 class Checkpointer(Actor):
     """Gathers the parts of each checkpoint the core starts, and commits it (module docstring)."""
 
     config_cls = CheckpointerConfig
+    subscriptions = (StepApplied,)
 
     async def on_start(self) -> None:
         self.committed = 0
         self.abandoned = 0
         self.last_step_id = -1
         self.last_seconds = 0.0
+        self.newest_step_ended = -1
+
+    @handler(StepApplied)
+    def on_step_applied(self, msg: StepApplied) -> None:
+        self.newest_step_ended = max(self.newest_step_ended, msg.step_id)
+
+    async def on_stop(self) -> None:
+        """The final checkpoint (module docstring)."""
+        step = self.newest_step_ended
+        if step <= self.last_step_id or self.config.final_wait_s <= 0:
+            return
+        folder = Path(self.config.root) / f".staging-step-{step:08d}"
+        deadline = self.clock.now() + self.config.final_wait_s
+        while (saved := await self.offload(read_core_record, folder)) is None:
+            if self.clock.now() >= deadline:
+                self.log.warning("final_checkpoint_missed", step_id=step, waited_s=self.config.final_wait_s,
+                                 why="the core's part of the newest step did not come")
+                return
+            await asyncio.sleep(0.05)
+        self.log.info("final_checkpoint", step_id=step)
+        await self._checkpoint(saved)
 
     def _run_args(self) -> dict | None:
         path = Path(self.config.root) / RUN_ARGS
@@ -92,6 +136,9 @@ class Checkpointer(Actor):
 
     @handler(CorePartsSaved)
     async def on_core_parts_saved(self, msg: CorePartsSaved) -> None:
+        await self._checkpoint(msg)
+
+    async def _checkpoint(self, msg: CorePartsSaved) -> None:
         started = self.clock.now()
         step = msg.step_id
         if step <= self.last_step_id:
@@ -102,6 +149,9 @@ class Checkpointer(Actor):
         reroll: set[str] = set()
         try:
             folder = staging_dir(self.config.root, step)
+            if (folder / CORE_RECORD).is_file():
+                record = await self.offload(_record_of, folder / CORE_RECORD)
+                parts[record.name] = record
             for actor in self.config.participants:
                 reply: CheckpointState = await self.ask(actor, CheckpointAsked(step),
                                                         timeout_s=self.config.ask_timeout_s)

@@ -35,10 +35,11 @@ def test_a_run_whose_core_died_resumes_from_its_checkpoint(tmp_path, capsys):
     assert gyre_cli(["run", TOPOLOGY, "--virtual", "--report", str(report), "--steps", "4",
                      "--crash-after-step", "1"]) == 1
     err = capsys.readouterr().err
-    # Step 1's checkpoint was being gathered as the run stopped: the newest whole one is step 0's.
-    assert "the core died after step 1 (exit 1)" in err and "can go on from its checkpoint of step 0" in err
+    # Step 1's checkpoint is the final one, taken as the run stopped (the core's part left as a file).
+    assert "the core died after step 1 (exit 1)" in err and "can go on from its checkpoint of step 1" in err
     first, _ = load_latest(report / "run_checkpoints")
-    assert first.step_id == 0 and first.manifest["run"]["argv"][-2:] == ["--crash-after-step", "1"]
+    assert first.step_id == 1 and first.manifest["run"]["argv"][-2:] == ["--crash-after-step", "1"]
+    assert first.has_part("core.record.json")
 
     # Another value for a topology argument, or another seed, is refused with both values.
     assert gyre_cli(["run", TOPOLOGY, "--virtual", "--resume", "--report", str(report), "--steps", "5"]) == 2
@@ -52,9 +53,9 @@ def test_a_run_whose_core_died_resumes_from_its_checkpoint(tmp_path, capsys):
     run = json.loads((report / "run.json").read_text())
     # (a step may still end as the run stops: the record is honest about it)
     assert [(s["step"], s["version"]) for s in run["steps"]][:4] == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert [r["from_step"] for r in run["resumes"]] == [0]
+    assert [r["from_step"] for r in run["resumes"]] == [1]
     last, _ = load_latest(report / "run_checkpoints")
-    assert last.step_id == 2 and last.manifest["weight_version"] == 3  # step 3's was being gathered at the end
+    assert last.step_id >= 3 and last.manifest["weight_version"] == last.step_id + 1  # the final one, at the end
     # The scripted core's "weights" chain its trained executions: each once, across both runs.
     trained = last.read_json("core.json")["trained"]
     assert trained and max(Counter(trained).values()) == 1
@@ -70,8 +71,7 @@ def test_a_run_whose_core_died_resumes_from_its_checkpoint(tmp_path, capsys):
     codec = Codec()
     applied = [r.decode(codec) for r in read_log(log)
                if r.type_name.endswith(".StepApplied") and r.envelope.receiver == "monitor"]
-    # Step 1 was applied by the first run too, but its checkpoint never committed: the resumed run trains it anew.
-    assert [(m.step_id, m.version) for m in applied][:5] == [(0, 1), (1, 2), (1, 2), (2, 3), (3, 4)]
+    assert [(m.step_id, m.version) for m in applied][:4] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert gyre_cli(["log", "stats", str(log)]) == 0
     assert "records:" in capsys.readouterr().out
 

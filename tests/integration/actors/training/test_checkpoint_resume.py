@@ -4,7 +4,8 @@ A real core cell trains the tiny model; a scripted executor plays executor, eval
 group the task source starts lands at the claimer a moment later (and its GroupDone reaches the task source). The
 checkpointer gathers the task source's, claimer's and run monitor's parts after each step the core saved its own.
 Run 1 trains steps 0-1 and stops; run 2 resumes from step 1's checkpoint and trains steps 2-3. Checked:
-- two checkpoints, each with the core's shard, the three actors' parts and a manifest whose digests hold;
+- a checkpoint after each step, each with the core's shard, the three actors' parts and a manifest whose digests
+  hold, and a final one as the run stops (the core's part saved in its on_stop);
 - the restored core holds exactly the saved weights and AdamW moments (state digest), at version 2;
 - run 2 goes on at step 2 (versions 3, 4), its groups have new ids (none of run 1 lands again), the groups not
   trained at the checkpoint re-roll first, as the same tasks;
@@ -95,7 +96,7 @@ class Recorder(Actor):
         self.committed.append(msg)
 
 
-def topology(tiny_model_dir, report, resume_from: str = "") -> Topology:
+def topology(tiny_model_dir, report, resume_from: str = "", every: int = 1) -> Topology:
     root = str(report / "run_checkpoints")
     result = Topology("resume", seed=0)
     result.add("recorder", Recorder)
@@ -109,20 +110,24 @@ def topology(tiny_model_dir, report, resume_from: str = "") -> Topology:
     result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=str(report), steps=4, cells=("core",),
                                                        core_cell="core", progress=False, resume_from=resume_from))
     result.add("weight_broker", WeightBroker)
+    result.add("checkpointer", Checkpointer, CheckpointerConfig(
+        root=root, participants=("task_source", "claimer", "monitor"), keep=4))
+    # The core after the checkpointer: on one node actors stop in reverse order, so the core leaves its final part
+    # before the checkpointer, stopping, looks for it.
     result.add("core", Cell, CellConfig(
         model_dir=str(tiny_model_dir), is_core=True, initial_role=TRAIN,
         trainer=TrainerConfig(num_threads=1, lr=1e-3), claim_retry_s=0.05,
         engine=EngineConfig(num_blocks=64, max_context_tokens=512, max_prefill_tokens=256, num_threads=1),
-        run_checkpoint_dir=root, run_checkpoint_every_steps=1, resume_from=resume_from))
-    result.add("checkpointer", Checkpointer, CheckpointerConfig(
-        root=root, participants=("task_source", "claimer", "monitor"), keep=2))
+        run_checkpoint_dir=root, run_checkpoint_every_steps=every, resume_from=resume_from))
     return result
 
 
-def _run(topology_, steps_wanted: int):
+def _run(topology_, steps_wanted: int, commits_wanted: int | None = None):
+    commits_wanted = steps_wanted if commits_wanted is None else commits_wanted
+
     async def driver(h):
         recorder = h.actor("recorder")
-        await h.wait_until(lambda: len(recorder.steps) >= steps_wanted and len(recorder.committed) >= steps_wanted,
+        await h.wait_until(lambda: len(recorder.steps) >= steps_wanted and len(recorder.committed) >= commits_wanted,
                            timeout_s=240, what=f"{steps_wanted} steps applied and checkpointed")
         core = h.actor("core")
         stats = {name: await h.ask(name, StatisticsAsked()) for name in ("claimer", "task_source", "checkpointer")}
@@ -141,7 +146,8 @@ def test_a_run_resumes_from_its_checkpoint_with_the_same_state(tiny_model_dir, t
     assert [c.step_id for c in committed[:2]] == [0, 1] and stats1["checkpointer"].abandoned == 0
     assert 1 in list_steps(root)
     checkpoint = json.loads((step_dir(root, 1) / "manifest.json").read_text())
-    assert sorted(checkpoint["parts"]) == ["claimer.json", "core.tp0.pp0.pt", "monitor.json", "task_source.json"]
+    assert sorted(checkpoint["parts"]) == ["claimer.json", "core.record.json", "core.tp0.pp0.pt", "monitor.json",
+                                           "task_source.json"]
     assert checkpoint["weight_version"] == 2
 
     latest, skipped = load_latest(root)
@@ -167,3 +173,16 @@ def test_a_run_resumes_from_its_checkpoint_with_the_same_state(tiny_model_dir, t
     run = json.loads((report / "run.json").read_text())
     assert [s["step"] for s in run["steps"]][:4] == [0, 1, 2, 3]  # a step may end as the run stops
     assert [r["from_step"] for r in run["resumes"]] == [1]
+
+
+def test_a_stopping_run_leaves_a_final_checkpoint(tiny_model_dir, tmp_path):
+    """Checkpoints every 2 steps, stopped after step 0: the final checkpoint (the core's part saved as it stopped,
+    found by the stopping checkpointer) is step 0's, and a resume starts at step 1."""
+    torch.set_num_threads(1)
+    report = tmp_path / "report"
+    root = report / "run_checkpoints"
+    steps, committed, _, _, _ = _run(topology(tiny_model_dir, report, every=2), 1, 0)
+    assert committed == [] or committed[0].step_id >= 1  # nothing periodic at step 0
+    latest, skipped = load_latest(root)
+    assert skipped == [] and latest is not None and latest.step_id == steps[-1].step_id
+    assert latest.has_part("core.record.json") and latest.manifest["weight_version"] == steps[-1].version

@@ -736,7 +736,8 @@ class ClaimLoop:
             try:
                 if host is None:
                     moved = await loop.run_in_executor(self.reduction_thread, join_round, self.member, msg, payload,
-                                                       torch.zeros(msg.numel, dtype=torch.float32))
+                                                       torch.zeros(msg.numel, dtype=torch.float32,
+                                                                   device=self.settings.reduce_device))
                 else:
                     moved = await loop.run_in_executor(self.reduction_thread, host.reduce_as_member, self.member,
                                                        msg, payload)

@@ -276,7 +276,7 @@ def _report(specs: tuple[TaskSpec, ...], attempts: int, log_file: str, reason: s
         if name == "ModelCallCompleted":
             counts = tokens[task_id]
             counts["calls"] += 1
-            counts["prompt"] += len(msg.prompt_ids)
+            counts["prompt"] += msg.prompt_tokens
             counts["output"] += len(msg.output_ids)
             counts["cached"] += msg.cached_tokens
             continue

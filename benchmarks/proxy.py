@@ -119,8 +119,10 @@ class _TimedBackend:
         self.inner = inner
         self.last_s = 0.0
         self.last_cpu_s = 0.0
+        self.last_prompt_ids: Any = ()
 
     async def generate(self, request: BackendRequest) -> BackendResult:
+        self.last_prompt_ids = request.prompt_ids  # a reference: nothing copied inside the timed call
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return await self.inner.generate(request)
@@ -209,12 +211,11 @@ async def _measure_overhead(
                     backend_s.append(timed.last_s)
                     cpu_overhead_s.append(elapsed_cpu - timed.last_cpu_s)
                     # The same generation, straight to the backend (same prompt ids and params as the proxy used).
-                    sent = emitted[-1]
                     request = BackendRequest(
                         rid=f"direct-{i}",
                         execution_id="direct",
                         session_key="direct",
-                        prompt_ids=sent.prompt_ids,
+                        prompt_ids=timed.last_prompt_ids,
                         sampling_params={"max_new_tokens": config.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
                                          "stop_token_ids": list(template.stop_token_ids)},
                     )

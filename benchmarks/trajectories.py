@@ -6,9 +6,10 @@ compress too) and sometimes retries a turn from an earlier prefix. Each executio
 default processor (cap 5, shared tokens trained once, tails trimmed) is compared with the baseline that trains
 every chain in full (`AllChainsProcessor`).
 
-The check does not trust the tree: it re-derives, from the raw calls, which token positions (exact prefixes) the
-policy emitted, and verifies that every such position on the kept trajectories carries loss exactly once, with its
-behaviour log-prob, and that nothing else carries loss.
+The simulated calls are turned into incremental records (each names the earlier call it extends, as the proxy's
+do) before they enter the trees. The check does not trust the tree: it re-derives, from the raw calls, which token
+positions (exact prefixes) the policy emitted, and verifies that every such position on the kept trajectories
+carries loss exactly once, with its behaviour log-prob, and that nothing else carries loss.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 import attrs
+import numpy as np
 
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionScored, TrainingSample
@@ -30,7 +32,13 @@ from gyre.policies.trajectory_processor import (
     TrajectoryProcessor,
     build_group_samples,
 )
-from gyre.policies.trajectory_tree import MAIN, TrajectoryTree, build_tree
+from gyre.policies.trajectory_tree import (
+    MAIN,
+    TrajectoryTree,
+    build_tree,
+    prompt_ids_digest,
+    whole_prompt_call,
+)
 
 # Chat-template glue of the simulated vocabulary; content tokens are drawn from [100, 32000).
 IM_START, IM_END, NEWLINE, SYSTEM, USER, ASSISTANT, TOOL = 1, 2, 3, 4, 5, 6, 7
@@ -95,7 +103,7 @@ class _Simulator:
         version = index // self.config.calls_per_weight_version
         labelled = self.config.labelled
         self.calls.append(
-            ModelCallCompleted(
+            whole_prompt_call(
                 execution_id=self.execution_id,
                 group_id=self.group_id,
                 call_index=index,
@@ -150,10 +158,49 @@ class _Simulator:
 def simulate_execution(
     seed: int, config: WorkloadConfig = WorkloadConfig(), execution_id: str = "e0", group_id: str = "g0"
 ) -> list[ModelCallCompleted]:
-    """The calls of one simulated execution (deterministic in `seed`)."""
+    """The calls of one simulated execution (deterministic in `seed`), as records that carry their whole prompt."""
     sim = _Simulator(seed, config, execution_id, group_id)
     sim.run(MAIN, sim.tokens(config.task_tokens), config.main_turns)
     return sim.calls
+
+
+def full_prompts(calls: Sequence[ModelCallCompleted]) -> dict[int, tuple[int, ...]]:
+    """call_index -> whole prompt of one execution's records, rebuilt without the tree: each record's shared prefix
+    is taken from the path (prompt + output) of the call it names, and the digest is checked (ValueError)."""
+    paths: dict[int, tuple[int, ...]] = {}
+    prompts: dict[int, tuple[int, ...]] = {}
+    for call in sorted(calls, key=lambda c: c.call_index):
+        head = paths[call.extends_call][: call.shared_tokens] if call.extends_call >= 0 else ()
+        prompt = head + tuple(call.new_prompt_ids)
+        if (call.prompt_digest or call.extends_call >= 0) and prompt_ids_digest(prompt) != call.prompt_digest:
+            raise ValueError(f"call {call.call_index}: the rebuilt prompt does not match its digest")
+        prompts[call.call_index] = prompt
+        paths[call.call_index] = prompt + tuple(call.output_ids)
+    return prompts
+
+
+def incremental_records(calls: Sequence[ModelCallCompleted]) -> list[ModelCallCompleted]:
+    """One execution's records as the proxy sends them: each names the earlier call whose path shares the longest
+    prefix with its prompt and carries only the ids after it (a call that shares nothing carries its whole prompt).
+    For producers that know no earlier call (the simulator); O(calls^2 x context), for benchmark-sized inputs."""
+    prompts = full_prompts(calls)
+    paths: list[tuple[int, np.ndarray]] = []
+    result = []
+    for call in sorted(calls, key=lambda c: c.call_index):
+        prompt = np.asarray(prompts[call.call_index], dtype=np.int64)
+        best, shared = -1, 0
+        for index, path in paths:
+            n = min(len(path), len(prompt))
+            differ = np.flatnonzero(path[:n] != prompt[:n])
+            common = int(differ[0]) if len(differ) else n
+            if common > shared:
+                best, shared = index, common
+        result.append(attrs.evolve(
+            call, extends_call=best, shared_tokens=shared, new_prompt_ids=tuple(prompt[shared:].tolist()),
+            prompt_digest=prompt_ids_digest(prompts[call.call_index]),
+        ))
+        paths.append((call.call_index, np.concatenate([prompt, np.asarray(call.output_ids, dtype=np.int64)])))
+    return result
 
 
 # -- the independent check ------------------------------------------------------------------------------------------
@@ -220,12 +267,13 @@ def check_samples(
     main_keys: set[tuple[int, int]] = set()
     keys_of: dict[int, list[tuple[int, int]]] = {}
     hashed: list[tuple[tuple[int, ...], int, list[tuple[int, int]]]] = []
+    prompts = full_prompts(calls)
     for call in sorted(calls, key=lambda c: c.call_index):
-        seq = call.prompt_ids + call.output_ids
+        seq = prompts[call.call_index] + call.output_ids
         keys = _position_keys(seq, _longest_known_prefix(seq, hashed))
-        hashed.append((seq, len(call.prompt_ids), keys))
+        hashed.append((seq, call.prompt_tokens, keys))
         keys_of[call.call_index] = keys
-        start = len(call.prompt_ids)
+        start = call.prompt_tokens
         for o, key in enumerate(keys[start:]):
             emitted.setdefault(key, (call.call_index, call.output_logprobs[o]))
             if call.call_index in main_calls:
@@ -235,7 +283,7 @@ def check_samples(
     double = non_policy = mismatches = not_prefix = 0
     for sample in samples:
         leaf = by_index[sample.leaf_call_index]
-        full = leaf.prompt_ids + leaf.output_ids
+        full = prompts[leaf.call_index] + leaf.output_ids
         keys = keys_of[sample.leaf_call_index]
         if full[: len(sample.token_ids)] != sample.token_ids:
             not_prefix += 1
@@ -283,8 +331,9 @@ def run_benchmark(seed: int, config: WorkloadConfig, max_trajectories: int = 5) 
         f"e{i}": simulate_execution(rng.randrange(1 << 30), config, f"e{i}", "g0") for i in range(config.executions)
     }
     rewards = {e: float(rng.random() < 0.5) for e in calls_of}
+    records_of = {e: incremental_records(calls) for e, calls in calls_of.items()}  # as the proxy sends them
     started = time.perf_counter()
-    trees = {e: build_tree(calls) for e, calls in calls_of.items()}
+    trees = {e: build_tree(records) for e, records in records_of.items()}
     build_s = time.perf_counter() - started
     started = time.perf_counter()
     processed = _land(trees, rewards, RankedTrajectoryProcessor(ProcessorConfig(max_trajectories=max_trajectories)))

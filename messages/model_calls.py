@@ -1,11 +1,22 @@
-"""What the proxy tells the trajectory builder after every model call: token-in/token-out, the birth of training data."""
+"""What the proxy tells the trajectory builder after every model call: token-in/token-out, the birth of training data.
+
+Records are incremental (issue 29): an agent resends its whole conversation on every call, so a call's prompt mostly
+repeats an earlier call's prompt + output. A record names that earlier call (`extends_call`), how many of its path's
+tokens the prompt starts with (`shared_tokens`), and carries only the ids after them (`new_prompt_ids`), plus the
+SHA-256 of the whole prompt (`prompt_digest`) so that a receiver that rebuilds the prompt from its own copy of the
+earlier call detects any mismatch instead of training on it. A call that extends no earlier call (the first one, a
+fresh sub-agent, a proxy that no longer remembers the conversation) has `extends_call` -1 and carries its whole
+prompt; a call that branches from an earlier point (a compression that keeps the system prompt, a retry, a
+sub-agent started from the main conversation) names the call it branches from with a `shared_tokens` short of that
+call's path. What the bus moves per call is then proportional to its new tokens, not to its context.
+"""
 
 from __future__ import annotations
 
 from gyre.messages._define import message
 
 
-@message("gyre.model_calls.ModelCallCompleted", version=2)
+@message("gyre.model_calls.ModelCallCompleted", version=3)
 class ModelCallCompleted:
     """One finished model call of one execution, with the exact token ids and behaviour log-probs."""
 
@@ -16,11 +27,26 @@ class ModelCallCompleted:
     call_index: int
     """0-based order of this call among the execution's calls, as the proxy received them."""
     agent_id: str
-    """Who called: "main" for the top-level agent, else the sub-agent id from the X-Gyre-Agent header; "" if unlabelled."""
+    """Who called: "main" for the top-level agent, else the sub-agent id from the X-Gyre-Agent header; "" if
+    unlabelled."""
     call_kind: str
-    """"turn" for an ordinary call, "summary" for a context-compression call (X-Gyre-Call: summary); "" if unlabelled."""
-    prompt_ids: tuple[int, ...]
-    """Token ids the model was conditioned on, with earlier generated assistant turns reused exactly."""
+    """"turn" for an ordinary call, "summary" for a context-compression call (X-Gyre-Call: summary); "" if
+    unlabelled."""
+    prompt_tokens: int
+    """Length of the prompt the model was conditioned on (earlier generated assistant turns reused exactly)."""
+    extends_call: int
+    """call_index of the earlier call of this execution whose prompt + output the prompt starts with (its first
+    `shared_tokens` tokens); -1 when the prompt extends no earlier call and `new_prompt_ids` is the whole prompt.
+    Always lower than `call_index`."""
+    shared_tokens: int
+    """Prompt tokens taken from `extends_call`'s path (prompt + output): all of it when the prompt extends that call,
+    fewer at a branch point; 0 when `extends_call` is -1."""
+    new_prompt_ids: tuple[int, ...]
+    """The prompt's ids after the shared prefix: prompt = path(extends_call)[:shared_tokens] + new_prompt_ids."""
+    prompt_digest: bytes
+    """SHA-256 of the whole prompt's ids as 8-byte little-endian integers (gyre.policies.trajectory_tree's
+    `prompt_ids_digest`); b"" is allowed only for a record that carries its whole prompt (`extends_call` -1), where
+    there is nothing to rebuild."""
     output_ids: tuple[int, ...]
     """Token ids the policy emitted, stop token included when it ended the turn."""
     output_logprobs: tuple[float, ...]
@@ -41,3 +67,4 @@ class ModelCallCompleted:
     sampling_temperature: float
     """Temperature the output tokens were drawn at, and the one their log-probs are taken at: the trainer divides
     its logits by it (1.0 for greedy decoding: engines/temperature.py)."""
+

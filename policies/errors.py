@@ -16,6 +16,7 @@ __all__ = [
     "PolicyContractError",
     "PolicyError",
     "ProcessorError",
+    "PromptMismatch",
     "RoutingContractError",
     "SchedulingConfigError",
     "StalenessPolicyError",
@@ -72,6 +73,11 @@ class TrajectoryError(PolicyError, ValueError):
 class TreeFull(TrajectoryError):
     """The tree hit a bound of its `TreeConfig`; the call was not added. The builder should drop the execution rather
     than let its tree grow without end."""
+
+
+class PromptMismatch(TrajectoryError):
+    """An incremental call's prompt, rebuilt from the earlier call it names, does not hash to the digest it carries
+    (a lost or reordered record, a proxy and builder that disagree): the execution must not train."""
 
 
 class ProcessorError(PolicyError, ValueError):

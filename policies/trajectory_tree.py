@@ -7,7 +7,16 @@ trajectory processor train every shared token once.
 
 Tokens
 ------
-Every call inserts the path `prompt_ids + output_ids` from the root. A token is *policy-emitted* if some call
+Every call inserts the path prompt + output from the root. A record carries its prompt incrementally (messages/
+model_calls.py): the first `shared_tokens` of the path of the earlier call it names (`extends_call`), then its
+`new_prompt_ids`. The tree finds that point on the earlier call's path (walking up from its end: a few nodes) and
+inserts only the new ids and the output from there, so adding a call costs its new tokens, not its context. The
+whole prompt's SHA-256 (`prompt_digest`) is checked against a running hash: each call keeps the hash state after its
+prompt and after its output, so a call that extends a whole earlier path (the common case) hashes only its new
+ids; a call that branches from inside an earlier path hashes its prefix again (branches are few). A mismatch raises
+`PromptMismatch` and the call is not added. A call whose earlier call has not arrived yet waits (bounded:
+`TreeConfig.max_pending_calls`) and is added when it does; `pending_calls` counts those still waiting.
+ A token is *policy-emitted* if some call
 generated it at that position (it was in that call's `output_ids`); otherwise it is a prompt token (system text,
 user text, tool results, chat-template glue). Policy tokens of an earlier call re-appear inside the prompts of later
 calls that extend it: they sit at the same tree position, so they stay policy-emitted with their original
@@ -50,15 +59,18 @@ main > main-summary > sub-agent > sub-agent-summary; `leaf_kind` is the kind of 
 
 from __future__ import annotations
 
+import hashlib
 import math
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from gyre.messages.model_calls import ModelCallCompleted
-from gyre.policies.errors import TrajectoryError, TreeFull
+from gyre.policies.errors import PromptMismatch, TrajectoryError, TreeFull
 
 MAIN = "main"
 MAIN_SUMMARY = "main-summary"
@@ -82,6 +94,9 @@ class TreeConfig:
     """Calls one execution may make."""
     max_stored_tokens: int = attrs.field(default=8_000_000, validator=attrs.validators.gt(0))
     """Distinct tree positions (tokens stored once) one execution may hold."""
+    max_pending_calls: int = attrs.field(default=256, validator=attrs.validators.gt(0))
+    """Calls held until the earlier call they extend arrives: a lost record must not let a tree hold calls without
+    end (past it, TreeFull)."""
 
 
 @attrs.frozen
@@ -181,6 +196,34 @@ class _Call:
     label: tuple[str, str] | None
     digest: int
     temperature: float
+    prompt_hash: Any = attrs.field(eq=False, repr=False)
+    """SHA-256 state after the prompt (copied, never updated in place)."""
+    path_hash: Any = attrs.field(eq=False, repr=False)
+    """SHA-256 state after the prompt + output."""
+
+
+def ids_bytes(ids: Sequence[int]) -> bytes:
+    """Token ids as the bytes a `prompt_digest` hashes: 8-byte little-endian integers."""
+    packed = ids if isinstance(ids, array) and ids.typecode == "q" else array("q", ids)
+    if sys.byteorder != "little":
+        packed = array("q", packed)
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def prompt_ids_digest(ids: Sequence[int]) -> bytes:
+    """The `ModelCallCompleted.prompt_digest` of a whole prompt."""
+    return hashlib.sha256(ids_bytes(ids)).digest()
+
+
+def whole_prompt_call(**fields: Any) -> ModelCallCompleted:
+    """A record that carries its whole prompt: `prompt_ids=...` in place of the incremental fields (what a producer
+    with no earlier call to name sends: a scripted benchmark, a test, a replayed recording)."""
+    prompt = tuple(fields.pop("prompt_ids"))
+    fields.setdefault("prompt_digest", prompt_ids_digest(prompt))
+    return ModelCallCompleted(
+        prompt_tokens=len(prompt), extends_call=-1, shared_tokens=0, new_prompt_ids=prompt, **fields
+    )
 
 
 class TrajectoryTree:
@@ -193,6 +236,9 @@ class TrajectoryTree:
         self._root = _Node(0, 0, None, 0)
         self._next_node_id = 1
         self._calls: dict[int, _Call] = {}
+        # extends_call -> calls waiting for it (record, label, digest); call_index -> digest of each waiting one
+        self._pending: dict[int, list[tuple[ModelCallCompleted, tuple[str, str] | None, int]]] = {}
+        self._pending_digest: dict[int, int] = {}
         self._end_node: dict[int, _Node] = {}
         self._stored_tokens = 0
         self._call_tokens = 0
@@ -201,32 +247,113 @@ class TrajectoryTree:
     # -- building -----------------------------------------------------------------------------------------------
 
     def add_call(self, call: ModelCallCompleted) -> None:
-        """Insert one call. Re-adding an identical call (a redelivered message) is a no-op."""
+        """Insert one call (or hold it until the earlier call it extends arrives). Re-adding an identical call (a
+        redelivered message) is a no-op. Raises TrajectoryError (PromptMismatch, TreeFull) and adds nothing."""
         label = self._validate(call)
-        digest = hash((call.prompt_ids, call.output_ids, call.output_logprobs, call.output_versions, label,
-                       call.sampling_temperature))
+        digest = hash((call.extends_call, call.shared_tokens, call.new_prompt_ids, call.prompt_digest,
+                       call.output_ids, call.output_logprobs, call.output_versions, label, call.sampling_temperature))
         known = self._calls.get(call.call_index)
-        if known is not None:
-            if known.digest != digest:
+        if known is None and call.call_index in self._pending_digest:
+            known_digest = self._pending_digest[call.call_index]
+        else:
+            known_digest = known.digest if known is not None else None
+        if known_digest is not None:
+            if known_digest != digest:
                 raise TrajectoryError(
                     f"execution {self.execution_id}: call_index {call.call_index} was already added with other content"
                 )
             return
-        if len(self._calls) >= self.config.max_calls:
+        if len(self._calls) + len(self._pending_digest) >= self.config.max_calls:
             raise TreeFull(f"execution {self.execution_id}: more than {self.config.max_calls} calls")
-        seq = array("q", call.prompt_ids)
+        if call.extends_call >= 0 and call.extends_call not in self._calls:
+            if len(self._pending_digest) >= self.config.max_pending_calls:
+                raise TreeFull(
+                    f"execution {self.execution_id}: more than {self.config.max_pending_calls} calls wait for the "
+                    "earlier calls they extend"
+                )
+            self._pending.setdefault(call.extends_call, []).append((call, label, digest))
+            self._pending_digest[call.call_index] = digest
+            return
+        self._add(call, label, digest)
+        ready = self._pending.pop(call.call_index, [])
+        while ready:
+            waiting, waiting_label, waiting_digest = ready.pop()
+            del self._pending_digest[waiting.call_index]
+            self._add(waiting, waiting_label, waiting_digest)
+            ready.extend(self._pending.pop(waiting.call_index, []))
+
+    @property
+    def pending_calls(self) -> int:
+        """Calls still waiting for the earlier call they extend (a tree with any is incomplete)."""
+        return len(self._pending_digest)
+
+    def _add(self, call: ModelCallCompleted, label: tuple[str, str] | None, digest: int) -> None:
+        where = f"execution {self.execution_id}, call {call.call_index}"
+        new_prompt = array("q", call.new_prompt_ids)
+        shared = call.shared_tokens
+        if call.extends_call < 0:
+            start, offset = self._root, 0
+            prompt_hash = hashlib.sha256(ids_bytes(new_prompt))
+        else:
+            base = self._calls[call.extends_call]
+            if shared > base.total_len:
+                raise TrajectoryError(
+                    f"{where}: shares {shared} tokens of call {call.extends_call}, whose path has {base.total_len}"
+                )
+            start, offset = self._locate(call.extends_call, shared)
+            if shared == base.total_len:
+                prompt_hash = base.path_hash.copy()
+            elif shared == base.prompt_len:
+                prompt_hash = base.prompt_hash.copy()
+            else:  # a branch from inside the earlier path: hash its prefix again (branches are few)
+                prompt_hash = hashlib.sha256(ids_bytes(self._prefix_ids(start, offset)))
+            prompt_hash.update(ids_bytes(new_prompt))
+        if (call.prompt_digest or call.extends_call >= 0) and prompt_hash.digest() != call.prompt_digest:
+            raise PromptMismatch(
+                f"{where}: the prompt rebuilt from call {call.extends_call} ({shared} shared tokens + "
+                f"{len(new_prompt)} new) does not match the record's prompt digest"
+            )
+        prompt_len = call.prompt_tokens
+        seq = new_prompt
         seq.extend(call.output_ids)
-        node = self._insert(seq, len(call.prompt_ids), call.output_logprobs, call.output_versions, call.call_index)
-        node.ends.setdefault(len(seq) - 1 - node.depth, []).append(call.call_index)
+        total = shared + len(seq)
+        node = self._insert(seq, shared, start, offset, prompt_len, call.output_logprobs, call.output_versions,
+                            call.call_index)
+        node.ends.setdefault(total - 1 - node.depth, []).append(call.call_index)
         self._end_node[call.call_index] = node
-        prompt_last = len(call.prompt_ids) - 1
+        prompt_last = prompt_len - 1
         while node.depth > prompt_last:
             node = node.parent
         node.prompt_ends.setdefault(prompt_last - node.depth, []).append(call.call_index)
-        self._calls[call.call_index] = _Call(call.call_index, len(call.prompt_ids), len(seq), label, digest,
-                                             call.sampling_temperature)
-        self._call_tokens += len(seq)
+        path_hash = prompt_hash.copy()
+        path_hash.update(ids_bytes(call.output_ids))
+        self._calls[call.call_index] = _Call(call.call_index, prompt_len, total, label, digest,
+                                             call.sampling_temperature, prompt_hash, path_hash)
+        self._call_tokens += total
         self._chains = None
+
+    def _locate(self, call_index: int, depth: int) -> tuple[_Node, int]:
+        """(node, m): the node of `call_index`'s path that holds path position depth - 1, and m = depth - its
+        depth (its first m tokens lie on the path); (root, 0) for depth 0. Walks up from the call's end node."""
+        if depth == 0:
+            return self._root, 0
+        node = self._end_node[call_index]
+        while node.depth > depth - 1:
+            node = node.parent
+        return node, depth - node.depth
+
+    @staticmethod
+    def _prefix_ids(node: _Node, m: int) -> array:
+        """The path from the root through node's first m tokens."""
+        pieces = [node.tokens[:m]]
+        node = node.parent
+        while node is not None and node.parent is not None:
+            pieces.append(node.tokens)
+            node = node.parent
+        ids = array("q")
+        for piece in reversed(pieces):
+            ids.extend(piece)
+        return ids
 
     def _validate(self, call: ModelCallCompleted) -> tuple[str, str] | None:
         where = f"execution {self.execution_id}, call {call.call_index}"
@@ -236,8 +363,17 @@ class TrajectoryTree:
             raise TrajectoryError(f"{where}: group {call.group_id!r} differs from the tree's {self.group_id!r}")
         if call.call_index < 0:
             raise TrajectoryError(f"{where}: negative call_index")
-        if not call.prompt_ids:
+        if call.prompt_tokens < 1:
             raise TrajectoryError(f"{where}: empty prompt (the first token of a path can carry no log-prob)")
+        if call.extends_call >= call.call_index or call.extends_call < -1:
+            raise TrajectoryError(f"{where}: extends call {call.extends_call}, which is not an earlier call")
+        if call.shared_tokens < 0 or (call.extends_call < 0 and call.shared_tokens != 0):
+            raise TrajectoryError(f"{where}: {call.shared_tokens} shared tokens of call {call.extends_call}")
+        if call.shared_tokens + len(call.new_prompt_ids) != call.prompt_tokens:
+            raise TrajectoryError(
+                f"{where}: {call.shared_tokens} shared + {len(call.new_prompt_ids)} new prompt ids but "
+                f"prompt_tokens {call.prompt_tokens}"
+            )
         n = len(call.output_ids)
         if len(call.output_logprobs) != n or len(call.output_versions) != n:
             raise TrajectoryError(
@@ -267,32 +403,46 @@ class TrajectoryTree:
         return node
 
     def _insert(
-        self, seq: array, prompt_len: int, logprobs: Sequence[float], versions: Sequence[int], call_index: int
+        self,
+        seq: array,
+        depth0: int,
+        node: _Node,
+        m: int,
+        prompt_len: int,
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        call_index: int,
     ) -> _Node:
-        """Walk/extend the tree along `seq`; return the node that holds its last token.
+        """Walk/extend the tree along `seq`, the path's tokens from position depth0 on, starting inside `node` whose
+        first m tokens are the path's positions up to depth0 - 1 (the root and 0 for a whole path); return the node
+        that holds the path's last token.
 
         Policy flags are written only once the walk has succeeded, so that a TreeFull leaves the tree's content as it
         was (a split that happened on the way changes the layout, not the content)."""
-        node, i, n = self._root, 0, len(seq)
-        walked: list[tuple[_Node, int, int]] = []  # (node, its first `stop` tokens lie on seq, path position of token 0)
-        while True:
-            child = node.children.get(seq[i])
+        n = depth0 + len(seq)  # path length
+        p = depth0  # path position of the next token of seq to place
+        walked: list[tuple[_Node, int]] = []  # (node, its first `stop` tokens lie on the path)
+        while p < n:
+            if m < len(node.tokens):
+                matched = _common_prefix(node.tokens, m, seq, p - depth0, min(len(node.tokens) - m, n - p))
+                walked.append((node, m + matched))  # a split at m + matched keeps these tokens in `node`
+                p += matched
+                if p == n:
+                    break
+                if m + matched < len(node.tokens):
+                    self._split(node, m + matched)
+            child = node.children.get(seq[p - depth0])
             if child is None:
-                fresh = self._new_node(node, i, n - i)
-                fresh.tokens = seq[i:]
-                node.children[seq[i]] = fresh
-                walked.append((fresh, n - i, i))
+                fresh = self._new_node(node, p, n - p)
+                fresh.tokens = seq[p - depth0 :]
+                node.children[seq[p - depth0]] = fresh
+                walked.append((fresh, n - p))
+                node = fresh
                 break
-            matched = _common_prefix(child.tokens, seq, i, min(len(child.tokens), n - i))
-            walked.append((child, matched, i))  # a split at `matched` keeps these tokens in `child`
-            if i + matched == n:
-                break
-            if matched < len(child.tokens):
-                self._split(child, matched)
-            node, i = child, i + matched
-        for stretch, stop, seq_start in walked:
-            self._mark_emitted(stretch, stop, seq_start, prompt_len, logprobs, versions, call_index)
-        return walked[-1][0]
+            node, m = child, 0
+        for stretch, stop in walked:
+            self._mark_emitted(stretch, stop, stretch.depth, prompt_len, logprobs, versions, call_index)
+        return node
 
     @staticmethod
     def _mark_emitted(
@@ -450,6 +600,14 @@ class TrajectoryTree:
             )
         return tuple(result)
 
+    def prompt_ids(self, call_index: int) -> tuple[int, ...]:
+        """The whole prompt of one call, rebuilt from the tree."""
+        if call_index not in self._calls:
+            raise KeyError(f"execution {self.execution_id} has no call {call_index}")
+        call = self._calls[call_index]
+        node, m = self._locate(call_index, call.prompt_len)
+        return tuple(self._prefix_ids(node, m))
+
     def path(self, call_index: int) -> TreePath:
         """The path of one call's prompt + output, with each token's policy flag, log-prob, version and sampling
         temperature."""
@@ -481,6 +639,47 @@ class TrajectoryTree:
         )
 
 
+class PromptRebuilder:
+    """Whole prompts of incremental records, rebuilt (and checked against their digests) through one tree per
+    execution: for readers that want them (a recording, a test, a report). Holds what its trees hold; `forget` an
+    execution that is done."""
+
+    def __init__(self, config: TreeConfig = TreeConfig()) -> None:
+        self.config = config
+        self._trees: dict[str, TrajectoryTree] = {}
+
+    def add(self, call: ModelCallCompleted) -> None:
+        """Take one record (any order; TrajectoryError as from `TrajectoryTree.add_call`)."""
+        tree = self._trees.get(call.execution_id)
+        if tree is None:
+            tree = self._trees[call.execution_id] = TrajectoryTree(call.execution_id, call.group_id, self.config)
+        tree.add_call(call)
+
+    def prompt_ids(self, call: ModelCallCompleted) -> tuple[int, ...]:
+        """The whole prompt of a record taken; TrajectoryError if it still waits for the call it extends."""
+        tree = self._trees.get(call.execution_id)
+        try:
+            if tree is None:
+                raise KeyError(call.execution_id)
+            return tree.prompt_ids(call.call_index)
+        except KeyError:
+            raise TrajectoryError(
+                f"execution {call.execution_id}, call {call.call_index}: not taken, or it extends a call not taken"
+            ) from None
+
+    def forget(self, execution_id: str) -> None:
+        self._trees.pop(execution_id, None)
+
+
+def rebuild_prompts(calls: Iterable[ModelCallCompleted], config: TreeConfig = TreeConfig()) -> list[tuple[int, ...]]:
+    """The whole prompt of each call, in the order given (see `PromptRebuilder`)."""
+    calls = list(calls)
+    rebuilder = PromptRebuilder(config)
+    for call in calls:
+        rebuilder.add(call)
+    return [rebuilder.prompt_ids(call) for call in calls]
+
+
 def build_tree(
     calls: Iterable[ModelCallCompleted], config: TreeConfig = TreeConfig()
 ) -> TrajectoryTree:
@@ -494,10 +693,11 @@ def build_tree(
     return tree
 
 
-def _common_prefix(stored: array, seq: array, start: int, limit: int) -> int:
-    """How many of stored[:limit] equal seq[start:start+limit]. Slices compare in C; on a mismatch numpy finds it."""
-    if stored[:limit] == seq[start : start + limit]:
+def _common_prefix(stored: array, at: int, seq: array, start: int, limit: int) -> int:
+    """How many of stored[at:at+limit] equal seq[start:start+limit]. Slices compare in C; on a mismatch numpy finds
+    it."""
+    if stored[at : at + limit] == seq[start : start + limit]:
         return limit
-    a = np.asarray(stored[:limit], dtype=np.int64)
+    a = np.asarray(stored[at : at + limit], dtype=np.int64)
     b = np.asarray(seq[start : start + limit], dtype=np.int64)
     return int(np.flatnonzero(a != b)[0])

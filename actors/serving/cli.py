@@ -12,8 +12,9 @@ start to hold MODEL_DIR's model (vocabulary and layout); a server of another mod
 Any OpenAI or Anthropic client can talk to it (base URL http://HOST:PORT/v1 for OpenAI, http://HOST:PORT for
 Anthropic). Every call must present the API key; all calls belong to one execution, "interactive", so the proxy
 reuses the ids of its own earlier answers exactly, as it does in training. Each call is logged as one line, and with
---record PATH appended to PATH as one JSON object (a ModelCallCompleted: prompt and output ids, log-probs, weight
-versions, timings): the token-in/token-out trajectories, as a run records them.
+--record PATH appended to PATH as one JSON object (a ModelCallCompleted with its whole prompt ids rebuilt, output
+ids, log-probs, weight versions, timings: `CallRecorder`): the token-in/token-out trajectories, as a run records
+them.
 
 The key, in order: --api-key-file PATH (its first line), $GYRE_API_KEY, --api-key (discouraged: any user of the
 machine can read a command line with ps). With none, a random key is written to a new 0600 file in a 0700
@@ -69,16 +70,64 @@ class ServeConfig:
 
 class CallRecorder:
     """Appends each finished call to a JSONL file (one ModelCallCompleted per line, its fields by name, plus
-    "type"); flushed per line, so a killed `gyre serve` loses no finished call."""
+    "type"); flushed per line, so a killed `gyre serve` loses no finished call.
 
-    def __init__(self, path: str) -> None:
+    The proxy's records are incremental (they name the earlier call they extend and carry only the new prompt ids);
+    a user of the file wants whole prompts, so the recorder rebuilds each one through a token tree of the
+    execution's calls (stored once, checked against the record's digest) and writes it as "prompt_ids" in place of
+    "new_prompt_ids"; "prompt_digest" is written in hex. The tree is bounded (`tree`); when it is full the
+    recorder starts another, and a record that names a call of the old one is written with "prompt_ids": null and
+    "prompt_error" saying why (as is one whose prompt does not rebuild)."""
+
+    def __init__(self, path: str, tree: Any = None) -> None:
+        from gyre.policies.trajectory_tree import TreeConfig
+
         self.path = path
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self.calls_recorded = 0
+        self.prompts_lost = 0
+        """Records written without their whole prompt (prompt_error)."""
+        # 2M stored tokens (64 MB of tree) per execution: a long interactive session, not a run's worth.
+        self._tree_config = tree if tree is not None else TreeConfig(max_stored_tokens=2_000_000)
+        self._trees: dict[str, Any] = {}
+
+    def _prompt_ids(self, message: Any) -> tuple[list[int] | None, str]:
+        from gyre.policies.trajectory_tree import TrajectoryError, TrajectoryTree, TreeFull
+
+        tree = self._trees.get(message.execution_id)
+        if tree is None:
+            tree = self._trees[message.execution_id] = TrajectoryTree(
+                message.execution_id, message.group_id, self._tree_config
+            )
+        try:
+            tree.add_call(message)
+        except TreeFull:
+            # Start over: later calls that extend calls of the old tree cannot be rebuilt (said in their record).
+            tree = self._trees[message.execution_id] = TrajectoryTree(
+                message.execution_id, message.group_id, self._tree_config
+            )
+            try:
+                tree.add_call(message)
+            except TrajectoryError as error:
+                return None, str(error)
+        except TrajectoryError as error:
+            return None, str(error)
+        try:
+            return list(tree.prompt_ids(message.call_index)), ""
+        except KeyError:  # it waits for a call this recorder never got
+            return None, f"extends call {message.extends_call}, which this recorder does not hold"
 
     def __call__(self, message: Any) -> None:
         _log_call(message)
-        record = {"type": type(message).__name__, **attrs.asdict(message)}
+        fields = attrs.asdict(message)
+        prompt_ids, error = self._prompt_ids(message)
+        del fields["new_prompt_ids"]
+        fields["prompt_digest"] = message.prompt_digest.hex()
+        record = {"type": type(message).__name__, **fields, "prompt_ids": prompt_ids}
+        if error:
+            record["prompt_error"] = error
+            self.prompts_lost += 1
+            log.error("recorded_call_without_prompt", call_index=message.call_index, reason=error)
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._file.flush()
         self.calls_recorded += 1
@@ -94,7 +143,7 @@ def _log_call(message: Any) -> None:
         call_index=message.call_index,
         agent_id=message.agent_id,
         call_kind=message.call_kind,
-        prompt_tokens=len(message.prompt_ids),
+        prompt_tokens=message.prompt_tokens,
         output_tokens=len(message.output_ids),
         cached_tokens=message.cached_tokens,
         finish_reason=message.finish_reason,

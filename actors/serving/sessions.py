@@ -20,8 +20,20 @@ far is preferred (a running SHA-256 over the ids makes that check O(new ids)); o
 Each call sends the whole conversation again, so rendering is incremental: per conversation (a few per execution,
 for sub-agents) the session keeps the last rendering's messages with the ids and running digest after each; a call
 whose messages start with those renders only the messages after the common prefix. A stored turn that changes how
-an assistant message resolves (a new or evicted turn with the same key) cuts the memo before the first message with
-that key, so the result always equals a rendering from scratch.
+an assistant message resolves cuts the memo before the first such message, so the result always equals a rendering
+from scratch: a message that resolved to the turn generated from its very prefix changes only when that turn is
+replaced or evicted; one that took the latest turn with its key (or its text) changes with any turn of that key. So
+an agent that answers "OK" many times does not make every later call re-render its conversation.
+
+Incremental records (issue 29): a conversation's memo also knows the latest call rendered from it whose record was
+handed on (its base) and how many of its parts that call's prompt had; the next call's record names that call
+(`extends_call`), the tokens of its path the new prompt starts with (the parts, then as much of the base's generation
+prompt + output as the new parts repeat: all of it when the agent sent the answer back) and only the ids after them,
+with the running SHA-256 of the whole prompt the session computes anyway. Finding them costs the ids after the base's
+parts, the messages new since that call. A cut of the memo (a turn that changes how an assistant message resolves)
+or a fork (a retry, a sub-agent sharing the beginning) keeps the base but only for the parts still on its path; a
+fresh conversation with the same system part (a compressed history, a new sub-agent) branches from a known call
+after that part; a conversation with none carries its whole prompt.
 
 Streaming: `CallRunner.stream` runs the generation as its own task, which hands output ids to a bounded channel
 instead of calling anything above it; the stream's reader takes them out one chunk at a time and gets the deltas
@@ -325,6 +337,16 @@ class RenderedPrompt:
     """Assistant messages rendered from stored generated ids."""
     retokenised_turns: int
     """Assistant messages this execution did not generate (or no longer remembers), rendered from text."""
+    extends_call: int = -1
+    """The earlier call of this session whose prompt + output the prompt starts with (-1: none known)."""
+    shared_tokens: int = 0
+    """How many of that call's path tokens the prompt starts with."""
+    new_prompt_ids: tuple[int, ...] = ()
+    """The prompt's ids after those: what the call's record carries."""
+    memo: Any = attrs.field(default=None, eq=False, repr=False)
+    """The conversation memo the prompt was rendered in, its cut count then and its parts (`note_call`)."""
+    memo_cuts: int = attrs.field(default=0, eq=False, repr=False)
+    memo_parts: int = attrs.field(default=0, eq=False, repr=False)
 
 
 def prompt_digest(prompt_ids: Sequence[int]) -> bytes:
@@ -361,22 +383,45 @@ class _Memo:
     """Cumulative count of assistant messages rendered from stored generated ids."""
     retokenised: list[int]
     turn_keys: dict[Hashable, int]
-    """Assistant message key -> index (into `messages`) of its first occurrence."""
+    """Assistant message key -> index (into `messages`) of its first occurrence that did not resolve to the stored
+    turn generated from that very prefix (it took the latest turn with the key, or its text): any new or evicted
+    turn with the key may change it."""
+    ends: list[int]
+    """Tokens of the parts up to and including each part."""
+    base_call: int = -1
+    """The latest call known to extend this conversation: its path (prompt + output) starts with the first
+    `base_parts` parts (-1: none; the next call's record carries its whole prompt)."""
+    base_parts: int = 0
+    base_tail: tuple[int, ...] | None = None
+    """That call's path after those parts (generation prompt + output), when the parts are its whole prompt; None
+    when only the parts are known to be on its path (after a cut or a fork inside its prompt)."""
+    cuts: int = 0
+    """How many times the memo was cut: a call rendered before a cut may not become its base."""
+    exact_turns: dict[tuple[Hashable, bytes], int] = attrs.field(factory=dict)
+    """(key, prefix digest) -> index of the first message that resolved to exactly that stored turn: only that
+    turn's replacement or eviction changes it (a repeated "OK" answer with another prefix does not)."""
 
     def cut(self, count: int) -> None:
         """Keep the first `count` messages."""
         del self.messages[count:]
-        del self.pieces[count + 1 :], self.hashers[count + 1 :]
+        del self.pieces[count + 1 :], self.hashers[count + 1 :], self.ends[count + 1 :]
         del self.reused[count + 1 :], self.retokenised[count + 1 :]
         self.turn_keys = {key: index for key, index in self.turn_keys.items() if index < count}
+        self.exact_turns = {key: index for key, index in self.exact_turns.items() if index < count}
+        self.cuts += 1
+        if self.base_parts > count + 1:
+            self.base_parts, self.base_tail = count + 1, None
 
     def fork(self, count: int) -> "_Memo":
         """A copy holding the first `count` messages (another conversation sharing this one's beginning)."""
         end = count + 1
+        base_parts, tail = (self.base_parts, self.base_tail) if self.base_parts <= end else (end, None)
         return _Memo(
             self.tools, self.system_text, self.messages[:count], self.pieces[:end], self.hashers[:end],
             self.reused[:end], self.retokenised[:end],
-            {key: index for key, index in self.turn_keys.items() if index < count},
+            {key: index for key, index in self.turn_keys.items() if index < count}, self.ends[:end],
+            self.base_call, base_parts, tail, 0,
+            {key: index for key, index in self.exact_turns.items() if index < count},
         )
 
 
@@ -486,31 +531,72 @@ class ExecutionSession:
             if message.get("role") == "assistant":
                 key = turn_key(message.get("content"), _message_calls(message))
                 stored = self._latest.get(key)
+                exact = None
                 if stored is not None:
                     probe = hasher.copy()
                     probe.update(self._generation_prompt_bytes)
-                    stored = self._turns.get((key, probe.digest())) or stored
+                    exact = self._turns.get((key, probe.digest()))
+                    stored = exact or stored
                     entry = (stored.piece, stored.piece_bytes)
                     reused = 1
                 else:
                     retokenised = 1
-                memo.turn_keys.setdefault(key, len(memo.messages))
+                if exact is not None:
+                    memo.exact_turns.setdefault((key, exact.prefix_digest), len(memo.messages))
+                else:
+                    memo.turn_keys.setdefault(key, len(memo.messages))
             if entry is None:
                 entry = self._cached_ids(_message_key(message), lambda m=message: self._template.message_ids(m))
             hasher.update(entry[1])
             memo.messages.append(_frozen_copy(message))
             memo.pieces.append(entry[0])
+            memo.ends.append(memo.ends[-1] + len(entry[0]))
             memo.hashers.append(hasher)
             memo.reused.append(memo.reused[-1] + reused)
             memo.retokenised.append(memo.retokenised[-1] + retokenised)
         final = memo.hashers[-1].copy()
         final.update(self._generation_prompt_bytes)
+        extends, shared, new_ids = self._after_base(memo)
         return RenderedPrompt(
             prompt_ids=tuple(chain.from_iterable(memo.pieces)) + self._generation_prompt,
             prompt_digest=final.digest(),
             reused_turns=memo.reused[-1],
             retokenised_turns=memo.retokenised[-1],
+            extends_call=extends,
+            shared_tokens=shared,
+            new_prompt_ids=new_ids,
+            memo=memo,
+            memo_cuts=memo.cuts,
+            memo_parts=len(memo.pieces),
         )
+
+    def _after_base(self, memo: _Memo) -> tuple[int, int, tuple[int, ...]]:
+        """(extends_call, shared tokens, ids after them) of the prompt `memo` renders now; O(ids after the base's
+        parts), which are the messages new since that call (the base's output among them)."""
+        rest = chain(chain.from_iterable(memo.pieces[memo.base_parts :]), self._generation_prompt)
+        if memo.base_call < 0:
+            return -1, 0, tuple(rest)
+        shared = memo.ends[memo.base_parts - 1]
+        pending: list[int] = []
+        for expected in memo.base_tail or ():
+            token = next(rest, None)
+            if token != expected:
+                if token is not None:
+                    pending.append(token)
+                break
+            shared += 1
+        return memo.base_call, shared, tuple(chain(pending, rest))
+
+    def note_call(self, rendered: RenderedPrompt, call_index: int, output_ids: Sequence[int]) -> None:
+        """Call `call_index`, rendered as `rendered`, was answered with `output_ids` and its record handed on: the
+        next call of its conversation may name it (a memo cut since the rendering keeps its older base)."""
+        memo = rendered.memo
+        if memo is None or memo.cuts != rendered.memo_cuts or len(memo.pieces) < rendered.memo_parts:
+            return
+        if call_index < memo.base_call:
+            return  # a later call of this conversation was noted first
+        memo.base_call, memo.base_parts = call_index, rendered.memo_parts
+        memo.base_tail = self._generation_prompt + tuple(output_ids)
 
     def _memo_for(
         self, tools: list[Any] | None, system_text: str | None, messages: Sequence[Mapping[str, Any]]
@@ -535,18 +621,25 @@ class ExecutionSession:
             system_key = ("s", json.dumps(tools, ensure_ascii=False, sort_keys=True), system_text)
             system_ids, system_bytes = self._cached_ids(system_key, lambda: template.system_ids(tools, system_text))
             hasher = hashlib.sha256(system_bytes)
-            best, best_known = _Memo(_frozen_copy(tools), system_text, [], [system_ids], [hasher], [0], [0], {}), 0
+            fresh = _Memo(_frozen_copy(tools), system_text, [], [system_ids], [hasher], [0], [0], {}, [len(system_ids)])
+            if best is not None and best.base_call >= 0 and best.base_parts >= 1:
+                # Same system part, other first message (a compressed history, a fresh sub-agent): the new
+                # conversation branches from that call after the system part.
+                fresh.base_call, fresh.base_parts = best.base_call, 1
+            best, best_known = fresh, 0
         self._memos.append(best)
         while len(self._memos) > self._config.max_conversations_per_execution:
             self._memos.pop(0)
         return best, best_known
 
-    def _forget_resolutions(self, key: Hashable) -> None:
-        """A stored turn with `key` came or went: messages with that key may now resolve to other ids."""
+    def _forget_resolutions(self, key: Hashable, prefix_digest: bytes) -> None:
+        """The stored turn (key, prefix digest) came, was replaced or went: messages that resolved to it, and those
+        with that key that did not resolve to their own prefix's turn, may now resolve to other ids."""
         for memo in self._memos:
-            index = memo.turn_keys.get(key)
-            if index is not None:
-                memo.cut(index)
+            loose = memo.turn_keys.get(key)
+            exact = memo.exact_turns.get((key, prefix_digest))
+            if loose is not None or exact is not None:
+                memo.cut(min(i for i in (loose, exact) if i is not None))
 
     def record_turn(self, key: Hashable, prompt_digest: bytes, output_ids: Sequence[int]) -> None:
         """Remember a generated turn: `key` from `turn_key` of the message as the agent was answered,
@@ -559,12 +652,12 @@ class ExecutionSession:
         self._turns.pop((key, prompt_digest), None)
         self._turns[(key, prompt_digest)] = turn
         self._latest[key] = turn
-        self._forget_resolutions(key)
+        self._forget_resolutions(key, prompt_digest)
         while len(self._turns) > self._config.max_turns_per_execution:
             _, old = self._turns.popitem(last=False)
             if self._latest.get(old.key) is old:
                 del self._latest[old.key]
-            self._forget_resolutions(old.key)
+            self._forget_resolutions(old.key, old.prefix_digest)
 
 
 def _message_calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -979,16 +1072,22 @@ class CallRunner:
                 for token, lp in zip(result.output_ids, result.output_logprobs)
             )
         finished_s = self.clock()
-        prompt_ids = call.rendered.prompt_ids
-        await self._emit(
+        rendered = call.rendered
+        prompt_tokens = len(rendered.prompt_ids)
+        output_ids = tuple(result.output_ids)
+        emitted = await self._emit(
             ModelCallCompleted(
                 execution_id=session.execution_id,
                 group_id=session.group_id,
                 call_index=call.call_index,
                 agent_id=call.context.agent_id,
                 call_kind=call.context.call_kind,
-                prompt_ids=prompt_ids,
-                output_ids=tuple(result.output_ids),
+                prompt_tokens=prompt_tokens,
+                extends_call=rendered.extends_call,
+                shared_tokens=rendered.shared_tokens,
+                new_prompt_ids=rendered.new_prompt_ids,
+                prompt_digest=rendered.prompt_digest,
+                output_ids=output_ids,
                 output_logprobs=tuple(float(x) for x in result.output_logprobs),
                 output_versions=tuple(int(v) for v in result.output_versions),
                 finish_reason=result.finish_reason,
@@ -999,6 +1098,9 @@ class CallRunner:
                 sampling_temperature=logprob_temperature(float(call.backend_request.sampling_params["temperature"])),
             )
         )
+        if emitted:  # a record that never left must not be named by the next one
+            async with session.lock:
+                session.note_call(rendered, call.call_index, output_ids)
         outcome = ChatOutcome(
             response_id=call.response_id,
             model=chat.model,
@@ -1008,20 +1110,23 @@ class CallRunner:
             tool_call_ids=tuple(f"{call.call_id_prefix}{i}" for i in range(len(calls))),
             finish=finish,
             matched_stop=matched,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=prompt_tokens,
             completion_tokens=len(result.output_ids),
             cached_tokens=int(result.cached_tokens),
             token_logprobs=token_logprobs,
         )
         return outcome, text, parsed
 
-    async def _emit(self, message: ModelCallCompleted) -> None:
+    async def _emit(self, message: ModelCallCompleted) -> bool:
+        """Hand the record on; False (counted, logged) when `on_call_completed` failed to take it."""
         try:
             outcome = self.on_call_completed(message)
             if inspect.isawaitable(outcome):
                 await outcome
+            return True
         except Exception as error:
             # The agent still gets its answer; the lost record is counted and logged, never silent.
             self.emit_failures += 1
             log.error("model_call_emit_failed", execution_id=message.execution_id, call_index=message.call_index,
                       error=short_error(error))
+            return False

@@ -19,6 +19,12 @@ Either way the task source hears `GroupDone`: mean reward and success rate over 
 reward >= `success_reward`, or the scorer's JSON detail says "success": true), the counts, and the group's work
 tokens (what its calls cost the engines, refused calls included: compute spent whether or not it trains).
 
+Calls arrive as incremental records (messages/model_calls.py): each names the earlier call it extends and carries
+the ids after the shared prefix and the whole prompt's digest; the tree rebuilds the prompt from its copy of the
+earlier call. A call whose rebuilt prompt does not match its digest refuses its execution (it cannot survive, so
+nothing of it trains), counted as `prompt_mismatches`; a scored execution whose tree still waits for a call that
+some call extends (a lost record) is refused at its group's end, counted as `incomplete_trees`.
+
 Memory is bounded: trees of a finished group are deleted at once; live trees and tracked groups are capped (a call
 beyond the cap is refused, counted and logged, and its execution cannot survive); finished group ids are
 remembered (bounded) so that a call that arrives late (an agent killed mid-call) is ignored, not turned into a
@@ -51,7 +57,7 @@ from gyre.policies.trajectory_processor import (
     RankedTrajectoryProcessor,
     build_group_samples,
 )
-from gyre.policies.trajectory_tree import TrajectoryError, TrajectoryTree, TreeConfig
+from gyre.policies.trajectory_tree import PromptMismatch, TrajectoryError, TrajectoryTree, TreeConfig
 from gyre.runtime import Actor, handler
 from gyre.runtime.checkpoint import encode_json, read_actor_state
 from gyre.runtime.validators import count
@@ -108,7 +114,7 @@ def scored_success(score: ExecutionScored, success_reward: float = 1.0) -> bool:
 
 def call_work_tokens(call: ModelCallCompleted) -> int:
     """What a call cost its engine, in tokens: prompt tokens not served from the prefix cache plus output tokens."""
-    return max(0, len(call.prompt_ids) - call.cached_tokens) + len(call.output_ids)
+    return max(0, call.prompt_tokens - call.cached_tokens) + len(call.output_ids)
 
 
 @attrs.define(eq=False)
@@ -174,6 +180,8 @@ class TrajectoryBuilder(Actor):
         try:
             tree.add_call(call)
         except TrajectoryError as error:
+            if isinstance(error, PromptMismatch):
+                self.counts["prompt_mismatches"] += 1
             del self.trees[execution]
             self._refuse(execution, str(error))
             return
@@ -272,6 +280,13 @@ class TrajectoryBuilder(Actor):
         """Land or drop a complete (or refused) group, forget its trees, and tell the task source."""
         ids = group.execution_ids or ()
         scores = [group.scores[e] for e in ids if e in group.scores]
+        for score in scores:
+            tree = self.trees.get(score.execution_id)
+            if tree is not None and tree.pending_calls:
+                # A call names an earlier call that never came (a lost record): its prompt is unknown.
+                self.counts["incomplete_trees"] += 1
+                del self.trees[score.execution_id]
+                self._refuse(score.execution_id, f"{tree.pending_calls} calls extend calls that never arrived")
         survivors = [s for s in scores if s.execution_id in self.trees]
         landing: SamplesLanded | None = None
         if group.refused:

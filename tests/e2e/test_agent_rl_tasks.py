@@ -66,7 +66,7 @@ def test_main_job_trains_mini_swe_agent_on_the_shipped_tasks(tmp_path: Path) -> 
             assert "model.model_kwargs.temperature=0.7" in msg.task.agent_argv
     assert set(started.values()) <= shipped and started
     # mini-swe-agent's calls, token-in/token-out, without Gyre's labels: chains inferred from the tokens.
-    assert calls and all(c.prompt_ids and c.output_ids and len(c.output_logprobs) == len(c.output_ids)
+    assert calls and all(c.prompt_tokens and c.output_ids and len(c.output_logprobs) == len(c.output_ids)
                          for c in calls)
     assert {c.agent_id for c in calls} == {""} and {c.call_kind for c in calls} == {""}
     # Each execution was judged by its task's verifier (tests/test.sh's reward file, through VERIFY_SCRIPT).

@@ -11,6 +11,7 @@ import pytest
 
 from gyre.messages.executions import ExecutionFinished, GroupDone, TaskSpec
 from gyre.messages.model_calls import ModelCallCompleted
+from gyre.policies.trajectory_tree import whole_prompt_call
 from gyre.messages.samples import ExecutionScored
 from gyre.runtime.codec import Codec
 from gyre.runtime.envelope import Envelope, Kind
@@ -23,7 +24,7 @@ def _load():
 
 
 def _call(execution: str, group: str, index: int, prompt: int, cached: int, output: int) -> ModelCallCompleted:
-    return ModelCallCompleted(
+    return whole_prompt_call(
         execution_id=execution, group_id=group, call_index=index, agent_id="main", call_kind="turn",
         prompt_ids=(1,) * prompt, output_ids=(2,) * output, output_logprobs=(0.0,) * output,
         output_versions=(0,) * output, finish_reason="stop", cached_tokens=cached, cell="sat1", started_s=0.0,

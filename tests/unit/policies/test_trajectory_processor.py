@@ -18,8 +18,7 @@ from gyre.policies.trajectory_processor import (
     TrajectoryProcessor,
     build_group_samples,
 )
-from gyre.messages.model_calls import ModelCallCompleted
-from gyre.policies.trajectory_tree import MAIN, MAIN_SUMMARY, SUB_AGENT, SUB_AGENT_SUMMARY, build_tree
+from gyre.policies.trajectory_tree import MAIN, MAIN_SUMMARY, SUB_AGENT, SUB_AGENT_SUMMARY, build_tree, whole_prompt_call
 
 SMALL = WorkloadConfig(
     main_turns=12,
@@ -39,7 +38,7 @@ SMALL = WorkloadConfig(
 def call(index, prompt, output, agent="", kind=""):
     """A call of execution "e" in group "g"; output j gets log-prob -0.01 * (index + 1) - 0.001 * j, version index;
     calls sample at temperatures 0.6, 0.8 and 1.0 in turn."""
-    return ModelCallCompleted(
+    return whole_prompt_call(
         execution_id="e",
         group_id="g",
         call_index=index,

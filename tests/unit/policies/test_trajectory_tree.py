@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gyre.messages.model_calls import ModelCallCompleted
-from gyre.benchmarks.trajectories import WorkloadConfig, simulate_execution
-from gyre.policies.errors import TrajectoryError, TreeFull
+from gyre.benchmarks.trajectories import WorkloadConfig, incremental_records, simulate_execution
+from gyre.policies.errors import PromptMismatch, TrajectoryError, TreeFull
 from gyre.policies.trajectory_tree import (
     MAIN,
     MAIN_SUMMARY,
@@ -20,6 +19,9 @@ from gyre.policies.trajectory_tree import (
     TrajectoryTree,
     TreeConfig,
     build_tree,
+    prompt_ids_digest,
+    rebuild_prompts,
+    whole_prompt_call,
 )
 
 
@@ -29,7 +31,7 @@ def call(index, prompt, output, agent="", kind="", logprobs=None, versions=None,
         logprobs = [-0.01 * (index + 1) - 0.001 * j for j in range(len(output))]
     logprobs = tuple(logprobs)
     versions = tuple(versions) if versions is not None else (index,) * len(output)
-    return ModelCallCompleted(
+    return whole_prompt_call(
         execution_id=execution,
         group_id=group,
         call_index=index,
@@ -311,13 +313,13 @@ def _naive(calls):
     root, count = _NaiveNode(), 0
     for c in sorted(calls, key=lambda c: c.call_index):
         node = root
-        for p, token in enumerate(c.prompt_ids + c.output_ids):
+        for p, token in enumerate(c.new_prompt_ids + c.output_ids):
             if token not in node.children:
                 node.children[token] = _NaiveNode()
                 count += 1
             node = node.children[token]
-            if p >= len(c.prompt_ids) and node.emitter is None:
-                o = p - len(c.prompt_ids)
+            if p >= len(c.new_prompt_ids) and node.emitter is None:
+                o = p - len(c.new_prompt_ids)
                 node.emitter = (c.output_logprobs[o], c.output_versions[o])
     return root, count
 
@@ -332,7 +334,7 @@ def test_tree_agrees_with_a_naive_trie_and_ignores_arrival_order(seed, labelled)
     assert tree.statistics().stored_tokens == distinct
     for c in calls:
         path = tree.path(c.call_index)
-        assert path.token_ids == c.prompt_ids + c.output_ids
+        assert path.token_ids == c.new_prompt_ids + c.output_ids
         node = root
         for p, token in enumerate(path.token_ids):
             node = node.children[token]
@@ -346,6 +348,20 @@ def test_tree_agrees_with_a_naive_trie_and_ignores_arrival_order(seed, labelled)
     for c in calls:
         a, b = tree.path(c.call_index), again.path(c.call_index)
         # Node ids (in `segments`) depend on the order of insertion; the per-token view must not.
+        assert attrs.evolve(a, segments=()) == attrs.evolve(b, segments=())
+    # The same calls as incremental records (each names the earlier call it extends, as the proxy sends them), in
+    # any order: the same tree, token for token.
+    records = incremental_records(calls)
+    assert any(r.extends_call >= 0 for r in records)
+    assert sum(len(r.new_prompt_ids) for r in records) < sum(len(c.new_prompt_ids) for c in calls)
+    random.Random(seed + 1).shuffle(records)
+    incremental = build_tree(records)
+    assert incremental.pending_calls == 0
+    assert incremental.chains() == tree.chains() and incremental.trajectories() == tree.trajectories()
+    assert incremental.statistics() == tree.statistics()
+    for c in calls:
+        assert incremental.prompt_ids(c.call_index) == c.new_prompt_ids
+        a, b = tree.path(c.call_index), incremental.path(c.call_index)
         assert attrs.evolve(a, segments=()) == attrs.evolve(b, segments=())
     # Every chain's calls extend each other; every chain end lies on exactly the trajectories that list it.
     for chain in tree.chains():
@@ -376,7 +392,86 @@ def test_a_call_with_a_non_finite_log_prob_is_refused():
     from gyre.policies.trajectory_tree import TrajectoryTree
 
     tree = TrajectoryTree("e", "g")
-    call = ModelCallCompleted("e", "g", 0, "main", "turn", (1, 2), (3, 4), (-0.5, float("nan")), (0, 0), "stop", 0,
-                              "c", 0.0, 1.0, 1.0)
+    call = ModelCallCompleted("e", "g", 0, "main", "turn", 2, -1, 0, (1, 2), b"", (3, 4), (-0.5, float("nan")), (0, 0),
+                              "stop", 0, "c", 0.0, 1.0, 1.0)
     with pytest.raises(TrajectoryError, match="non-finite"):
         tree.add_call(call)
+
+
+# -- incremental records ---------------------------------------------------------------------------------------------
+
+
+def extending(index, base, shared, new, output, prompt, **labels):
+    """Call `index` as an incremental record: `shared` tokens of call `base`'s path, then `new`; `prompt` is the whole
+    prompt it claims (its digest)."""
+    whole = call(index, prompt, output, **labels)
+    return attrs.evolve(whole, prompt_tokens=shared + len(new), extends_call=base, shared_tokens=shared,
+                        new_prompt_ids=tuple(new), prompt_digest=prompt_ids_digest(prompt))
+
+
+def test_an_incremental_call_extends_an_earlier_path_or_branches_inside_it():
+    tree = TrajectoryTree("e", "g")
+    tree.add_call(call(0, [1, 2, 3], [4, 5]))
+    tree.add_call(extending(1, 0, 5, [6], [7], [1, 2, 3, 4, 5, 6]))  # extends call 0's whole path
+    tree.add_call(extending(2, 0, 3, [8], [9], [1, 2, 3, 8]))  # from call 0's prompt (a resample)
+    tree.add_call(extending(3, 1, 4, [10, 11], [12], [1, 2, 3, 4, 10, 11]))  # inside call 1's path (an output token)
+    tree.add_call(extending(4, 1, 7, [], [13], [1, 2, 3, 4, 5, 6, 7]))  # nothing new but the output
+    assert [tree.prompt_ids(i) for i in range(5)] == [
+        (1, 2, 3), (1, 2, 3, 4, 5, 6), (1, 2, 3, 8), (1, 2, 3, 4, 10, 11), (1, 2, 3, 4, 5, 6, 7)
+    ]
+    assert tree.path(4).token_ids == (1, 2, 3, 4, 5, 6, 7, 13)
+    # Position 3 (token 4) was emitted by call 0 and stays a policy token in call 3's prompt.
+    path = tree.path(3)
+    assert path.policy_mask == (False, False, False, True, False, False, True)
+    whole = build_tree([call(i, tree.prompt_ids(i), tree.path(i).token_ids[len(tree.prompt_ids(i)):])
+                        for i in range(5)])
+    assert whole.statistics() == tree.statistics()
+
+
+def test_a_prompt_that_does_not_match_its_digest_is_refused_and_adds_nothing():
+    tree = TrajectoryTree("e", "g")
+    tree.add_call(call(0, [1, 2, 3], [4, 5]))
+    before = tree.statistics()
+    # The proxy's prompt had 6 where the builder's copy of call 0 has 5 (a record built on a different call 0).
+    with pytest.raises(PromptMismatch, match="does not match"):
+        tree.add_call(extending(1, 0, 5, [7], [8], [1, 2, 3, 4, 6, 7]))
+    with pytest.raises(PromptMismatch):  # a branch inside the path is checked too
+        tree.add_call(extending(1, 0, 4, [7], [8], [1, 2, 3, 5, 7]))
+    assert tree.num_calls == 1 and tree.statistics() == before
+    with pytest.raises(PromptMismatch):  # a whole-prompt record with a wrong digest
+        tree.add_call(attrs.evolve(call(1, [1, 9], [8]), prompt_digest=prompt_ids_digest([1, 8])))
+    tree.add_call(extending(1, 0, 5, [7], [8], [1, 2, 3, 4, 5, 7]))
+    assert tree.num_calls == 2
+
+
+def test_bad_incremental_fields_are_refused():
+    tree = TrajectoryTree("e", "g")
+    tree.add_call(call(0, [1, 2, 3], [4, 5]))
+    with pytest.raises(TrajectoryError, match="not an earlier call"):
+        tree.add_call(extending(1, 1, 1, [2], [3], [1, 2]))
+    with pytest.raises(TrajectoryError, match="whose path has 5"):
+        tree.add_call(extending(1, 0, 6, [], [3], [1, 2, 3, 4, 5, 0]))
+    with pytest.raises(TrajectoryError, match="prompt_tokens"):
+        tree.add_call(attrs.evolve(extending(1, 0, 5, [6], [7], [1, 2, 3, 4, 5, 6]), prompt_tokens=7))
+    with pytest.raises(TrajectoryError, match="shared tokens"):
+        tree.add_call(attrs.evolve(call(1, [1], [2]), shared_tokens=1, prompt_tokens=2))
+
+
+def test_a_call_waits_for_the_call_it_extends_and_the_wait_is_bounded():
+    tree = TrajectoryTree("e", "g", TreeConfig(max_pending_calls=2))
+    late = extending(2, 1, 8, [9], [10], [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    middle = extending(1, 0, 5, [6], [7, 8], [1, 2, 3, 4, 5, 6])
+    tree.add_call(late)
+    tree.add_call(late)  # redelivered while waiting: still one
+    tree.add_call(middle)
+    assert tree.pending_calls == 2 and tree.num_calls == 0
+    with pytest.raises(TreeFull, match="wait"):
+        tree.add_call(extending(3, 1, 2, [0], [1], [1, 2, 0]))
+    with pytest.raises(TrajectoryError, match="other content"):
+        tree.add_call(attrs.evolve(late, output_ids=(11,)))
+    tree.add_call(call(0, [1, 2, 3], [4, 5]))
+    assert tree.pending_calls == 0 and tree.num_calls == 3
+    assert tree.path(2).token_ids == (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+    assert rebuild_prompts([late, middle, call(0, [1, 2, 3], [4, 5])])[0] == (1, 2, 3, 4, 5, 6, 7, 8, 9)
+    with pytest.raises(TrajectoryError, match="extends a call not taken"):
+        rebuild_prompts([late])

@@ -73,6 +73,13 @@ class Recorder(Actor):
                 and all(getattr(m, k) == v for k, v in fields.items())]
 
 
+def whole_prompts(calls) -> dict:
+    """(execution, call index) -> whole prompt of the proxy's records (which carry only the ids after the earlier
+    call they extend)."""
+    from gyre.policies.trajectory_tree import rebuild_prompts
+
+    return {(c.execution_id, c.call_index): p for c, p in zip(calls, rebuild_prompts(calls))}
+
 def topology(model_dir: str, rollout_cells: tuple[str, ...] = ("cell-a", "cell-b"),
              engine_kind: str = "embedded") -> Topology:
     engine = EngineConfig(num_blocks=256, max_context_tokens=1024, max_prefill_tokens=512, num_threads=1)
@@ -185,15 +192,17 @@ def switched(request, tiny_model_dir):
         # The unswitched run: every call's exact prompt ids and seed again, straight to an engine nothing disturbs.
         url = (await h.ask("cell-a", StatisticsAsked())).engine_url
         references = {}
+        prompts = whole_prompts(switched_calls)
         async with SGLangClient(url) as client:
             for call in switched_calls:
                 seed = SEEDS[int(call.execution_id.removeprefix("exec-"))]
-                out = await client.generate(call.prompt_ids, {
+                prompt = prompts[(call.execution_id, call.call_index)]
+                out = await client.generate(prompt, {
                     "max_new_tokens": MAX_TOKENS, "temperature": TEMPERATURE, "sampling_seed": seed,
                     "stop_token_ids": list(stop_ids)}, return_logprob=True)
-                references[call.prompt_ids] = (tuple(out["output_ids"]),
-                                               tuple(e[0] for e in out["meta_info"]["output_token_logprobs"]))
-        return {"rounds": rounds, "switched_calls": switched_calls, "references": references,
+                references[prompt] = (tuple(out["output_ids"]),
+                                      tuple(e[0] for e in out["meta_info"]["output_token_logprobs"]))
+        return {"rounds": rounds, "switched_calls": switched_calls, "references": references, "prompts": prompts,
                 "proxy": proxy_status, "live": live, "last": last, "other": other}
 
     run = run_actors(topology(str(tiny_model_dir), engine_kind=request.param), driver, transport="zmq",
@@ -211,7 +220,8 @@ def test_no_call_lost_and_tokens_match_an_unswitched_run(switched):
     done = switched["switched_calls"]
     assert len(done) == ROUNDS * AGENTS
     for call in done:
-        reference_ids, reference_logprobs = switched["references"][call.prompt_ids]
+        reference_ids, reference_logprobs = switched["references"][switched["prompts"][(call.execution_id,
+                                                                                        call.call_index)]]
         assert call.output_ids == reference_ids
         assert call.output_logprobs == pytest.approx(reference_logprobs, abs=1e-3)
 
@@ -306,13 +316,14 @@ def test_a_colocated_switch_holds_the_calls_until_a_cell_rolls_out_again(tiny_mo
         proxy_status = await h.ask("proxy", StatisticsAsked())
         back_url = changed[-1].engine_url
         references = {}
+        prompts = whole_prompts(done)
         async with SGLangClient(back_url) as client:
             for call in done:
-                out = await client.generate(call.prompt_ids, {
+                out = await client.generate(prompts[(call.execution_id, call.call_index)], {
                     "max_new_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
                     "sampling_seed": SEEDS[int(call.execution_id.removeprefix("exec-"))],
                     "stop_token_ids": list(stop_ids)})
-                references[call.prompt_ids] = tuple(out["output_ids"])
+                references[(call.execution_id, call.call_index)] = tuple(out["output_ids"])
         return pending_while_training, replies, changed, done, proxy_status, references
 
     run = run_actors(topology(str(tiny_model_dir), rollout_cells=("cell-a",)), driver, transport="zmq",
@@ -326,4 +337,4 @@ def test_a_colocated_switch_holds_the_calls_until_a_cell_rolls_out_again(tiny_mo
     assert proxy_status.calls_failed == 0 and proxy_status.resumed_generations >= 1
     assert len(done) == 2
     for call in done:
-        assert call.output_ids == references[call.prompt_ids]
+        assert call.output_ids == references[(call.execution_id, call.call_index)]

@@ -201,8 +201,8 @@ async def migration_against_reprefill(driver: Driver) -> dict[str, Any]:
 
 def _reuse(first: ModelCallCompleted, second: ModelCallCompleted) -> tuple[float, float]:
     """(cached / previous prompt + output, cached / next prompt)."""
-    prefix = len(first.prompt_ids) + len(first.output_ids)
-    return second.cached_tokens / prefix, second.cached_tokens / len(second.prompt_ids)
+    prefix = first.prompt_tokens + len(first.output_ids)
+    return second.cached_tokens / prefix, second.cached_tokens / second.prompt_tokens
 
 
 def test_migrated_session_finds_its_prefix_cached_on_the_new_cell(engines, tiny_model_dir) -> None:
@@ -212,8 +212,9 @@ def test_migrated_session_finds_its_prefix_cached_on_the_new_cell(engines, tiny_
     assert first.cell == "cell-a" and second.cell == "cell-b"
     assert migrated.source == "cell-a" and migrated.placement == {"exec-m/": "cell-b"}
     assert migrated.reprefill_sessions == 0
-    prefix = len(first.prompt_ids) + len(first.output_ids)
-    assert second.prompt_ids[:prefix] == first.prompt_ids + first.output_ids
+    prefix = first.prompt_tokens + len(first.output_ids)
+    # The second call extends the first's whole prompt + output (its record carries only what follows).
+    assert (second.extends_call, second.shared_tokens) == (first.call_index, prefix)
     # The source cached everything it computed (all but the last output token) in whole blocks; all of it moved.
     assert migrated.moved_tokens == (prefix - 1) // BLOCK_TOKENS * BLOCK_TOKENS
     assert second.cached_tokens >= 0.9 * prefix
@@ -224,7 +225,7 @@ def test_migrated_session_finds_its_prefix_cached_on_the_new_cell(engines, tiny_
 
     plain_first, plain_second = out["plain_calls"]
     assert plain_first.cell == "cell-a" and plain_second.cell == "cell-b"
-    assert plain_second.cached_tokens < 0.1 * (len(plain_first.prompt_ids) + len(plain_first.output_ids))
+    assert plain_second.cached_tokens < 0.1 * (plain_first.prompt_tokens + len(plain_first.output_ids))
 
     migrated_reuse, migrated_prompt_reuse = _reuse(first, second)
     plain_reuse, plain_prompt_reuse = _reuse(plain_first, plain_second)
@@ -270,4 +271,4 @@ def test_without_kv_transfer_the_session_is_placed_and_reprefilled(engines, tiny
     assert migrated.placement == {"exec-f/": "cell-b"}
     assert migrated.reprefill_sessions == 1 and migrated.moved_tokens == 0
     assert out["exports_left"] == 0  # the export that could not be read was released
-    assert out["second"].cached_tokens < 0.1 * len(out["second"].prompt_ids)
+    assert out["second"].cached_tokens < 0.1 * out["second"].prompt_tokens

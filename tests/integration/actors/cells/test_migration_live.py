@@ -177,7 +177,8 @@ async def switch_under_a_live_call(driver: Driver) -> dict[str, Any]:
     # The unswitched run: the same prompt, greedy, on one engine from start to end.
     async with SGLangClient(url_b) as engine:
         params = {"max_new_tokens": MAX_TOKENS, "temperature": 0.0, "stop_token_ids": list(driver.config.stop_token_ids)}
-        reference = await engine.generate(record.prompt_ids, params, rid="reference")
+        assert record.extends_call == -1  # the execution's only call: its record carries the whole prompt
+        reference = await engine.generate(record.new_prompt_ids, params, rid="reference")
     return {
         "paused": paused,
         "migrated": migrated,
@@ -197,7 +198,7 @@ def test_a_live_call_survives_the_switch_with_unchanged_tokens(engines, tiny_mod
     record: ModelCallCompleted = out["record"]
     assert migrated.placement == {"exec-live/": "cell-b"} and migrated.reprefill_sessions == 0
     # In flight, the proxy knows the session's prompt: its whole blocks moved (A had computed them all).
-    prompt_blocks = len(record.prompt_ids) // BLOCK_TOKENS * BLOCK_TOKENS
+    prompt_blocks = record.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS
     assert migrated.moved_tokens == prompt_blocks
     # The resumed generation (prompt + partial output) found the migrated prompt in cell-b's cache.
     assert out["resumed_cached_tokens"] >= prompt_blocks

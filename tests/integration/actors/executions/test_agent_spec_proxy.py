@@ -141,7 +141,7 @@ def test_a_spec_described_agent_is_captured_and_trains_through_inferred_chains(t
             landed.append(record.decode(codec))
     # Three calls an execution (two OpenAI, one Anthropic), each token-in/token-out, none labelled.
     assert sorted(c.execution_id for c in calls) == ["g0.0"] * 3 + ["g0.1"] * 3
-    assert all(c.prompt_ids and c.output_ids and len(c.output_logprobs) == len(c.output_ids) for c in calls)
+    assert all(c.prompt_tokens and c.output_ids and len(c.output_logprobs) == len(c.output_ids) for c in calls)
     assert {(c.agent_id, c.call_kind) for c in calls} == {("", "")}
     assert sorted((s.execution_id, s.reward) for s in scored) == [("g0.0", 1.0), ("g0.1", 0.0)]
     # The inferred chains became the group's samples: both executions train, with opposite advantages.

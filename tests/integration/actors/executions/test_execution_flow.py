@@ -165,18 +165,23 @@ def test_one_group_through_agent_proxy_scorer_and_builder(tiny_model_dir: Path, 
     # Every sample is (a prefix of) one call's prompt + output ids as the proxy produced them, and its loss tokens
     # are exactly output tokens of calls, with the behaviour log-probs the engine reported.
     by_call = {(c.execution_id, c.call_index): c for c in calls}
+    # The records carry only the ids after the earlier call they extend: whole prompts rebuilt without the tree.
+    from gyre.benchmarks.trajectories import full_prompts
+
+    prompts = {(e, i): prompt for e in {c.execution_id for c in calls}
+               for i, prompt in full_prompts([c for c in calls if c.execution_id == e]).items()}
     for sample in samples.samples:
         leaf = by_call[(sample.execution_id, sample.leaf_call_index)]
-        path = leaf.prompt_ids + leaf.output_ids
+        path = prompts[(leaf.execution_id, leaf.call_index)] + leaf.output_ids
         assert sample.token_ids == path[: len(sample.token_ids)]
         emitted: dict[tuple[int, int], float] = {}
         for call in sorted(calls, key=lambda c: c.call_index):  # the tree keeps the earliest emitter's log-prob
             if call.execution_id != sample.execution_id:
                 continue
-            full = call.prompt_ids + call.output_ids
+            full = prompts[(call.execution_id, call.call_index)] + call.output_ids
             if sample.token_ids[: len(full)] == full[: len(sample.token_ids)]:
                 for offset, logprob in enumerate(call.output_logprobs):
-                    emitted.setdefault((len(call.prompt_ids) + offset, full[len(call.prompt_ids) + offset]), logprob)
+                    emitted.setdefault((call.prompt_tokens + offset, full[call.prompt_tokens + offset]), logprob)
         for position, (token, is_loss) in enumerate(zip(sample.token_ids, sample.loss_mask)):
             if is_loss:
                 assert (position, token) in emitted

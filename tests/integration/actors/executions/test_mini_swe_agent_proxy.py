@@ -112,5 +112,5 @@ def test_mini_swe_agent_calls_are_captured_through_the_proxy(tiny_model_dir: Pat
         elif record.envelope.receiver == "trajectory_builder" and name == "ExecutionScored":
             scored.append(record.decode(codec))
     assert calls and {c.execution_id for c in calls} == {"g0.0"}
-    assert all(c.prompt_ids and c.output_ids and len(c.output_logprobs) == len(c.output_ids) for c in calls)
+    assert all(c.prompt_tokens and c.output_ids and len(c.output_logprobs) == len(c.output_ids) for c in calls)
     assert [s.reward for s in scored] == [0.0]  # noise did not fix calc.py; the verifier judged the workspace

@@ -25,6 +25,7 @@ from gyre.engines.chat_template import ChatTemplate
 from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
 from gyre.engines.model_format import init_model_dir
 from gyre.messages.model_calls import ModelCallCompleted
+from gyre.policies.trajectory_tree import PromptRebuilder
 
 MAX_CONTEXT_TOKENS = 1024
 TOOLS = [
@@ -75,6 +76,7 @@ class Proxy:
     def __init__(self, template: ChatTemplate, backend_factory: Any, config: ProxyHttpConfig) -> None:
         self.template = template
         self.calls: list[ModelCallCompleted] = []
+        self.rebuilder = PromptRebuilder()
         self.sessions = ProxySessions(template)
         self.backend: Any = None
         ticks = itertools.count()
@@ -84,9 +86,15 @@ class Proxy:
             def clock() -> float:  # a deterministic runtime clock: 0, 1, 2, ...
                 return float(next(ticks))
 
-            return build_proxy_app(config, self.sessions, self.backend, self.calls.append, clock=clock)
+            return build_proxy_app(config, self.sessions, self.backend, self.take, clock=clock)
 
         self.served = ServedApp(make_app)
+
+    def take(self, call: ModelCallCompleted) -> None:
+        """The proxy's on_call_completed: keep the record, and its whole prompt rebuilt (`prompt_of`)."""
+        self.rebuilder.add(call)
+        _WHOLE_PROMPTS[id(call)] = self.rebuilder.prompt_ids(call)
+        self.calls.append(call)
 
     def key(self, execution_id: str) -> str:
         async def issue() -> str:
@@ -129,9 +137,17 @@ def scripted(template: ChatTemplate) -> Iterator[Proxy]:
         yield proxy
 
 
+_WHOLE_PROMPTS: dict[int, tuple[int, ...]] = {}
+
+
+def prompt_of(call: ModelCallCompleted) -> tuple[int, ...]:
+    """The whole prompt of a record a proxy harness took (its records carry only the ids after a shared prefix)."""
+    return _WHOLE_PROMPTS[id(call)]
+
+
 def extends(later: ModelCallCompleted, earlier: ModelCallCompleted) -> bool:
-    n = len(earlier.prompt_ids) + len(earlier.output_ids)
-    return later.prompt_ids[:n] == earlier.prompt_ids + earlier.output_ids
+    n = earlier.prompt_tokens + len(earlier.output_ids)
+    return prompt_of(later)[:n] == prompt_of(earlier) + earlier.output_ids
 
 
 # -- fully real, end to end ----------------------------------------------------------------------------------------
@@ -155,7 +171,7 @@ def test_real_engine_messages_multi_turn_and_stream(real: Proxy) -> None:
     assert extends(calls[1], calls[0])
     # The system text is rendered as the template's system turn.
     system_ids = real.template.system_ids(None, "Be brief.")
-    assert list(calls[0].prompt_ids[: len(system_ids)]) == system_ids
+    assert list(prompt_of(calls[0])[: len(system_ids)]) == system_ids
 
 
 # -- tool_use / tool_result (scripted model server) ---------------------------------------------------------------
@@ -183,8 +199,8 @@ def test_tool_use_round_trip_reuses_the_generated_ids(scripted: Proxy) -> None:
     assert extends(second, first)
     # The tool result is rendered as a tool turn right after the reused assistant turn.
     tool_turn = scripted.template.message_ids({"role": "tool", "tool_call_id": use.id, "content": "a b"})
-    start = len(first.prompt_ids) + len(first.output_ids) + len(scripted.template.assistant_trailer_ids())
-    assert list(second.prompt_ids[start : start + len(tool_turn)]) == tool_turn
+    start = len(prompt_of(first)) + len(first.output_ids) + len(scripted.template.assistant_trailer_ids())
+    assert list(prompt_of(second)[start : start + len(tool_turn)]) == tool_turn
 
 
 def test_streamed_tool_use_accumulates_in_the_sdk(scripted: Proxy) -> None:

@@ -28,6 +28,7 @@ from gyre.engines.chat_template import ChatTemplate
 from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
 from gyre.engines.model_format import init_model_dir
 from gyre.messages.model_calls import ModelCallCompleted
+from gyre.policies.trajectory_tree import PromptRebuilder
 
 MAX_CONTEXT_TOKENS = 1024
 TOOLS = [
@@ -86,6 +87,7 @@ class Proxy:
     def __init__(self, template: ChatTemplate, backend_factory: Any, config: ProxyHttpConfig) -> None:
         self.template = template
         self.calls: list[ModelCallCompleted] = []
+        self.rebuilder = PromptRebuilder()
         self.sessions = ProxySessions(template)
         self.backend: Any = None
         ticks = itertools.count()
@@ -95,9 +97,15 @@ class Proxy:
             def clock() -> float:  # a deterministic runtime clock: 0, 1, 2, ...
                 return float(next(ticks))
 
-            return build_proxy_app(config, self.sessions, self.backend, self.calls.append, clock=clock)
+            return build_proxy_app(config, self.sessions, self.backend, self.take, clock=clock)
 
         self.served = ServedApp(make_app)
+
+    def take(self, call: ModelCallCompleted) -> None:
+        """The proxy's on_call_completed: keep the record, and its whole prompt rebuilt (`prompt_of`)."""
+        self.rebuilder.add(call)
+        _WHOLE_PROMPTS[id(call)] = self.rebuilder.prompt_ids(call)
+        self.calls.append(call)
 
     def key(self, execution_id: str, group_id: str = "group") -> str:
         async def issue() -> str:  # on the server's loop: sessions belong to it
@@ -141,9 +149,17 @@ def scripted(template: ChatTemplate) -> Iterator[Proxy]:
         yield proxy
 
 
+_WHOLE_PROMPTS: dict[int, tuple[int, ...]] = {}
+
+
+def prompt_of(call: ModelCallCompleted) -> tuple[int, ...]:
+    """The whole prompt of a record a proxy harness took (its records carry only the ids after a shared prefix)."""
+    return _WHOLE_PROMPTS[id(call)]
+
+
 def extends(later: ModelCallCompleted, earlier: ModelCallCompleted) -> bool:
-    n = len(earlier.prompt_ids) + len(earlier.output_ids)
-    return later.prompt_ids[:n] == earlier.prompt_ids + earlier.output_ids
+    n = earlier.prompt_tokens + len(earlier.output_ids)
+    return prompt_of(later)[:n] == prompt_of(earlier) + earlier.output_ids
 
 
 # -- fully real, end to end ----------------------------------------------------------------------------------------
@@ -234,7 +250,7 @@ def test_tool_call_round_trip_reuses_the_generated_ids(scripted: Proxy) -> None:
     assert call.type == "function" and call.function.name == "read_file"
     assert json.loads(call.function.arguments) == {"path": "a.txt"}
     first = scripted.calls[-1]
-    assert first.prompt_ids == tuple(scripted.template.render_ids(messages, TOOLS))
+    assert prompt_of(first) == tuple(scripted.template.render_ids(messages, TOOLS))
 
     scripted.backend.say("It says hello.")
     messages += [
@@ -247,7 +263,7 @@ def test_tool_call_round_trip_reuses_the_generated_ids(scripted: Proxy) -> None:
     second = scripted.calls[-1]
     assert extends(second, first)
     # Rendering the text again would not have given the ids the model emitted.
-    assert list(second.prompt_ids) != scripted.template.render_ids(messages, TOOLS)
+    assert list(prompt_of(second)) != scripted.template.render_ids(messages, TOOLS)
 
 
 def test_streamed_tool_calls_accumulate_in_the_sdk(scripted: Proxy) -> None:
@@ -290,7 +306,7 @@ def test_tool_choice_none_removes_the_tools(scripted: Proxy) -> None:
     messages = [{"role": "user", "content": "go"}]
     answer = client.chat.completions.create(model="gyre", messages=messages, tools=TOOLS, tool_choice="none")
     assert answer.choices[0].message.content == text and not answer.choices[0].message.tool_calls
-    assert scripted.calls[-1].prompt_ids == tuple(scripted.template.render_ids(messages))
+    assert prompt_of(scripted.calls[-1]) == tuple(scripted.template.render_ids(messages))
     # A named tool_choice must name a known tool.
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
@@ -361,7 +377,7 @@ def test_executions_cannot_reach_each_others_turns(scripted: Proxy) -> None:
     b_call = scripted.calls[-1]
     assert b_call.execution_id == "iso-b" and b_call.call_index == 0
     assert not extends(b_call, a_call)  # b's prompt was rendered from text, not from a's ids
-    assert list(b_call.prompt_ids) == scripted.template.render_ids(follow)
+    assert list(prompt_of(b_call)) == scripted.template.render_ids(follow)
 
 
 # -- refusals: 401, 404, 400, 413, 5xx ------------------------------------------------------------------------------
@@ -460,7 +476,7 @@ def test_over_long_prompt_and_over_large_body(scripted: Proxy) -> None:
     scripted.backend.say("ok")
     client.chat.completions.create(model="gyre", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
     assert scripted.backend.requests[-1].sampling_params["max_new_tokens"] == MAX_CONTEXT_TOKENS - len(
-        scripted.calls[-1].prompt_ids
+        prompt_of(scripted.calls[-1])
     )
 
 
@@ -506,6 +522,13 @@ def test_proxy_over_engine_servers_through_the_sglang_client(model_dir: Path, te
     from gyre.engines.sglang_client import SGLangClient
 
     calls: list[ModelCallCompleted] = []
+    rebuilder = PromptRebuilder()
+
+    def take(call: ModelCallCompleted) -> None:
+        rebuilder.add(call)
+        _WHOLE_PROMPTS[id(call)] = rebuilder.prompt_ids(call)
+        calls.append(call)
+
     sessions = ProxySessions(template)
     engine_config = EngineConfig(num_blocks=64, max_context_tokens=MAX_CONTEXT_TOKENS, num_threads=1)
 
@@ -520,7 +543,7 @@ def test_proxy_over_engine_servers_through_the_sglang_client(model_dir: Path, te
             engines.append(engine)
             clients[cell] = SGLangClient(f"http://127.0.0.1:{runner.addresses[0][1]}")
         app = build_proxy_app(
-            ProxyHttpConfig(max_context_tokens=MAX_CONTEXT_TOKENS), sessions, SGLangBackend(clients), calls.append,
+            ProxyHttpConfig(max_context_tokens=MAX_CONTEXT_TOKENS), sessions, SGLangBackend(clients), take,
             clock=lambda: 0.0,
         )
 
@@ -584,7 +607,7 @@ def test_real_engine_stream_arrives_in_pieces_and_equals_the_non_streamed_call(r
     assert "".join(pieces) == plain.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
     # Token-in/token-out is unchanged by streaming: the same ids, log-probs and versions are recorded.
-    assert streamed_call.prompt_ids == plain_call.prompt_ids
+    assert prompt_of(streamed_call) == prompt_of(plain_call)
     assert streamed_call.output_ids == plain_call.output_ids
     assert streamed_call.output_logprobs == pytest.approx(plain_call.output_logprobs, abs=1e-4)
     assert streamed_call.output_versions == plain_call.output_versions

@@ -61,3 +61,39 @@ def test_a_context_beyond_the_models_positions_is_refused_at_start(tiny_model_di
     finally:
         structlog.configure(**saved)  # ... which must not outlive the test
     assert "exceeds the model's max_position_embeddings 32768" in capsys.readouterr().err
+
+
+def test_the_recorder_writes_whole_prompts_rebuilt_from_incremental_records(tmp_path: Path) -> None:
+    """`gyre serve --record` users get each call's whole prompt, though the proxy's records carry only new ids."""
+    import json
+
+    import attrs
+
+    from gyre.actors.serving.cli import CallRecorder
+    from gyre.policies.trajectory_tree import TreeConfig, prompt_ids_digest, whole_prompt_call
+
+    def call(index, prompt, output, extends=-1, shared=0):
+        whole = whole_prompt_call(execution_id="interactive", group_id="interactive", call_index=index, agent_id="",
+                                  call_kind="", prompt_ids=prompt, output_ids=output,
+                                  output_logprobs=(-0.5,) * len(output), output_versions=(0,) * len(output),
+                                  finish_reason="stop", cached_tokens=0, cell="c", started_s=0.0, finished_s=1.0,
+                                  sampling_temperature=1.0)
+        return attrs.evolve(whole, extends_call=extends, shared_tokens=shared, new_prompt_ids=tuple(prompt[shared:]),
+                            prompt_digest=prompt_ids_digest(prompt))
+
+    path = tmp_path / "calls.jsonl"
+    recorder = CallRecorder(str(path), TreeConfig(max_stored_tokens=12))
+    recorder(call(0, (1, 2, 3), (4, 5)))
+    recorder(call(1, (1, 2, 3, 4, 5, 6), (7,), extends=0, shared=5))
+    recorder(attrs.evolve(call(2, (1, 2, 3, 4, 5, 6, 7, 8), (9,), extends=1, shared=7), prompt_digest=b"x" * 32))
+    recorder(call(3, (1, 2, 3, 4, 5, 6, 7, 8), (9,), extends=1, shared=7))
+    recorder(call(4, (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13), (14,), extends=3, shared=9))  # the tree is full
+    recorder.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["prompt_ids"] for line in lines] == [[1, 2, 3], [1, 2, 3, 4, 5, 6], None, [1, 2, 3, 4, 5, 6, 7, 8],
+                                                      None]
+    assert "new_prompt_ids" not in lines[0] and lines[1]["extends_call"] == 0 and lines[1]["shared_tokens"] == 5
+    assert lines[0]["prompt_digest"] == prompt_ids_digest((1, 2, 3)).hex()
+    assert "does not match" in lines[2]["prompt_error"]
+    assert "does not hold" in lines[4]["prompt_error"]
+    assert recorder.calls_recorded == 5 and recorder.prompts_lost == 2

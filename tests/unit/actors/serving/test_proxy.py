@@ -32,6 +32,7 @@ from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import CallsWaitingForCell, ProxyStatistics, SessionPrefixes, SessionsOnCell
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.policies.routing import StickyLeastLoaded
+from gyre.policies.trajectory_tree import rebuild_prompts
 from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, handler, read_log
 from gyre.runtime.config_codec import decode_config
 from gyre.runtime.run_secrets import run_token
@@ -195,7 +196,9 @@ def test_keys_calls_and_revocation(engines, tiny_model_dir) -> None:
     call: ModelCallCompleted = out["call"]
     assert call.execution_id == "exec-1" and call.group_id == "group-0" and call.cell == "cell-a"
     assert len(call.output_ids) == out["reply"].usage.completion_tokens > 0
-    assert len(call.prompt_ids) == out["reply"].usage.prompt_tokens
+    assert call.prompt_tokens == out["reply"].usage.prompt_tokens
+    # The execution's first call extends none: its record carries the whole prompt.
+    assert call.extends_call == -1 and len(call.new_prompt_ids) == call.prompt_tokens
     assert len(call.output_logprobs) == len(call.output_versions) == len(call.output_ids)
     assert "already has a key" in out["duplicate"]
     assert out["after_revoke"] == "401"
@@ -236,11 +239,13 @@ def test_sessions_stick_to_their_cell_and_new_ones_spread(engines, tiny_model_di
     assert sorted(first for first, _ in cells.values()) == ["cell-a", "cell-a", "cell-b", "cell-b"]
     for calls in by_execution.values():
         first, second = sorted(calls, key=lambda c: c.call_index)
-        assert second.prompt_ids[: len(first.prompt_ids) + len(first.output_ids)] == (
-            first.prompt_ids + first.output_ids
-        )
+        # The second record names the first and carries only what follows its prompt + output.
+        assert second.extends_call == first.call_index
+        assert second.shared_tokens == first.prompt_tokens + len(first.output_ids)
+        first_prompt, second_prompt = rebuild_prompts([first, second])
+        assert second_prompt[: len(first_prompt) + len(first.output_ids)] == first_prompt + first.output_ids
         # The second call found the first call's prompt + output cached on the same cell (whole blocks of 16).
-        assert second.cached_tokens >= (len(first.prompt_ids) + len(first.output_ids) - 1) // 16 * 16
+        assert second.cached_tokens >= (first.prompt_tokens + len(first.output_ids) - 1) // 16 * 16
     assert out["status"].sessions_by_cell == {"cell-a": 2, "cell-b": 2}
 
 
@@ -393,7 +398,8 @@ def test_sessions_on_cell_reports_latest_ids_and_placement_reroutes(engines, tin
     out = run("sessions_on_cell_and_placement", engines, tiny_model_dir, log_path=str(log_path))
     first: ModelCallCompleted = out["first"]
     assert out["prefixes"].cell == first.cell
-    assert out["prefixes"].sessions == {"exec-p/": first.prompt_ids + first.output_ids}
+    assert first.extends_call == -1
+    assert out["prefixes"].sessions == {"exec-p/": first.new_prompt_ids + first.output_ids}
     assert out["elsewhere"].sessions == {}
     assert out["second"].cell == out["other"]
     # The run is recorded: the proxy's config (policy included), the asks and their replies, and every
@@ -434,8 +440,9 @@ async def abort_on_a_live_cell_resumes_there(driver: Driver) -> dict[str, Any]:
     [call] = await driver.wait_calls(1)
     # The unswitched reference: the same prompt straight to the engine, greedy.
     async with SGLangClient(url) as engine:
+        assert call.extends_call == -1  # the only call: its record carries the whole prompt
         reference = await engine.generate(
-            call.prompt_ids, {"max_new_tokens": 400, "temperature": 0.0, "stop_token_ids": list(driver.config.stop_token_ids)}
+            call.new_prompt_ids, {"max_new_tokens": 400, "temperature": 0.0, "stop_token_ids": list(driver.config.stop_token_ids)}
         )
     return {"paused": paused, "reply": reply, "call": call, "reference": reference, "status": await driver.status()}
 
@@ -481,8 +488,9 @@ async def streamed_abort_resumes_without_resending(driver: Driver) -> dict[str, 
         await pending
     [call] = await driver.wait_calls(1)
     async with SGLangClient(url) as engine:
+        assert call.extends_call == -1  # the only call: its record carries the whole prompt
         reference = await engine.generate(
-            call.prompt_ids,
+            call.new_prompt_ids,
             {"max_new_tokens": 400, "temperature": 0.0, "stop_token_ids": list(driver.config.stop_token_ids)},
         )
     return {"paused": paused, "pieces": pieces, "before_abort": before_abort, "call": call, "reference": reference,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from gyre.actors.serving.sessions import (
@@ -189,18 +190,109 @@ def test_incremental_rendering_equals_rendering_from_scratch(template: ChatTempl
                                                           max_turns_per_execution=6))
     a = incremental.authenticate(incremental.issue_key("e", "g"))
     b = scratch.authenticate(scratch.issue_key("e", "g"))
+    from gyre.policies.trajectory_tree import TrajectoryTree
+
+    tree = TrajectoryTree("e", "g")  # what the builder rebuilds from `a`'s incremental records
     conversations: list[list[dict]] = [[]]
-    for which, cut, new, system, reply, mutate in steps:
+    for index, (which, cut, new, system, reply, mutate) in enumerate(steps):
         base = conversations[which % len(conversations)]
         if cut < len(base):
             conversations.append(base[:cut])  # a branch sharing the beginning
             base = conversations[-1]
         base.extend(new)
         got = a.render(base, None, system)
-        assert got == b.render(base, None, system)
+        # The same prompt; only the record's incremental fields differ (`b` keeps no conversation to name).
+        assert attrs.evolve(got, extends_call=-1, shared_tokens=0, new_prompt_ids=got.prompt_ids) == b.render(
+            base, None, system)
         if mutate and base[-1]["role"] == "user":
             base[-1]["content"] += "!"  # a caller editing its own dicts must not corrupt the memo
+        output = char_ids(template, reply) if reply is not None else ()
         if reply is not None:
-            output = char_ids(template, reply)
             for session in (a, b):
                 session.record_turn(turn_key(reply, []), got.prompt_digest, output)
+        a.note_call(got, index, output)
+        tree.add_call(_record(a, index, got, output))
+        assert tree.prompt_ids(index) == got.prompt_ids
+
+
+# -- incremental records (issue 29) ----------------------------------------------------------------------------------
+
+
+def _record(session, index: int, rendered, output: tuple[int, ...]):
+    from gyre.messages.model_calls import ModelCallCompleted
+
+    return ModelCallCompleted(
+        session.execution_id, session.group_id, index, "", "", len(rendered.prompt_ids), rendered.extends_call,
+        rendered.shared_tokens, rendered.new_prompt_ids, rendered.prompt_digest, output, (-0.5,) * len(output),
+        (0,) * len(output), "stop", 0, "c", 0.0, 0.0, 1.0,
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_records_name_the_call_they_extend_and_rebuild_every_prompt(template: ChatTemplate, seed: int) -> None:
+    """A scripted agent with tool turns, repeated answers (which cut memos), retries, compressions (a fresh history
+    under the same system prompt) and sub-agents (another system prompt), as CallRunner drives a session: each
+    call's record, rebuilt through a tree from the earlier records alone, gives exactly the prompt the engine got,
+    and most records carry only their new ids."""
+    import random
+
+    from gyre.policies.trajectory_tree import TrajectoryTree
+
+    rng = random.Random(seed)
+    config = ProxySessionsConfig(max_conversations_per_execution=3 if seed % 2 else 8)
+    sessions = ProxySessions(template, config)
+    session = sessions.authenticate(sessions.issue_key("a", "g"))
+    tree = TrajectoryTree("a", "g")
+    carried = whole = 0
+
+    def call(messages, system):
+        nonlocal carried, whole
+        rendered = session.render(messages, None, system)
+        index = session.next_call_index()
+        text = rng.choice(["OK", "done", f"step {rng.randrange(50)}", "OK"])
+        output = char_ids(template, text)
+        session.record_turn(turn_key(text, []), rendered.prompt_digest, output)
+        session.note_call(rendered, index, output)
+        record = _record(session, index, rendered, output)
+        tree.add_call(record)
+        assert tree.prompt_ids(index) == rendered.prompt_ids
+        carried += len(record.new_prompt_ids)
+        whole += record.prompt_tokens
+        return text
+
+    main = [{"role": "user", "content": "task"}]
+    for turn in range(30):
+        draw = rng.random()
+        if draw < 0.1 and len(main) > 3:  # retry: drop the last exchange
+            main = main[:-2]
+        elif draw < 0.2:  # compression: summarise, then a fresh history
+            summary = call([*main, {"role": "user", "content": "summarise"}], "sys")
+            main = [{"role": "user", "content": f"task; so far: {summary}"}]
+        elif draw < 0.3:  # a sub-agent with its own system prompt
+            sub = [{"role": "user", "content": f"sub {turn}"}]
+            for _ in range(rng.randint(1, 3)):
+                sub += [{"role": "assistant", "content": call(sub, "sub-agent")}, {"role": "user", "content": "go"}]
+        text = call(main, "sys")
+        main += [{"role": "assistant", "content": text}, {"role": "user", "content": f"tool {turn} " * 5}]
+    assert tree.pending_calls == 0
+    assert carried < whole / 3, (carried, whole)
+
+
+def test_a_record_that_was_not_handed_on_is_never_named(template: ChatTemplate) -> None:
+    sessions = ProxySessions(template)
+    session = sessions.authenticate(sessions.issue_key("a", "g"))
+    first = [{"role": "user", "content": "hi"}]
+    rendered = session.render(first, None, None)
+    assert (rendered.extends_call, rendered.shared_tokens) == (-1, 0)
+    assert rendered.new_prompt_ids == rendered.prompt_ids
+    output = char_ids(template, "hello")
+    session.record_turn(turn_key("hello", []), rendered.prompt_digest, output)  # no note_call: its emit failed
+    follow = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    again = session.render(follow, None, None)
+    assert again.extends_call == -1 and again.new_prompt_ids == again.prompt_ids
+    session.note_call(again, 1, output)
+    third = session.render([*follow, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"}],
+                           None, None)
+    assert third.extends_call == 1
+    assert third.shared_tokens == len(again.prompt_ids) + len(output)
+    assert third.prompt_ids[third.shared_tokens:] == third.new_prompt_ids

@@ -18,7 +18,7 @@ from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionDropped, ExecutionScored, SamplesLanded
 from gyre.policies.group_filter import AtLeast, FractionOfGroup
 from gyre.policies.trajectory_processor import RankedTrajectoryProcessor, build_group_samples
-from gyre.policies.trajectory_tree import build_tree
+from gyre.policies.trajectory_tree import build_tree, prompt_ids_digest
 from gyre.runtime import Actor, Codec, RunOptions, Topology, VirtualLauncher, handler, read_log
 
 PUBLISHED = (ModelCallCompleted, GroupStarted)
@@ -88,7 +88,8 @@ def calls(execution: str, group: str, seed: int, *, version: int = 0) -> tuple[M
 
     def call(index: int, prompt: tuple[int, ...], out: tuple[int, ...], kind: str) -> ModelCallCompleted:
         return ModelCallCompleted(
-            execution, group, index, "main", kind, prompt, out, tuple(-0.1 * (i + 1) for i in range(len(out))),
+            execution, group, index, "main", kind, len(prompt), -1, 0, prompt, prompt_ids_digest(prompt), out,
+            tuple(-0.1 * (i + 1) for i in range(len(out))),
             (version,) * len(out), "stop", 0, "cell-0", float(index), float(index) + 0.5, 1.0,
         )
 
@@ -238,3 +239,47 @@ def test_calls_of_unannounced_executions_leave_no_tree_behind(tmp_path: Path) ->
     assert [m.execution_ids for m in got["SamplesLanded"]] == [("g.0",)]
     stats = got["BuilderStatistics"][0]
     assert (stats.live_trees, stats.messages_refused) == (0, 1)
+
+
+def test_incremental_records_land_the_samples_of_whole_prompt_records_and_a_mismatch_drops(tmp_path: Path) -> None:
+    """The proxy's records name the call they extend and carry only the new ids: the builder lands exactly the
+    samples the whole-prompt records give. A record whose rebuilt prompt misses its digest refuses its execution
+    (counted among the refused); one that extends a call that never came leaves its execution unable to survive."""
+    from gyre.benchmarks.trajectories import incremental_records
+
+    whole = {e: calls(e, "g", i) for i, e in enumerate(("g.0", "g.1"))}
+    records = {e: incremental_records(c) for e, c in whole.items()}
+    assert all(r.extends_call >= 0 for c in records.values() for r in c[1:])
+    scores = (scored("g.0", 1.0), scored("g.1", 0.0))
+    # Out of order: call 2 of g.1 before the call it extends.
+    script = (announce("g", 2), *records["g.0"], records["g.1"][0], records["g.1"][2], records["g.1"][1], *scores)
+    got = run(tmp_path, DriverConfig(script, expected_groups_done=1))
+    expected = build_group_samples("g", {e: build_tree(c) for e, c in whole.items()}, list(scores),
+                                   RankedTrajectoryProcessor())
+    assert got["SamplesLanded"] == [expected]
+
+    bad = attrs.evolve(records["g.1"][1], new_prompt_ids=(7,) + records["g.1"][1].new_prompt_ids[1:])
+    lost = records["g.0"][2]  # extends call 1, which is never sent
+    script = (announce("g", 3), records["g.0"][0], lost, *records["g.1"][:1], bad, *calls("g.2", "g", 2), *scores,
+              scored("g.2", 0.5))
+    got = run(tmp_path, DriverConfig(script, expected_groups_done=1), group_filter=AtLeast(2))
+    assert "SamplesLanded" not in got  # g.0 (incomplete) and g.1 (mismatch) cannot survive: one of three
+    stats = got["BuilderStatistics"][0]
+    assert stats.messages_refused == 2 and stats.live_trees == 0
+
+
+def test_an_event_log_of_whole_prompt_records_is_refused_with_both_versions() -> None:
+    """Logs written before incremental records hold ModelCallCompleted v2 (a whole prompt_ids): the codec refuses
+    them by name and version rather than misread their fields (replay, gyre log and the studies say so)."""
+    import msgpack
+
+    from gyre.runtime.codec import SchemaVersionMismatch
+
+    codec = Codec()
+    call = calls("g.0", "g", 0)[0]
+    body = codec.encode_body(call)
+    assert codec.decode_body("gyre.model_calls.ModelCallCompleted", 3, body) == call
+    old_fields = msgpack.packb(("g.0", "g", 0, "main", "turn", list(call.new_prompt_ids), [1], [0.0], [0], "stop", 0,
+                                "c", 0.0, 1.0, 1.0), use_bin_type=True)
+    with pytest.raises(SchemaVersionMismatch, match="version 2; this process speaks version 3"):
+        codec.decode_body("gyre.model_calls.ModelCallCompleted", 2, old_fields)

@@ -861,6 +861,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop when the process that started this one ends (a cell hosting this server)")
     parser.add_argument("--transfer-hostname", default=None,
                         help="address Mooncake peers reach this server at (default: --host)")
+    parser.add_argument("--transfer-protocol", choices=("tcp", "rdma"), default="tcp",
+                        help="Mooncake transport of the KV blocks with --kv-transfer (rdma: the node needs an RDMA NIC; "
+                        "the server refuses to start without one, saying so)")
+    parser.add_argument("--rdma-devices", default="",
+                        help="with --transfer-protocol rdma: the devices to use, comma-separated (default: all)")
     keys = parser.add_mutually_exclusive_group()
     keys.add_argument(
         "--api-key-file", metavar="PATH",
@@ -932,12 +937,17 @@ def _serve(args: argparse.Namespace, api_key: str) -> None:
         max_exports=args.max_exports,
         kv_staging_tokens=args.kv_staging_tokens,
     )
-    engine = AsyncEngine(EmbeddedEngine(args.model_dir, config))
-    agent = None
+    agent = None  # first: a transport this node cannot give is refused before the model loads
     if args.kv_transfer:
         from gyre.engines.transfer import TransferAgent, TransferConfig
 
-        agent = TransferAgent(TransferConfig(hostname=args.transfer_hostname or args.host))
+        try:
+            agent = TransferAgent(TransferConfig(hostname=args.transfer_hostname or args.host,
+                                                 protocol=args.transfer_protocol, device_name=args.rdma_devices))
+        except (TransferError, ValueError) as error:  # no RDMA device here, a device filter with tcp, ...
+            log.error("engine_server_transfer_refused", error=str(error))
+            raise SystemExit(f"engine_server: {error}") from None
+    engine = AsyncEngine(EmbeddedEngine(args.model_dir, config))
     app = build_engine_app(engine, agent, model_path=args.model_dir, api_key=api_key,
                            allowed_origins=args.allow_origin)
 

@@ -458,6 +458,7 @@ class Cell(Actor):
                 config.host, config.port, self.offload, self.sessions,
                 spawn=lambda work, name: self.spawn(self.guarded(work), name=f"{self.name}.{name}"),
                 report=self._engine_server_failed, clock=self.clock.now,
+                transfer_protocol=config.transfer_protocol, rdma_devices=config.rdma_devices,
             )
         if config.is_core:
             await self._build_trainer()

@@ -134,8 +134,9 @@ def free_port(host: str) -> int:
 
 
 def server_command(config: EngineServerConfig, model_dir: str, host: str, port: int,
-                   engine: EngineConfig) -> list[str]:
-    """The command line that launches the server (no key on it, ever)."""
+                   engine: EngineConfig, transfer_protocol: str = "tcp", rdma_devices: str = "") -> list[str]:
+    """The command line that launches the server (no key on it, ever). Gyre's server moves KV over the cell's
+    Mooncake protocol (`transfer_protocol`, `rdma_devices`: CellConfig's)."""
     python = config.python or sys.executable
     if config.command:
         fill = dict(python=python, model_dir=model_dir, host=host, port=str(port))
@@ -155,6 +156,10 @@ def server_command(config: EngineServerConfig, model_dir: str, host: str, port: 
         base += ["--num-threads", str(engine.num_threads)]
     if engine.kv_staging_tokens is not None:
         base += ["--kv-staging-tokens", str(engine.kv_staging_tokens)]
+    if transfer_protocol != "tcp":
+        base += ["--transfer-protocol", transfer_protocol]
+    if rdma_devices:
+        base += ["--rdma-devices", rdma_devices]
     return base + list(config.extra_args)
 
 

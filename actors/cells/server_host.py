@@ -155,8 +155,13 @@ class ServerRolloutHost(PullStaging):
         spawn: Callable[[Any, str], Any],
         report: Callable[[EngineServerFailed], None],
         clock: Callable[[], float],
+        transfer_protocol: str = "tcp",
+        rdma_devices: str = "",
     ) -> None:
         super().__init__(agent)
+        self.transfer_protocol = transfer_protocol
+        """The cell's Mooncake protocol, which the server it launches uses for KV too."""
+        self.rdma_devices = rdma_devices
         self.kind = kind
         self.model_dir = model_dir
         self.spec = spec
@@ -242,7 +247,8 @@ class ServerRolloutHost(PullStaging):
             if not self.port:
                 self.port = free_port(self.host)
             self.base_url = f"http://{self.host}:{self.port}"
-            command = server_command(config, self.model_dir, self.host, self.port, self.engine_config)
+            command = server_command(config, self.model_dir, self.host, self.port, self.engine_config,
+                                     self.transfer_protocol, self.rdma_devices)
             self.process = EngineProcess.for_key(command, run_token(API_KEY_PURPOSE), config)
             await self.process.launch()
             self.client = SGLangClient(self.base_url, config=ClientConfig(pause_body=config.pause_body))

@@ -55,6 +55,7 @@ from gyre.messages.executions import IssueKey, KeyIssued, RevokeKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.proxy import CallsWaitingForCell, ProxyStatistics, SessionPrefixes, SessionsOnCell
 from gyre.runtime import Actor, handler
+from gyre.runtime.launch import node_address
 
 __all__ = ["ProxyConfig", "Proxy"]
 
@@ -65,8 +66,9 @@ class ProxyConfig:
 
     model_dir: str
     """Model directory whose chat template and tokenizer render the prompts (the cells serve the same model)."""
-    host: str = "127.0.0.1"
-    """Address the HTTP face binds."""
+    host: str = attrs.field(factory=node_address)
+    """Address the HTTP face binds: the node's (runtime.launch.node_address: GYRE_NODE_ADDRESS where a Ray host set
+    it, else 127.0.0.1), so agents on other nodes reach it too; every call still needs its execution's key."""
     port: int = 0
     """Port it binds; 0 picks a free one (KeyIssued carries the real URL)."""
     http: ProxyHttpConfig = ProxyHttpConfig()

@@ -9,7 +9,9 @@
     gyre run examples/agent_rl.py --report report --tasks examples/tasks   # Harbor tasks, mini-swe-agent, sandboxed
 
 What happens:
-1. prepare (once, in the launcher): a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches
+1. prepare (once, in the launcher): the warm start; `--warm-start DIR` takes one already built (any HF model
+   directory, its manifest checked when it has one: engines/model_manifest.py), else it is built here: a tiny
+   Qwen3-layout model is initialised; a short synthetic pretraining teaches
    it to copy spans and look values up, first adjacent, then past a line of unrelated items, into quoted strings
    and with calculator expressions among the items, each stage ending in a learning-rate decay
    (engines/pretrain.py: what a real base model brings and a random one lacks);
@@ -153,6 +155,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the report's headline success rate, the policy RL trains, which greedy decoding can miss (a "
                         "run gained +1.3 points greedy and +14.0 sampled: BENCHMARKS.md, session 12). Each attempt "
                         "more costs a minute or more after RL; 0: score greedy only, and make it the headline")
+    parser.add_argument("--warm-start", default="rebuild", metavar="rebuild|DIR",
+                        help="the model RL starts from: `rebuild` (the default: copy pretraining and SFT here from the "
+                        "flags below, cached; 30-60 minutes on 2 cores the first time, and not the same bytes on "
+                        "another CPU), or a warm start already built, any HF model directory (its manifest.json, when "
+                        "it has one, is checked; held-out scores cached beside it are reused), so that runs on every "
+                        "machine start from the same bytes")
     parser.add_argument("--sft-tasks", type=int, default=900,
                         help="expert demonstrations for the warm start (one epoch). After the copy pretraining 900 "
                         "give a model that solves ~0.1 of the held-out tasks and skips the calculator, which RL "
@@ -247,6 +255,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
     if not 0.0 <= args.clip_low < 1.0 or args.clip_high < 0.0:
         parser.error(f"need 0 <= --clip-low < 1 and --clip-high >= 0, got {args.clip_low} and {args.clip_high}")
+    if args.warm_start != "rebuild":
+        shaping = [f"--{name.replace('_', '-')}" for name in WARM_START_FLAGS
+                   if getattr(args, name) != parser.get_default(name)]
+        if shaping:
+            parser.error(f"{', '.join(shaping)} shape the warm start that --warm-start rebuild builds; "
+                         f"{args.warm_start} is built already (drop them, or drop --warm-start)")
+        if not (Path(args.warm_start) / "config.json").is_file():
+            parser.error(f"--warm-start {args.warm_start}: not an HF model directory (no config.json), nor rebuild")
     if args.tasks:
         args.skip_eval = True  # the held-out evaluation scores toolbox tasks; `gyre eval` scores a task set
         try:
@@ -275,6 +291,9 @@ def _toolbox():
 
 
 # ---- prepare: base model, warm start, held-out score before RL ----------------------------------------------------
+WARM_START_FLAGS = ("sft_tasks", "sft_epochs", "copy_steps", "copy_decay_steps", "copy_gap_steps",
+                    "copy_gap_decay_steps", "copy_gap_items", "copy_expression_share")
+"""The flags that shape a rebuilt warm start (refused with --warm-start DIR: they would change nothing)."""
 NOT_SCORED = {"success_rate": float("nan"), "mean_reward": float("nan")}
 """The held-out score of a run that skips evaluation (--skip-eval)."""
 
@@ -354,6 +373,27 @@ def _copy_pretrain_stage(base: Path, cache: Path, what: str, config) -> Path:
     return out
 
 
+def built_warm_start(source: Path, cache: Path) -> Path:
+    """A built warm start (any HF directory) as the cache folder the run reads and writes its held-out scores in:
+    copied once into `cache`/warm-<digest>, with the score files that came with it. A directory with a manifest is
+    checked against it first (ManifestError naming a file that differs)."""
+    import shutil
+
+    from gyre.engines.model_manifest import MANIFEST_FILE, file_digests, model_digest, verify
+
+    files = verify(source)["files"] if (source / MANIFEST_FILE).is_file() else file_digests(source)
+    target = cache / f"warm-{model_digest(files)[:16]}"
+    if not (target / "model.safetensors").is_file():
+        staging = cache / f".{target.name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for path in source.iterdir():
+            if path.is_file() and (path.name in files or path.name.startswith("eval-") or path.name == MANIFEST_FILE):
+                shutil.copy2(path, staging / path.name)
+        os.replace(staging, target)
+    return target
+
+
 def prepare(argv: list[str]) -> None:
     from gyre.engines.model_format import init_model_dir
     from gyre.engines.pretrain import KINDS as COPY_KINDS, CopyPretrainConfig
@@ -364,6 +404,10 @@ def prepare(argv: list[str]) -> None:
     report = Path(args.report)
     report.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache) / "agent_rl"
+    if args.warm_start != "rebuild":
+        cache.mkdir(parents=True, exist_ok=True)
+        _score_and_record(args, report, built_warm_start(Path(args.warm_start).resolve(), cache), started)
+        return
     base = cache / "base-tiny"
     if not (base / "model.safetensors").is_file():
         init_model_dir(base, "tiny", seed=args.seed)
@@ -392,6 +436,12 @@ def prepare(argv: list[str]) -> None:
         run_sft(base, pairs, sft_dir, config,
                 progress=lambda step, total, loss: print(f"  sft step {step}/{total} loss {loss:.3f}", file=sys.stderr)
                 if step % 10 == 0 or step == total else None)
+    _score_and_record(args, report, sft_dir, started)
+
+
+def _score_and_record(args: argparse.Namespace, report: Path, sft_dir: Path, started: float) -> None:
+    """The warm start's held-out scores (cached in `sft_dir`, computed once) and prepare.json."""
+    tasks, _, _ = _toolbox()
     before, sampled_before = NOT_SCORED, None
     held_out = () if args.skip_eval else tasks.generate_tasks(args.seed + 1, "heldout", args.heldout_tasks)
     if not args.skip_eval:

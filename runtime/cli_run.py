@@ -1,5 +1,7 @@
-"""`gyre run FILE [--virtual --seed N | --ray ADDRESS | --bus ipc|tcp] [--log PATH] [--resume] [ARGS]`: start a topology
-file; options gyre run does not know, and anything after `--`, go to the file's topology(argv).
+"""`gyre run FILE [--virtual --seed N [--faults PLAN] | --ray ADDRESS | --bus ipc|tcp] [--log PATH] [--resume] [ARGS]`:
+start a topology file; options gyre run does not know, and anything after `--`, go to the file's topology(argv).
+`--faults PLAN` runs it on the deterministic runner under a seeded fault plan (gyre.runtime.faults) and prints the
+faults that fired.
 
 `--resume` continues the run whose checkpoints the topology keeps (`Topology.checkpoint_dir`; for the main job
 REPORT/run_checkpoints): the newest whole checkpoint (gyre.runtime.checkpoint.load_latest: a torn newer one is
@@ -24,12 +26,15 @@ from typing import Any
 from gyre.runtime.checkpoint import encode_json, load_latest, write_file_atomic
 from gyre.runtime.errors import GyreError
 from gyre.runtime.event_log import merge_segments
+from gyre.runtime.faults import FaultPlanError, parse_plan
 from gyre.runtime.launch import LocalProcessLauncher, RunOptions, VirtualLauncher
 from gyre.runtime.logs import configure_logging
 from gyre.runtime.topology import build_topology, load_topology_module
 
 RUN_ARGS = "run_args.json"
 """The run's arguments in its checkpoint root (the checkpointer copies them into each manifest)."""
+FAULT_RUN_LIMIT_S = 86_400.0
+"""Virtual seconds a run under --faults may take without --until-s: a fault may stall it, and it must end."""
 RESUME_FLAG = "--resume-from"
 """What `--resume` adds to the topology's arguments: the checkpoint folder its actors restore from."""
 
@@ -52,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write the event log here (default: the topology's log_path, if it sets one)")
     parser.add_argument("--until-s", type=float, default=None, help="stop after this many (virtual) seconds")
     parser.add_argument("--log-level", default=None, help="debug shows one line per handled message")
+    parser.add_argument("--faults", default=None, metavar="PLAN",
+                        help="with --virtual: run under a seeded fault plan (gyre.runtime.faults), e.g. "
+                             "\"kill claimer at 3 StepApplied; delay executor>claimer SamplesLanded 0.5\"; the faults "
+                             "that fired are printed")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run the topology's checkpoints record (the main job: --report DIR) from "
                              "its newest whole checkpoint, with the run's own arguments; a conflicting one is refused")
@@ -180,6 +189,16 @@ def run_command(args: argparse.Namespace) -> int:
     if args.virtual and args.ray_address:
         print("gyre run: --virtual and --ray exclude each other", file=sys.stderr)
         return 2
+    if args.faults is not None and not args.virtual:
+        print("gyre run: --faults needs --virtual (faults are injected on the deterministic runner's one node)",
+              file=sys.stderr)
+        return 2
+    if args.faults is not None:
+        try:
+            parse_plan(args.faults)
+        except FaultPlanError as error:
+            print(f"gyre run --faults: {error}", file=sys.stderr)
+            return 2
     resumed = None
     if args.resume:
         try:
@@ -200,7 +219,15 @@ def run_command(args: argparse.Namespace) -> int:
     if resumed is not None and log_path:
         log_path = next_log_segment(log_path)
     options = RunOptions(log_path=log_path, until_s=args.until_s)
-    if args.virtual:
+    if args.faults is not None:
+        from gyre.runtime.launch import RunResult
+        from gyre.runtime.testing import run_with_faults
+
+        faulted = run_with_faults(topology, args.faults, until_s=args.until_s or FAULT_RUN_LIMIT_S, log_path=log_path)
+        for when, fault, hit in faulted.applied:
+            print(f"gyre run --faults: {when:.3f}s {fault}: {hit}", file=sys.stderr)
+        result = RunResult(faulted.exit_code, faulted.reason)
+    elif args.virtual:
         result = VirtualLauncher().run(topology, options)
     elif args.ray_address:
         from gyre.runtime.ray_launcher import RayLauncher  # importing ray costs seconds: only when asked

@@ -104,3 +104,18 @@ def test_a_killed_runs_unmerged_segments_join_the_log(tmp_path):
     assert nxt == str(log / "0001.glog") and not parts.exists()
     assert sorted(p.name for p in log.iterdir()) == ["0000.glog"]
     assert [r.decode(codec).step_id for r in read_log(log)] == [0, 1]
+
+
+def test_gyre_run_under_a_fault_plan(tmp_path, capsys):
+    report = tmp_path / "report"
+    plan = "delay executor>claimer SamplesLanded 0.5; duplicate core>monitor StepApplied 2"
+    assert gyre_cli(["run", TOPOLOGY, "--virtual", "--faults", plan, "--report", str(report), "--steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "delay executor>claimer SamplesLanded 0.5: executor>claimer gyre.samples.SamplesLanded" in err
+    assert "duplicate core>monitor StepApplied 2" in err and "trained 3 steps" in err
+    run = json.loads((report / "run.json").read_text())
+    assert [s["step"] for s in run["steps"]][:3] == [0, 1, 2]  # the duplicated StepApplied is recorded once
+    assert gyre_cli(["run", TOPOLOGY, "--faults", plan, "--report", str(report)]) == 2
+    assert "--faults needs --virtual" in capsys.readouterr().err
+    assert gyre_cli(["run", TOPOLOGY, "--virtual", "--faults", "melt core", "--report", str(report)]) == 2
+    assert "unknown fault" in capsys.readouterr().err

@@ -433,12 +433,13 @@ class Cell(Actor):
         while (applied := await steps.apply_next()) is not None:
             self.publish(applied)
             assert self.run_checkpoints is not None and self.training is not None
+            if not applied.skipped:
+                self._follow_engine_weights()
+                # Before the full checkpoint: the last step's StepApplied may end the run, and the weights of that
+                # version are the cheap part to save (the full checkpoint of a step cut off here is taken at stop).
+                if config.checkpoint_dir and applied.version % config.checkpoint_every_steps == 0:
+                    await steps.save_checkpoint(applied.version)
             await self.run_checkpoints.after_step(self.training, applied)
-            if applied.skipped:
-                continue
-            self._follow_engine_weights()
-            if config.checkpoint_dir and applied.version % config.checkpoint_every_steps == 0:
-                await steps.save_checkpoint(applied.version)
 
     # ---- roles --------------------------------------------------------------------------------------------
 

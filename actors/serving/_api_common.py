@@ -72,16 +72,20 @@ def loads_bounded(raw: bytes | str, limits: JsonLimits, where: str = "the reques
         raise _too_deep(limits, where) from None
     except ValueError as error:
         raise ApiError("invalid_request", f"{where} is not valid JSON: {error}") from None
-    check_json(value, limits, where, surrogates=_SURROGATE_ESCAPE.search(text) is not None)
+    # Both scans are skipped when the text itself rules them out (the common case, and the text of a long
+    # conversation is long): no string is longer than the text, and no surrogate escape without a backslash-u.
+    check_json(value, limits, where, surrogates="\\u" in text and _SURROGATE_ESCAPE.search(text) is not None,
+               strings=len(text) > limits.max_string_chars)
     return value
 
 
-def check_json(value: Any, limits: JsonLimits, where: str, surrogates: bool = True) -> None:
+def check_json(value: Any, limits: JsonLimits, where: str, surrogates: bool = True, strings: bool = True) -> None:
     """Raise ApiError when decoded JSON breaks `limits` or holds a lone surrogate (looked for only when
-    `surrogates`). Iterative, so a value nested far beyond the limit cannot exhaust the stack here."""
+    `surrogates`; string lengths only when `strings`). Iterative, so a value nested far beyond the limit cannot
+    exhaust the stack here."""
 
     def check_string(text: str) -> None:
-        if len(text) > limits.max_string_chars:
+        if strings and len(text) > limits.max_string_chars:
             raise ApiError("invalid_request", f"{where} holds a string of {len(text)} characters; at most "
                            f"{limits.max_string_chars} are accepted (max_json_string_chars)")
         if surrogates and _SURROGATE.search(text) is not None:

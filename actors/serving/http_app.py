@@ -83,8 +83,9 @@ class ProxyHttpConfig:
     - `max_prompt_chars_per_token` (16): a prompt of more than max_context_tokens x this many characters is
       refused (400, context_length) before it is tokenised.
     - `max_context_tokens`: prompt + output tokens (400 for a prompt that leaves no room).
-    - `offload_render_chars` (32 Ki): a prompt of more characters is rendered and tokenised on one of
-      `render_threads` worker threads, so the event loop (other calls, /health) goes on meanwhile.
+    - `offload_render_chars` (32 Ki): a prompt that adds more characters than this to what its session has
+      rendered is rendered and tokenised on one of `render_threads` worker threads, so the event loop (other
+      calls, /health) goes on meanwhile.
     - `stream_buffer_chunks` (64): output chunks a streamed call holds for a reader slower than the engine.
     """
 

@@ -49,6 +49,7 @@ message renderings per execution (least recently used go first).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import hashlib
 import hmac
@@ -58,7 +59,9 @@ import secrets
 from array import array
 from collections import OrderedDict, deque
 from itertools import chain
-from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping, Protocol, Sequence
+from typing import (
+    Any, AsyncIterator, Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Protocol, Sequence,
+)
 
 import attrs
 import structlog
@@ -96,6 +99,7 @@ __all__ = [
     "ProxySessions",
     "ExecutionSession",
     "RenderedPrompt",
+    "PromptIds",
     "SessionsFull",
     "TemplateLike",
     "turn_key",
@@ -325,12 +329,66 @@ def _ids_bytes(ids: Sequence[int]) -> bytes:
     return array("q", ids).tobytes()
 
 
+class PromptIds(Sequence):
+    """A rendered prompt's ids as a view over its parts (the ids of its messages, shared with the session's caches
+    and stored turns), not a copy: a call at a long context costs no pass over its whole prompt in the proxy; the
+    backend reads it once, in its own form (a list for the embedded engine, JSON for a server). Compares and hashes
+    as the tuple of its ids; a slice is a tuple."""
+
+    __slots__ = ("_parts", "_ends")
+
+    def __init__(self, parts: Sequence[tuple[int, ...]], ends: Sequence[int] | None = None) -> None:
+        self._parts = tuple(parts)
+        if ends is None:
+            total, cumulative = 0, []
+            for part in self._parts:
+                total += len(part)
+                cumulative.append(total)
+            ends = cumulative
+        self._ends = tuple(ends)  # tokens up to and including each part
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self._parts)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("prompt index out of range")
+        part = bisect.bisect_right(self._ends, index)
+        start = self._ends[part - 1] if part else 0
+        return self._parts[part][index - start]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, PromptIds)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other: Sequence[int]) -> tuple[int, ...]:
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other: Sequence[int]) -> tuple[int, ...]:
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return f"PromptIds({len(self)} ids in {len(self._parts)} parts)"
+
+
 @attrs.frozen
 class RenderedPrompt:
     """A request's prompt ids and how they were obtained."""
 
-    prompt_ids: tuple[int, ...]
-    """System turn + every message's ids + the generation prompt."""
+    prompt_ids: Sequence[int]
+    """System turn + every message's ids + the generation prompt (a `PromptIds` view when rendered by a session)."""
     prompt_digest: bytes
     """SHA-256 of the prompt ids (as int64 bytes): the identity under which a turn generated from it is stored."""
     reused_turns: int
@@ -558,7 +616,9 @@ class ExecutionSession:
         final.update(self._generation_prompt_bytes)
         extends, shared, new_ids = self._after_base(memo)
         return RenderedPrompt(
-            prompt_ids=tuple(chain.from_iterable(memo.pieces)) + self._generation_prompt,
+            prompt_ids=PromptIds(
+                (*memo.pieces, self._generation_prompt), (*memo.ends, memo.ends[-1] + len(self._generation_prompt))
+            ),
             prompt_digest=final.digest(),
             reused_turns=memo.reused[-1],
             retokenised_turns=memo.retokenised[-1],
@@ -597,6 +657,24 @@ class ExecutionSession:
             return  # a later call of this conversation was noted first
         memo.base_call, memo.base_parts = call_index, rendered.memo_parts
         memo.base_tail = self._generation_prompt + tuple(output_ids)
+
+    def unrendered_chars(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        system_text: str | None,
+    ) -> int:
+        """Characters `render` would tokenise or look up for these messages: those after the longest conversation
+        it already holds (everything, system part and tools included, when it holds none). Changes nothing."""
+        tools_list = list(tools) if tools else None
+        known = -1
+        for memo in self._memos:
+            if memo.system_text == system_text and memo.tools == tools_list:
+                known = max(known, _common_prefix(memo.messages, messages))
+        chars = _messages_chars(messages[max(known, 0) :])
+        if known <= 0:
+            chars += len(system_text or "") + (len(json.dumps(tools_list, ensure_ascii=False)) if tools_list else 0)
+        return chars
 
     def _memo_for(
         self, tools: list[Any] | None, system_text: str | None, messages: Sequence[Mapping[str, Any]]
@@ -762,15 +840,20 @@ def short_error(error: BaseException) -> str:
 def prompt_chars(chat: ChatRequest) -> int:
     """Characters of everything a call's prompt renders: system text, messages' content, tool calls, tools (as
     JSON). Cheap next to tokenising them, which is what it is for."""
-    total = len(chat.system_text or "")
-    for message in chat.messages:
+    total = len(chat.system_text or "") + _messages_chars(chat.messages)
+    if chat.tools:
+        total += len(json.dumps(chat.tools, ensure_ascii=False))
+    return total
+
+
+def _messages_chars(messages: Iterable[Mapping[str, Any]]) -> int:
+    total = 0
+    for message in messages:
         total += len(message.get("content") or "")
         for call in message.get("tool_calls") or ():
             function = call.get("function") or {}
             arguments = function.get("arguments") or ""
             total += len(function.get("name") or "") + (len(arguments) if isinstance(arguments, str) else 0)
-    if chat.tools:
-        total += len(json.dumps(chat.tools, ensure_ascii=False))
     return total
 
 
@@ -842,8 +925,9 @@ class CallRunner:
 
     `model_names` are the served model ids; `max_context_tokens` bounds prompt + output (a prompt that leaves no
     room gets 400, an output budget that does not fit is lowered); `default_max_tokens` is the budget of a call that
-    names none; a prompt of more than `max_prompt_chars` characters is refused before it is tokenised, one of more
-    than `offload_render_chars` is rendered on one of `render_threads` worker threads; `stream_buffer_chunks` bounds
+    names none; a prompt of more than `max_prompt_chars` characters is refused before it is tokenised, one that adds
+    more than `offload_render_chars` to what its session has rendered is rendered on one of `render_threads` worker
+    threads; `stream_buffer_chunks` bounds
     the output chunks a streamed call holds for a slow reader. `close` ends the worker threads.
     """
 
@@ -951,7 +1035,9 @@ class CallRunner:
             )
         async with session.lock:
             try:
-                if chars <= self.offload_render_chars:
+                # What is new since the conversation's last rendering decides: a long conversation that adds one
+                # tool result renders it in a fraction of a millisecond, a thread hand-off would only add to that.
+                if session.unrendered_chars(chat.messages, chat.tools, chat.system_text) <= self.offload_render_chars:
                     return session.render(chat.messages, chat.tools, chat.system_text)
                 if self._executor is None:
                     self._executor = concurrent.futures.ThreadPoolExecutor(

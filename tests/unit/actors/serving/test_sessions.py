@@ -296,3 +296,28 @@ def test_a_record_that_was_not_handed_on_is_never_named(template: ChatTemplate) 
     assert third.extends_call == 1
     assert third.shared_tokens == len(again.prompt_ids) + len(output)
     assert third.prompt_ids[third.shared_tokens:] == third.new_prompt_ids
+
+
+def test_a_rendered_prompt_is_a_view_over_its_parts_not_a_copy(template: ChatTemplate) -> None:
+    from gyre.actors.serving.sessions import PromptIds
+
+    ids = PromptIds([(1, 2), (), (3,), (4, 5, 6)])
+    assert len(ids) == 6 and tuple(ids) == (1, 2, 3, 4, 5, 6) and list(ids) == [1, 2, 3, 4, 5, 6]
+    assert [ids[i] for i in range(6)] == [1, 2, 3, 4, 5, 6] and ids[-1] == 6
+    assert ids[1:4] == (2, 3, 4) and ids + (7,) == (1, 2, 3, 4, 5, 6, 7) and (0,) + ids == (0, 1, 2, 3, 4, 5, 6)
+    assert ids == (1, 2, 3, 4, 5, 6) and (1, 2, 3, 4, 5, 6) == ids and ids != (1, 2) and ids != [1, 2, 3, 4, 5, 6]
+    assert hash(ids) == hash((1, 2, 3, 4, 5, 6))
+    with pytest.raises(IndexError):
+        ids[6]
+    # A session's rendering shares the ids of its messages with the session's cache: nothing per call copies them.
+    sessions = ProxySessions(template)
+    session = sessions.authenticate(sessions.issue_key("a", "g"))
+    long_text = "word " * 2000
+    messages = [{"role": "user", "content": long_text}]
+    first = session.render(messages, None, None)
+    assert session.unrendered_chars(messages, None, None) == 0  # all of it is in a conversation the session holds
+    messages = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    assert session.unrendered_chars(messages, None, None) == len("ok") + len("more")
+    second = session.render(messages, None, None)
+    assert second.prompt_ids._parts[1] is first.prompt_ids._parts[1]  # the long message's ids, shared
+    assert list(second.prompt_ids) == template.render_ids(messages)

@@ -58,8 +58,8 @@ class RoutingConfig:
     max_resumes: int = 8
     """Resubmissions of one call at most; beyond, the call ends as aborted (503, the SDK retries)."""
     unreachable_backoff_s: float = 5.0
-    """After a cell's engine refuses a connection or answers 5xx, how long no new generation is sent to it (the
-    calls it held resume elsewhere at once). Long enough to skip a dead server for several calls, short enough that
+    """After a cell's engine refuses a connection or answers 5xx (but 503, which says busy or released, not broken),
+    how long no new generation is sent to it (the calls it held resume elsewhere at once). Long enough to skip a dead server for several calls, short enough that
     a server that restarts at the same URL is used again without anyone telling the proxy."""
     client: ClientConfig = ClientConfig()
     """Deadlines of the engine clients."""
@@ -496,8 +496,9 @@ class RoutedBackend:
             except RequestRejected as error:
                 raise BackendRejected(error.message) from None
             except (EngineUnreachable, ServerError) as error:
-                failure = error  # the cell went away or failed this request: like an abort, try again elsewhere
-                self._unreachable(cell, error)
+                failure = error  # the cell went away or failed this request: like an abort, try again
+                if error.status != 503:  # 503 is busy or released (a full queue, a drain): not broken, not skipped
+                    self._unreachable(cell, error)
                 if progress is not None and progress.output_ids:
                     result = progress.partial_result(cell.name)  # already streamed to the agent: keep it
             except SGLangError as error:

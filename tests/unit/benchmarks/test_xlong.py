@@ -1,0 +1,22 @@
+"""`gyre bench xlong` on a small workload: the real proxy, log and tree; incremental records against whole prompts."""
+
+from __future__ import annotations
+
+from gyre.benchmarks.xlong import ExecutionShape, XlongConfig, run_xlong_bench
+
+
+def test_incremental_records_train_the_same_samples_for_a_fraction_of_the_bytes() -> None:
+    shapes = (ExecutionShape(40, 400, context_limit_tokens=6000, sub_agent_every=8, sub_agent_calls=2,
+                             sub_agent_tool_tokens=300), ExecutionShape(12, 200))
+    result = run_xlong_bench(XlongConfig(executions=shapes, probe_calls=3, probe_context_tokens=4000))
+    long, short = result["executions"]["x0"], result["executions"]["x1"]
+    assert (long["calls"], short["calls"]) == (40, 12) and result["calls"] == 52
+    assert long["summaries"] >= 2 and long["sub_agent_calls"] >= 4  # compressions and sub-agents happened
+    assert result["samples_equal"] and result["pending_calls"] == 0 and result["samples"] > 0
+    base = result["baseline_whole_prompt_records"]
+    # Whole prompts repeat every earlier context; the incremental records carry each token about once.
+    assert result["prompt_tokens_sent"] > 3 * result["unique_tokens"]
+    assert result["bus_bytes_per_unique_token"] * 3 < base["bus_bytes_per_unique_token"]
+    assert result["log_bytes_per_unique_token"] * 3 < base["log_bytes_per_unique_token"]
+    assert result["bus_bytes_per_unique_token"] <= 16
+    assert result["probe_prompt_tokens"][1] > result["probe_prompt_tokens"][0]

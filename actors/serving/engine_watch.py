@@ -47,9 +47,13 @@ class EngineWatchConfig:
     """Between two rounds of /health checks. One second: a dead server is noticed within about a second even
     when no call is in flight on it, for one tiny GET per server per second."""
 
+    health_timeout_s: float = 5.0
+    """A /health that takes longer counts as unhealthy: a server that accepts connections but hangs must not stall
+    the watch (the client's own deadline for control calls is minutes)."""
+
     def __attrs_post_init__(self) -> None:
-        if self.startup_timeout_s <= 0 or self.health_interval_s <= 0:
-            raise ConfigError("startup_timeout_s and health_interval_s must be > 0")
+        if self.startup_timeout_s <= 0 or self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ConfigError("startup_timeout_s, health_interval_s and health_timeout_s must be > 0")
 
 
 def engine_cell_name(index: int) -> str:
@@ -101,7 +105,7 @@ class EngineWatch:
 
     async def check_once(self) -> None:
         """One round of /health checks; tells the backend of every change."""
-        answers = await asyncio.gather(*(client.health() for client in self._clients))
+        answers = await asyncio.gather(*(self._healthy_within(client) for client in self._clients))
         for index, healthy in enumerate(answers):
             if healthy == self._healthy[index]:
                 continue
@@ -113,6 +117,12 @@ class EngineWatch:
             else:
                 log.error("engine_server_unhealthy", cell=name, url=url)
                 self.backend.cell_failed(name, f"{url} does not answer /health")
+
+    async def _healthy_within(self, client: SGLangClient) -> bool:
+        try:
+            return await asyncio.wait_for(client.health(), self.config.health_timeout_s)
+        except asyncio.TimeoutError:
+            return False
 
     async def run(self) -> None:
         """Check every `health_interval_s` until cancelled."""

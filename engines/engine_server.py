@@ -862,8 +862,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfer-hostname", default=None,
                         help="address Mooncake peers reach this server at (default: --host)")
     parser.add_argument("--transfer-protocol", choices=("tcp", "rdma"), default="tcp",
-                        help="Mooncake transport of the KV blocks with --kv-transfer (rdma: the node needs an RDMA NIC; "
-                        "the server refuses to start without one, saying so)")
+                        help="Mooncake transport of the KV blocks with --kv-transfer (rdma: the node needs an "
+                        "RDMA NIC; the server refuses to start without one, saying so)")
     parser.add_argument("--rdma-devices", default="",
                         help="with --transfer-protocol rdma: the devices to use, comma-separated (default: all)")
     keys = parser.add_mutually_exclusive_group()

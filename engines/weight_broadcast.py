@@ -151,6 +151,12 @@ def receive(group: dist.ProcessGroup, names: Sequence[str], dtypes: Sequence[str
     return dict(zip(names, tensors))
 
 
+def _leave_if_formed(joining: "asyncio.Future[dist.ProcessGroup]") -> None:
+    """Done-callback of a join whose peers failed: leave the group if it formed after all."""
+    if not joining.cancelled() and joining.exception() is None:
+        leave_group(joining.result())
+
+
 def buckets(weights: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[str]]:
     """The names of `weights` in buckets of at most `bucket_bytes` (a tensor bigger than that is a bucket alone),
     in the mapping's order."""
@@ -204,19 +210,26 @@ class BroadcastSender:
         offsets = [1 + sum(self.ranks_per_engine[:i]) for i in range(len(self.clients))]
         joining = asyncio.get_running_loop().run_in_executor(
             None, join_group, self.master_address, port, 0, world, name, self.backend, self.timeout_s)
-        calls = [asyncio.ensure_future(client.init_weights_update_group(
-            self.master_address, port, offset, world, name, self.backend)) for client, offset in zip(self.clients, offsets)]
-        results = await asyncio.gather(joining, *calls, return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
+        calls = [
+            asyncio.ensure_future(client.init_weights_update_group(
+                self.master_address, port, offset, world, name, self.backend))
+            for client, offset in zip(self.clients, offsets)
+        ]
+        # The engines' calls return once every rank joined, or fail at once (a refused request): then this side's
+        # join is left to time out in its thread, and the group it may still form is left as soon as it does.
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        failures = [a for a in answers if isinstance(a, BaseException)]
         if failures:
-            group = results[0] if not isinstance(results[0], BaseException) else None
-            if group is not None:
-                leave_group(group)
+            joining.add_done_callback(_leave_if_formed)
             first = failures[0]
-            if isinstance(first, (WeightGroupError, SGLangError)):
+            if isinstance(first, SGLangError):
                 raise WeightGroupError(f"could not form weight-update group {name}: {first}") from None
             raise first
-        self._group, self.group_name = results[0], name
+        try:
+            group = await joining
+        except WeightGroupError as error:
+            raise WeightGroupError(f"could not form weight-update group {name}: {error}") from None
+        self._group, self.group_name = group, name
         log.info("weight_group_formed", group_name=name, world_size=world, backend=self.backend,
                  engines=len(self.clients))
 
@@ -238,27 +251,39 @@ class BroadcastSender:
                 names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], self.group_name,
                 flush_cache=True, weight_version=version)) for client in self.clients]
             sending = loop.run_in_executor(None, broadcast, self._group, tensors)
-            results = await asyncio.gather(sending, *calls, return_exceptions=True)
-            failures = [r for r in results if isinstance(r, BaseException)]
+            answers = await asyncio.gather(*calls, return_exceptions=True)
+            failures = [a for a in answers if isinstance(a, BaseException)]
             if failures:
-                await self.close()
-                if isinstance(failures[0], (WeightGroupError, SGLangError)):
+                # An engine refused or lost the bucket: the broadcast waits for it in vain until its timeout, so the
+                # group is given up now (never reused) and left once the broadcast returns.
+                group, self._group = self._group, None
+                sending.add_done_callback(lambda _, group=group: leave_group(group))
+                await self._destroy_on_engines()
+                if isinstance(failures[0], SGLangError):
                     raise WeightGroupError(f"weight broadcast of version {version} failed: {failures[0]}") from None
                 raise failures[0]
-            total += results[0]
+            try:
+                sent = await sending
+            except WeightGroupError:
+                await self.close()
+                raise
+            total += sent
         self.bytes_sent += total
         return total
 
     async def close(self) -> None:
         """Destroy the group on every engine (best effort: one that went away has lost it) and here."""
-        from gyre.engines.errors import SGLangError
-
         group, self._group = self._group, None
         if group is None:
             return
+        await self._destroy_on_engines()
+        leave_group(group)
+
+    async def _destroy_on_engines(self) -> None:
+        from gyre.engines.errors import SGLangError
+
         for client in self.clients:
             try:
                 await client.destroy_weights_update_group(self.group_name)
             except SGLangError as error:
                 log.info("weight_group_destroy_failed", group_name=self.group_name, error=str(error))
-        leave_group(group)

@@ -59,8 +59,9 @@ class RoutingConfig:
     """Resubmissions of one call at most; beyond, the call ends as aborted (503, the SDK retries)."""
     unreachable_backoff_s: float = 5.0
     """After a cell's engine refuses a connection or answers 5xx (but 503, which says busy or released, not broken),
-    how long no new generation is sent to it (the calls it held resume elsewhere at once). Long enough to skip a dead server for several calls, short enough that
-    a server that restarts at the same URL is used again without anyone telling the proxy."""
+    how long no new generation is sent to it (the calls it held resume elsewhere at once). Long enough to skip a
+    dead server for several calls, short enough that a server that restarts at the same URL is used again without
+    anyone telling the proxy."""
     client: ClientConfig = ClientConfig()
     """Deadlines of the engine clients."""
 
@@ -92,7 +93,8 @@ class _Cell:
 
     def usable(self, now_s: float) -> bool:
         """Whether the engine can take generations now (whatever the role)."""
-        return self.client is not None and bool(self.engine_url) and not self.failed and now_s >= self.unreachable_until_s
+        return (self.client is not None and bool(self.engine_url) and not self.failed
+                and now_s >= self.unreachable_until_s)
 
     def accepts_new_calls(self, now_s: float) -> bool:
         return self.role == ROLLOUT and not self.draining and self.usable(now_s)

@@ -105,6 +105,32 @@ def test_broadcast_requests_that_cannot_work_are_refused(tiny_model_dir, tmp_pat
     assert "unknown dtype 'float8'" in messages[4]
 
 
+def test_a_bucket_the_server_refuses_fails_at_once_and_the_next_update_forms_a_new_group(
+        tiny_model_dir, other_model, tmp_path, engine_servers):
+    weights = load_hf_state_dict(other_model)
+
+    async def drive(url: str) -> tuple:
+        async with SGLangClient(url) as client:
+            sender = BroadcastSender([client], "127.0.0.1", timeout_s=20)
+            await sender.connect()
+            first = sender.group_name
+            refused = {"model.norm.weight": weights["model.norm.weight"].to(torch.float8_e4m3fn)}
+            with pytest.raises(WeightGroupError, match="unknown dtype 'float8_e4m3fn'"):
+                await sender.send(refused, version=3)  # the server's 400 ends it, not the broadcast's timeout
+            connected_after = sender.connected
+            await sender.send(weights, version=4)
+            second = sender.group_name
+            after = await client.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            await sender.close()
+            return first, second, connected_after, after
+
+    with engine_servers(tiny_model_dir, tmp_path, {"engine": []}) as urls:
+        first, second, connected_after, after = asyncio.run(drive(urls["engine"]))
+    assert not connected_after and first != second
+    assert after["output_ids"] == reference_output(other_model)
+    assert after["meta_info"]["output_token_versions"] == [4] * 8
+
+
 def test_a_sender_whose_server_is_gone_gets_a_weight_group_error() -> None:
     async def drive() -> None:
         async with SGLangClient("http://127.0.0.1:9") as client:  # nothing listens on the discard port

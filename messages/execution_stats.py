@@ -53,7 +53,7 @@ class EvaluatorStatistics:
     """Scorers exec'd as fresh processes."""
 
 
-@message("gyre.execution_stats.BuilderStatistics")
+@message("gyre.execution_stats.BuilderStatistics", version=2)
 class BuilderStatistics:
     """The trajectory builder's counters."""
 
@@ -80,6 +80,11 @@ class BuilderStatistics:
     """Training samples sent."""
     tokens_landed: int
     """Tokens over all samples sent."""
+    prompt_mismatches: int
+    """Calls whose prompt, rebuilt from the earlier call they name, did not match their digest (their executions
+    were refused; issue 29)."""
+    incomplete_trees: int
+    """Scored executions refused because a call of theirs extends a call that never arrived."""
 
 
 @message("gyre.execution_stats.GroupRecord")

@@ -372,4 +372,6 @@ class TrajectoryBuilder(Actor):
             live_groups=len(self.groups),
             samples_landed=c["samples_landed"],
             tokens_landed=c["tokens_landed"],
+            prompt_mismatches=c["prompt_mismatches"],
+            incomplete_trees=c["incomplete_trees"],
         )

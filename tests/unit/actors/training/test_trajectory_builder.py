@@ -266,6 +266,7 @@ def test_incremental_records_land_the_samples_of_whole_prompt_records_and_a_mism
     assert "SamplesLanded" not in got  # g.0 (incomplete) and g.1 (mismatch) cannot survive: one of three
     stats = got["BuilderStatistics"][0]
     assert stats.messages_refused == 2 and stats.live_trees == 0
+    assert (stats.prompt_mismatches, stats.incomplete_trees) == (1, 1)
 
 
 def test_an_event_log_of_whole_prompt_records_is_refused_with_both_versions() -> None:

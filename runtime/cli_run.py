@@ -221,7 +221,7 @@ def run_command(args: argparse.Namespace) -> int:
     options = RunOptions(log_path=log_path, until_s=args.until_s)
     if args.faults is not None:
         from gyre.runtime.launch import RunResult
-        from gyre.runtime.testing import run_with_faults
+        from gyre.runtime.fault_run import run_with_faults
 
         faulted = run_with_faults(topology, args.faults, until_s=args.until_s or FAULT_RUN_LIMIT_S, log_path=log_path)
         for when, fault, hit in faulted.applied:

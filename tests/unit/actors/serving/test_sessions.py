@@ -299,7 +299,7 @@ def test_a_record_that_was_not_handed_on_is_never_named(template: ChatTemplate) 
 
 
 def test_a_rendered_prompt_is_a_view_over_its_parts_not_a_copy(template: ChatTemplate) -> None:
-    from gyre.actors.serving.sessions import PromptIds
+    from gyre.actors.serving.prompt_ids import PromptIds
 
     ids = PromptIds([(1, 2), (), (3,), (4, 5, 6)])
     assert len(ids) == 6 and tuple(ids) == (1, 2, 3, 4, 5, 6) and list(ids) == [1, 2, 3, 4, 5, 6]

@@ -55,6 +55,7 @@ import hmac
 import inspect
 import json
 import secrets
+import sys
 from array import array
 from collections import OrderedDict, deque
 from itertools import chain
@@ -324,7 +325,11 @@ def turn_key(content: str | None, tool_calls: Iterable[tuple[str, str | Mapping[
 
 
 def _ids_bytes(ids: Sequence[int]) -> bytes:
-    return array("q", ids).tobytes()
+    """Ids as 8-byte little-endian integers: what ModelCallCompleted.prompt_digest hashes, on any machine."""
+    packed = array("q", ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 @attrs.frozen

@@ -13,7 +13,11 @@ the same run:
   distinct token positions of the executions' trees.
 - `proxy_overhead_p50_ms_at_1k` / `_at_128k`: the proxy's own time per call (its HTTP handler, body read and JSON
   parse included, minus the backend's time), over probe calls that add the same few tokens to a ~1K and to a
-  ~128K-token conversation, taken in turn so that the machine's other load weighs on both alike; `call_p50_ms_*` is what the client saw (its own JSON encoding included).
+  ~128K-token conversation, taken in turn so that the machine's other load weighs on both alike; `call_p50_ms_*`
+  is what the client saw (its own JSON encoding included).
+- `prompt_ids_carried` against `prompt_tokens_sent`; `records_with_whole_prompt` (first calls of a conversation
+  with a system part of its own: each execution's first, each sub-agent's) and `records_branching` (a fresh
+  history after a compression, which shares the system part).
 - `builder_peak_rss_mb`: resident memory the trajectory trees add in a fresh process that reads the event log
   and adds every record (what the builder's handler does), and `builder_add_s`; `processor_s` for the group's
   samples (`build_group_samples` with the ranked processor, what the builder runs) and per million unique tokens.
@@ -377,6 +381,7 @@ def run_xlong_bench(config: XlongConfig = XlongConfig()) -> dict[str, Any]:
     unique = incremental["unique_tokens"]
     probes = driven["probes"]
     at_1k, at_128k = _p50_ms(probes["1k"], 2), _p50_ms(probes["128k"], 2)
+    path_tokens = {(r.execution_id, r.call_index): r.prompt_tokens + len(r.output_ids) for r in records}
     per_execution = {}
     for record in records:
         entry = per_execution.setdefault(record.execution_id, {"calls": 0, "max_prompt_tokens": 0, "summaries": 0,
@@ -390,6 +395,10 @@ def run_xlong_bench(config: XlongConfig = XlongConfig()) -> dict[str, Any]:
         "calls": len(records),
         "unique_tokens": unique,
         "prompt_tokens_sent": sum(r.prompt_tokens for r in records),
+        "prompt_ids_carried": sum(len(r.new_prompt_ids) for r in records),
+        "records_with_whole_prompt": sum(r.extends_call < 0 for r in records),
+        "records_branching": sum(r.extends_call >= 0 and r.shared_tokens < path_tokens[(r.execution_id, r.extends_call)]
+                                 for r in records),
         "bus_bytes_per_unique_token": round(driven["bus_bytes"] / unique, 2),
         "log_bytes_per_unique_token": round(log_bytes / unique, 2),
         "builder_peak_rss_mb": incremental["rss_added_mb"],

@@ -363,9 +363,7 @@ def _p50_ms(samples: list[tuple[int, float, float]], which: int) -> float:
 def run_xlong_bench(config: XlongConfig = XlongConfig()) -> dict[str, Any]:
     from gyre.engines.chat_template import ChatTemplate
     from gyre.engines.tokenizer import write_tokenizer_files
-    from gyre.runtime.logs import configure_logging
 
-    configure_logging("warning")
     with tempfile.TemporaryDirectory(prefix="gyre-xlong-") as tmp:
         root = Path(tmp)
         (root / "model").mkdir()
@@ -445,6 +443,9 @@ def run_xlong_bench(config: XlongConfig = XlongConfig()) -> dict[str, Any]:
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from gyre.runtime.logs import configure_logging
+
+    configure_logging("warning")  # here, not in run_xlong_bench: a library call leaves the process's logging alone
     shapes = (ExecutionShape(args.calls, args.tool_tokens, context_limit_tokens=args.context_limit_tokens),
               ExecutionShape(50, 600))
     config = XlongConfig(executions=shapes, probe_calls=args.probe_calls, probe_context_tokens=args.probe_context,

@@ -29,6 +29,8 @@ import attrs
 import structlog
 import torch
 
+from gyre.runtime.logs import CURRENT_STDERR
+
 __all__ = ["GradientBenchConfig", "GradientBenchResult", "PathFigures", "main", "register", "run_gradient_bench"]
 
 TINY_NUMEL = 1_312_128
@@ -94,7 +96,7 @@ class GradientBenchResult:
 
 def _quiet() -> None:
     """stdout carries the result: log lines go to stderr, warnings and worse only (here and in each satellite)."""
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(CURRENT_STDERR),
                         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
 

@@ -58,6 +58,7 @@ from gyre.messages.executions import IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.runtime import Actor, Topology, handler
+from gyre.runtime.logs import CURRENT_STDERR
 
 __all__ = ["SwitchBenchConfig", "SwitchBenchResult", "SwitchRunFigures", "main", "register", "run_switch_bench"]
 
@@ -441,7 +442,7 @@ def run_switch_bench(config: SwitchBenchConfig = SwitchBenchConfig(), model_dir:
 def _handle(args: argparse.Namespace) -> int:
     # stdout carries the result; the actors' log lines go to stderr, warnings and worse only.
     structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(CURRENT_STDERR),
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     )
     config = SwitchBenchConfig(repeats=args.repeats, sessions=args.sessions, max_new_tokens=args.max_new_tokens,

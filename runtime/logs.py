@@ -9,6 +9,28 @@ from typing import Any
 
 import structlog
 
+__all__ = ["CURRENT_STDERR", "configure_logging"]
+
+
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is when a line is written, not to the stream it was at set-up. A process
+    that configures logging while its stderr is temporarily replaced (a test capturing output, a CLI called
+    in-process) would otherwise keep writing into the replaced stream after it is closed: every later log line
+    then fails with "I/O operation on closed file"."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
+CURRENT_STDERR = _CurrentStderr()
+"""The stream every structlog set-up of Gyre's writes to (see `_CurrentStderr`)."""
+
 
 def configure_logging(level: str | None = None, json: bool | None = None) -> None:
     """Configure structlog once per process. GYRE_LOG_LEVEL (default "info") and GYRE_LOG_JSON override.
@@ -40,6 +62,6 @@ def configure_logging(level: str | None = None, json: bool | None = None) -> Non
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=CURRENT_STDERR),
         cache_logger_on_first_use=False,
     )

@@ -48,6 +48,11 @@ CELLS = ("core", "sat")
 BUSY_ATTEMPTS = 5
 
 
+PULLS_BEFORE_DEATH_S = 2.0
+"""How long the satellite serves before it is killed: four of the launcher's pull periods (RayLaunchConfig
+pull_every_s), so its death report has lines to quote."""
+
+
 @message("gyre.test.ray_cells.DieNow")
 class DieNow:
     """load -> a mortal cell: end your process now, without a goodbye."""
@@ -154,6 +159,9 @@ class Load(Actor):
                 await self._switch(source, ROLLOUT)
                 self.by_round.append(f"{source}->{other}")
         else:
+            # The launcher pulls each group's last lines every 0.5 s; a satellite that died within a pull period
+            # of its first line would leave none to quote. Let a few pulls happen first.
+            await asyncio.sleep(PULLS_BEFORE_DEATH_S)
             calls = await self._busy("sat", clients, conversations)
             back = sum(m.cell == "sat" and m.role == ROLLOUT for m in self.changes)
             done_before = len(self.completed)

@@ -136,12 +136,13 @@ def switched(request, tiny_model_dir):
                 model="gyre", messages=list(messages), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=seed))
                 for client, messages, seed in zip(clients, conversations, SEEDS)]
             # The cell to switch: the one whose engine is busy with the sessions' calls, once they have generated
-            # a couple of KV blocks each (so that partial output really moves).
+            # a KV block each (so that partial output really moves), early enough that they are still generating
+            # when a server cell, which drains over HTTP, pauses them.
             source = None
             for _ in range(2000):
                 loads = {c: await engine_load(urls[c]) for c in serving}
                 busy = [c for c, (n, generated) in sorted(loads.items())
-                        if n > 0 and generated - generated_before[c] >= 40 * n]
+                        if n > 0 and generated - generated_before[c] >= 20 * n]
                 if busy:
                     source = max(busy, key=lambda c: loads[c][0])
                     break

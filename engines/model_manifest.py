@@ -19,31 +19,23 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from gyre.engines.errors import ModelFormatError
+from gyre.runtime.checkpoint import file_sha256
 
 __all__ = ["MANIFEST_FILE", "MODEL_FILES", "ManifestError", "file_digests", "model_digest", "verify", "write_manifest"]
 
 MANIFEST_FILE = "manifest.json"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 """The files of a model directory the manifest covers (what engines read: model_format.py)."""
-_CHUNK_BYTES = 1 << 20
 
 
 class ManifestError(ModelFormatError):
     """A model directory whose files do not match its manifest, or that has none where one is required."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(_CHUNK_BYTES), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def file_digests(model_dir: str | Path) -> dict[str, dict[str, Any]]:
     """{file name: {"sha256", "bytes"}} of the model files present in `model_dir`."""
     root = Path(model_dir)
-    return {name: {"sha256": _sha256(root / name), "bytes": (root / name).stat().st_size}
+    return {name: {"sha256": file_sha256(root / name), "bytes": (root / name).stat().st_size}
             for name in MODEL_FILES if (root / name).is_file()}
 
 

@@ -29,6 +29,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--out", default=None, help="folder for result.json and the role pictures")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="terminalbench")
+    p.add_argument("--workload-from", default=None, metavar="LOG",
+                   help="replay the executions of a recorded run (its event log: calls, tokens, tool gaps, setup and "
+                   "scoring times; simulate/recorded.py) instead of a --workload preset")
     p.add_argument("--hardware", choices=sorted(HARDWARE), default="h200")
     p.add_argument("--cells", type=int, default=8)
     p.add_argument("--gpus-per-cell", type=int, default=8)
@@ -61,8 +64,17 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
     model_kwargs: dict[str, Any] = {"active_params": args.model_active_params, "total_params": total}
     if args.kv_bytes_per_token is not None:
         model_kwargs["kv_bytes_per_token"] = args.kv_bytes_per_token
+    workload = WORKLOADS[args.workload]
+    if args.workload_from:
+        from gyre.runtime.errors import GyreError
+        from gyre.simulate.recorded import RecordedWorkloadError, workload_from_log
+
+        try:
+            workload = workload_from_log(args.workload_from)
+        except (OSError, GyreError, RecordedWorkloadError) as error:  # unreadable, corrupt, or nothing to replay
+            raise SystemExit(f"gyre simulate: --workload-from {args.workload_from}: {error}") from None
     try:
-        return Setup(workload=WORKLOADS[args.workload], hardware=args.hardware, cells=args.cells,
+        return Setup(workload=workload, hardware=args.hardware, cells=args.cells,
                      gpus_per_cell=args.gpus_per_cell, model=ModelProfile(**model_kwargs), groups=args.groups,
                      group_size=args.group_size, staleness=args.staleness, steps=args.steps, seed=args.seed,
                      admit_up_to_capacity=args.admit_up_to_capacity)

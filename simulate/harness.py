@@ -247,4 +247,5 @@ def _setup_summary(setup: Setup) -> dict[str, Any]:
         "staleness": setup.staleness, "steps": setup.steps, "kv_capacity_tokens_per_cell": model.kv_capacity_tokens,
         "capacity_sessions_per_cell": model.capacity_sessions(setup.mean_context_tokens()),
         "weight_sync_s": round(model.weight_sync_s, 2), "prefill_tokens_per_s_per_cell": round(model.prefill_tokens_per_s),
+        **({"recorded_workload": setup.workload.summary()} if hasattr(setup.workload, "summary") else {}),
     }

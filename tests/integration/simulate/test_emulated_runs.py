@@ -93,3 +93,65 @@ def test_admission_bound_keeps_sessions_within_capacity() -> None:
     assert loose.finished and bounded.finished
     assert bounded.executions >= setup.steps * setup.groups * setup.group_size
     assert bounded.hours < 0.9 * loose.hours
+
+
+def _recorded_log(path) -> None:
+    """A recorded run's log: 6 groups of 4 executions, each 3-6 calls with growing prompts and tool gaps."""
+    from gyre.messages.executions import ExecutionStarted
+    from gyre.messages.model_calls import ModelCallCompleted
+    from gyre.messages.samples import ExecutionScored
+    from gyre.runtime.codec import Codec
+    from gyre.runtime.envelope import Envelope, Kind
+    from gyre.runtime.event_log import EventLogWriter
+
+    codec, writer, sequence = Codec(), EventLogWriter(path), 0
+
+    def put(t: float, msg: object) -> None:
+        nonlocal sequence
+        sequence += 1
+        envelope = Envelope(msg_id=sequence, sender="x", receiver="y", topic="", time_s=t, correlation_id=0,
+                            causation_id=0, kind=Kind.TELL)
+        writer.append(t, *codec.encode(envelope, msg))
+
+    for group in range(6):
+        for index in range(4):
+            execution, t, prompt = f"g{group}-{index}", 100.0 * group, 2000
+            put(t, ExecutionStarted(execution, f"g{group}", "/w"))
+            for call in range(3 + (group + index) % 4):
+                output = 200 + 50 * call
+                put(t + 1, ModelCallCompleted(
+                    execution_id=execution, group_id=f"g{group}", call_index=call, agent_id="main", call_kind="main",
+                    prompt_tokens=prompt, extends_call=-1, shared_tokens=0, new_prompt_ids=(1,) * 4,
+                    prompt_digest=b"", output_ids=(2,) * output, output_logprobs=(0.0,) * output,
+                    output_versions=(0,) * output, finish_reason="stop", cached_tokens=0, cell="c", started_s=t + 1,
+                    finished_s=t + 3, sampling_temperature=1.0))
+                t, prompt = t + 3 + 4.0 * (call + 1), prompt + output + 500
+            put(t + 20, ExecutionScored(execution, f"g{group}", 1.0, False, ""))
+    writer.close()
+
+
+def test_cli_replays_a_recorded_runs_executions(tmp_path, capsys) -> None:
+    log = tmp_path / "recorded.glog"
+    _recorded_log(log)
+    code = gyre_main(["simulate", "--workload-from", str(log), "--groups", "2", "--group-size", "4", "--steps", "2",
+                      "--cells", "3", "--json", "--only", "elastic", "--only", "colocate"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    recorded = printed["setup"]["recorded_workload"]
+    assert printed["setup"]["workload"] == "log:recorded.glog"
+    assert (recorded["groups"], recorded["executions"], recorded["model_calls"]) == (6, 24, 6 * 4 * 3 + 36)
+    assert printed["elastic_hours"] > 0 and printed["colocate_hours"] > 0
+    # Every execution the policies ran was a recorded one: 3 to 6 calls, never a preset's ~30.
+    for run in printed["policies"]:
+        assert 3 * run["executions"] <= run["model_calls"] <= 6 * run["executions"]
+
+
+def test_cli_refuses_a_log_with_nothing_to_replay(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="--workload-from .*nothing.glog"):
+        gyre_main(["simulate", "--workload-from", str(tmp_path / "nothing.glog"), "--steps", "1"])
+    empty = tmp_path / "empty.glog"
+    from gyre.runtime.event_log import EventLogWriter
+
+    EventLogWriter(empty).close()
+    with pytest.raises(SystemExit, match="no scored execution with model calls"):
+        gyre_main(["simulate", "--workload-from", str(empty), "--steps", "1"])

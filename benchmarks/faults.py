@@ -11,7 +11,12 @@ the event log and the actors' statistics:
 - samples_trained_twice: an execution the scripted core trained twice (its own record) or the claimer counted twice;
 - versions_not_monotone: a StepApplied whose version is below an earlier one, or a step id applied twice;
 - staleness_violations: a granted sample older than the step's base version minus the staleness bound;
+- samples_dropped_counted: samples the claimer counted as dropped (a gap in the landing numbers, or in flight at its
+  restart): not a violation, the defined outcome of those faults;
 - finished: the run reached its steps within the time limit; recover_s: from the fault to the next applied step.
+Outcomes: "kept" (the run went on), "resumed" (the fault ended the run with a message saying to resume, as the
+core's death or a claimer restart mid-step does, and a fault-free `--resume` from its newest checkpoint finished),
+"ended, no checkpoint yet" (it ended before the first checkpoint), "hung" (the time limit).
 Agent calls are not part of this run (no proxy, no agents): "lost calls" are not measured here.
 Every number is what happened: a fault kind the system does not yet survive shows up as a non-zero column.
 """
@@ -39,7 +44,9 @@ from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.messages.training import ClaimGranted, ClaimMicroStep, MicroStepDone, StepApplied, StepReady
 from gyre.policies.staleness import MaxVersionLag
 from gyre.runtime import Actor, Codec, GyreError, Topology, handler, read_log
-from gyre.runtime.checkpoint import encode_json, read_actor_state, staging_dir, write_core_record, write_file_atomic
+from gyre.runtime.checkpoint import (
+    encode_json, load_latest, read_actor_state, staging_dir, write_core_record, write_file_atomic,
+)
 from gyre.runtime.faults import random_plan
 from gyre.runtime.testing import run_with_faults
 
@@ -85,6 +92,7 @@ class ScriptedExecutor(Actor):
     async def on_start(self) -> None:
         self.starts: dict[str, StartGroup] = {}
         self.samples_sent = 0
+        self.landings_sent = 0
 
     @handler(StartGroup)
     def on_start_group(self, msg: StartGroup) -> None:
@@ -99,8 +107,10 @@ class ScriptedExecutor(Actor):
         ids = tuple(f"{msg.group_id}-{i}" for i in range(start.group_size))
         samples = tuple(_sample(e, msg.group_id, start.weight_version) for e in ids)
         self.samples_sent += len(samples)
+        self.landings_sent += 1  # numbered as the trajectory builder numbers them
         self.tell("claimer", SamplesLanded(msg.group_id, samples, ids, (1.0,) * len(ids), (1.0,) * len(ids), 0,
-                                           4 * len(ids), 3 * len(ids), start.weight_version, start.weight_version))
+                                           4 * len(ids), 3 * len(ids), start.weight_version, start.weight_version,
+                                           self.landings_sent, self.samples_sent))
         self.tell("task_source", msg)
 
 
@@ -126,6 +136,7 @@ class ScriptedCore(Actor):
         self.trained: list[str] = []
         self.applied_through = -1
         self.saved_through = -1
+        self.last_applied: StepApplied | None = None
         if self.config.resume_from:
             state, checkpoint = read_actor_state(self.config.resume_from, "core")
             self.version, self.weights, self.trained = state["version"], state["weights"], state["trained"]
@@ -134,6 +145,8 @@ class ScriptedCore(Actor):
     @handler(StepReady)
     async def on_step_ready(self, msg: StepReady) -> None:
         if msg.step_id <= self.applied_through:
+            if self.last_applied is not None and self.last_applied.step_id == msg.step_id:
+                self.tell("claimer", self.last_applied)  # as the core does: the claimer missed it
             return
         done = 0
         for _ in range(4 * msg.num_microsteps):  # bounded: claims refused while a re-queued one comes back
@@ -154,7 +167,8 @@ class ScriptedCore(Actor):
             return
         self.version += 1
         self.applied_through = msg.step_id
-        self.publish(StepApplied(msg.step_id, self.version, 0.1, 1.0, 4 * msg.num_samples, msg.num_samples, 0))
+        self.last_applied = StepApplied(msg.step_id, self.version, 0.1, 1.0, 4 * msg.num_samples, msg.num_samples, 0)
+        self.publish(self.last_applied)
         if self.config.root and (msg.step_id + 1) % self.config.every_steps == 0:
             self._save(msg.step_id)
         if msg.step_id == self.config.crash_after_step and not self.config.resume_from:
@@ -191,7 +205,9 @@ def fault_topology(root: str, *, steps: int, seed: int, resume_from: str = "", c
         resume_from=resume_from))
     result.add("claimer", MicroStepClaimer, ClaimerConfig(groups_per_step=1, group_size=GROUP_SIZE,
                                                           staleness=MaxVersionLag(STALENESS), cell_silence_limit_s=5.0,
-                                                          liveness_check_s=1.0, resume_from=resume_from))
+                                                          liveness_check_s=1.0, resume_from=resume_from,
+                                                          step_ready_resend_s=2.0,
+                                                          journal_path=str(Path(root) / "claimer.journal")))
     result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=report or root, steps=steps, cells=("core",),
                                                        core_cell="core", progress=False, resume_from=resume_from))
     result.add("checkpointer", Checkpointer, CheckpointerConfig(
@@ -253,28 +269,55 @@ def check_invariants(log_path: Path, inspected: dict, fault_times: list[float]) 
     elif claimer is not None:
         accounted = (claimer.samples_trained + claimer.samples_skipped + claimer.samples_dropped_stale
                      + claimer.samples_dropped_overflow + claimer.samples_duplicate + claimer.samples_in_flight
-                     + claimer.samples_rerolled)
+                     + claimer.samples_rerolled + claimer.samples_dropped_in_transit + claimer.samples_dropped_restart)
         row["samples_unaccounted"] = claimer.samples_landed - accounted + claimer.samples_lost
         row["samples_trained_twice"] += claimer.samples_trained_twice
-        row["samples_lost_in_transit"] = inspected.get("samples_sent", 0) - (claimer.samples_landed
+        baseline = inspected.get("landed_before", 0)  # a resumed claimer's count goes on from its checkpoint's
+        row["samples_lost_in_transit"] = inspected.get("samples_sent", 0) - (claimer.samples_landed - baseline
                                                                              - claimer.samples_duplicate)
+    row["samples_dropped_counted"] = (claimer.samples_dropped_in_transit + claimer.samples_dropped_restart
+                                      if claimer is not None and not isinstance(claimer, Exception) else 0)
     if fault_times:
-        after = [t for t, _, _ in versions if t >= fault_times[0]]
+        after = [t for t, _, _ in versions if t > fault_times[0]]
         row["recover_s"] = round(after[0] - fault_times[0], 3) if after else None
     return row
 
 
-def run_case(kind: str, seed: int, *, steps: int = 6, until_s: float = 120.0) -> dict:
-    """One fault of `kind` drawn from `seed`, the run, its invariants."""
-    base, links = KINDS[kind]
-    plan = random_plan(base, seed, actors=ACTORS, links=links, horizon_s=HORIZON_S)
+def run_case(kind: str, seed: int, *, steps: int = 6, until_s: float = 120.0, plan: str | None = None) -> dict:
+    """One fault of `kind` drawn from `seed` (or the given `plan`), the run, its invariants. A run the fault ended
+    (exit status 1, a reason saying why) is resumed from its newest checkpoint, fault-free, as `gyre run --resume`
+    does; its row then has `resumed` and the resumed run's invariants (the core's record spans both runs)."""
+    if plan is None:
+        base, links = KINDS[kind]
+        plan = random_plan(base, seed, actors=ACTORS, links=links, horizon_s=HORIZON_S)
     with tempfile.TemporaryDirectory(prefix="gyre-faults-") as folder:
-        log_path = Path(folder) / "events.glog"
-        run = run_with_faults(fault_topology(str(Path(folder) / "checkpoints"), steps=steps, seed=seed), plan,
+        log_path, root = Path(folder) / "events.glog", Path(folder) / "checkpoints"
+        run = run_with_faults(fault_topology(str(root), steps=steps, seed=seed), plan,
                               until_s=until_s, log_path=str(log_path), inspect=_inspect)
         row = {"kind": kind, "seed": seed, "plan": plan, "fired": len(run.applied),
-               "finished": run.exit_code == 0 and run.reason.startswith("trained"), "reason": run.reason}
-        row.update(check_invariants(log_path, run.value or {}, [t for t, _, _ in run.applied]))
+               "finished": run.exit_code == 0 and run.reason.startswith("trained"), "reason": run.reason,
+               "resumed": False}
+        fault_times = [t for t, _, _ in run.applied]
+        value = run.value or {}
+        checkpoint, _ = load_latest(root) if root.is_dir() else (None, [])
+        if not row["finished"] and run.exit_code == 1 and not run.reason.startswith("time limit") and checkpoint:
+            log_path = Path(folder) / "resumed.glog"
+            before, _ = read_actor_state(checkpoint.path, "claimer")  # before the resumed run prunes it
+            resumed = run_with_faults(fault_topology(str(root), steps=steps, seed=seed,
+                                                     resume_from=str(checkpoint.path)),
+                                      "", until_s=until_s, log_path=str(log_path), inspect=_inspect)
+            row.update(resumed=True, finished=resumed.exit_code == 0 and resumed.reason.startswith("trained"),
+                       resumed_reason=resumed.reason, resumed_from_step=checkpoint.step_id)
+            value, fault_times = resumed.value or {}, [0.0]
+            value["landed_before"] = before["counts"].get("samples_landed", 0) - before["counts"].get(
+                "samples_duplicate", 0)
+        row.update(check_invariants(log_path, value, fault_times))
+    if row["finished"]:
+        row["outcome"] = "resumed" if row["resumed"] else "kept"
+    elif run.exit_code == 1 and not run.reason.startswith("time limit"):
+        row["outcome"] = "ended, no checkpoint yet" if not checkpoint else "ended, resume failed"
+    else:
+        row["outcome"] = "hung"
     return row
 
 

@@ -80,7 +80,7 @@ class TrainingSample:
     """Number of True entries in loss_mask (at least 1)."""
 
 
-@message("gyre.samples.SamplesLanded")
+@message("gyre.samples.SamplesLanded", version=2)
 class SamplesLanded:
     """Every training sample of one finished group, with the group's rewards and advantages."""
 
@@ -104,3 +104,21 @@ class SamplesLanded:
     """Oldest weight version among all loss tokens; -1 if there are no samples."""
     max_weight_version: int
     """Newest weight version among all loss tokens; -1 if there are no samples."""
+    landing_seq: int = 0
+    """The builder's number for this landing, 1, 2, ... (0: not numbered). A gap tells the claimer that landings
+    never reached it (version 2; actors/training/microstep_claimer.py, Lost messages)."""
+    samples_sent: int = 0
+    """Samples the builder has landed so far, this landing's included: a gap's sample count."""
+
+
+@message("gyre.samples.LandingsLost")
+class LandingsLost:
+    """Claimer -> everyone (the task source): groups whose samples never reached the claimer, or died with a
+    restarted claimer; they are counted as dropped (never trained), so the task source's gate stops waiting for them."""
+
+    groups: int
+    """Groups (landings) lost."""
+    samples: int
+    """Their samples."""
+    why: str
+    """"in transit" or "claimer restarted"."""

@@ -42,7 +42,8 @@ class TrainingBacklog:
 
 @message("gyre.scheduling.ClaimerTick")
 class ClaimerTick:
-    """Claimer -> itself: check whether a cell holding claims has gone silent."""
+    """Claimer -> itself: check whether a cell holding claims has gone silent, and whether a fixed step's StepReady
+    is due again."""
 
 
 @message("gyre.scheduling.SchedulerTick")
@@ -50,7 +51,7 @@ class SchedulerTick:
     """Scheduler -> itself: re-evaluate the policy even if no event came (dwell times and grace periods expire)."""
 
 
-@message("gyre.scheduling.ClaimerStatistics", version=3)
+@message("gyre.scheduling.ClaimerStatistics", version=4)
 class ClaimerStatistics:
     """The claimer's exactly-once ledger: every landed sample is trained once, dropped with a reason, or in flight."""
 
@@ -105,6 +106,13 @@ class ClaimerStatistics:
     samples_rerolled: int = 0
     """Samples in flight when the checkpoint a resumed run started from was taken: never trained, their groups ran
     again (version 3; see actors/training/checkpointer.py)."""
+    samples_dropped_in_transit: int = 0
+    """Samples of landings that never arrived (a gap in SamplesLanded.landing_seq), or arrived after the gap was
+    counted (version 4)."""
+    samples_dropped_restart: int = 0
+    """Samples in flight when the claimer restarted: its memory of them died with it (version 4)."""
+    step_ready_resends: int = 0
+    """StepReady published again for a fixed step whose StepApplied had not come (version 4)."""
 
 
 @message("gyre.scheduling.SchedulerStatistics")

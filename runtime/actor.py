@@ -120,6 +120,12 @@ class Actor:
         self._slot.node.request_topology_stop(self._slot, reason, exit_code)
 
     @property
+    def restarts(self) -> int:
+        """Times this actor was restarted on its node after a failure (0 in its first life): an on_start that can
+        rebuild state tells a restart from a fresh start by it."""
+        return self._slot.restarts
+
+    @property
     def current_message_id(self) -> int:
         """msg_id of the message being handled now (0 outside handlers)."""
         return self._slot.current_msg_id

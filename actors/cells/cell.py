@@ -92,7 +92,7 @@ from gyre.messages.cells import (
 from gyre.messages.executions import ExecutionEnded
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded, RoundFinished
-from gyre.messages.training import MicroStepDone, StepReady, WeightsLoaded, WeightsPublished
+from gyre.messages.training import MicroStepDone, StepApplied, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
 from gyre.runtime.errors import ConfigError
 from gyre.runtime.launch import node_address
@@ -232,6 +232,7 @@ class Cell(Actor):
         self.engine_weights: EngineWeights | None = None
         """Made with the engine host, at the start."""
         self.core_steps: CoreSteps | None = None
+        self.last_applied: StepApplied | None = None  # the core's newest, told again to a claimer that missed it
         """The core's step bookkeeping, made with its trainer at the start (core_ready is set then)."""
         self.core_ready = asyncio.Event()
         self.run_checkpoints: CoreCheckpoints | None = None
@@ -431,6 +432,7 @@ class Cell(Actor):
         steps = self.core_steps
         assert steps is not None
         while (applied := await steps.apply_next()) is not None:
+            self.last_applied = applied
             self.publish(applied)
             assert self.run_checkpoints is not None and self.training is not None
             if not applied.skipped:
@@ -708,6 +710,9 @@ class Cell(Actor):
             if self.core_steps.on_ready(msg):
                 await self._apply_ready_steps()
                 self._maybe_round()
+            elif self.last_applied is not None and self.last_applied.step_id == msg.step_id:
+                # The claimer announces a step again when its StepApplied has not come: it was lost on the way.
+                self.tell(self.config.claimer, self.last_applied)
 
     @handler(MicroStepDone)
     async def on_microstep_done(self, msg: MicroStepDone) -> None:

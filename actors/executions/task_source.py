@@ -13,7 +13,8 @@ their step comes (the micro-step claimer refuses them, which wastes the rollout)
 
     started - dropped - groups_per_step * steps_done < max_groups_ahead_of_training
 
-(dropped groups never train, so they do not count; each step uses up `groups_per_step` groups). Steps, not
+(dropped groups never train, so they do not count, nor do groups the claimer announces lost in `LandingsLost`:
+their landing never reached it, or died with a restarted claimer; each step uses up `groups_per_step` groups). Steps, not
 versions: a step the core skips for non-finite gradients (`StepApplied.skipped`) uses its groups up without bumping
 the version, and a gate on versions would then wait for ever. `steps_done` is the newest applied step id + 1 -
 `first_step_id`. With `max_groups_ahead_of_training = (s + 1) * groups_per_step`
@@ -59,6 +60,7 @@ from gyre.actors.errors import ActorError
 from gyre.messages.checkpoints import CheckpointAsked, CheckpointState
 from gyre.messages.execution_stats import GroupRecord, TaskSourceStatistics
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
+from gyre.messages.samples import LandingsLost
 from gyre.messages.training import StepApplied
 from gyre.policies.task_sampling import EpochOrder, GroupOutcome, TaskSampling, checked_weights, family_of
 from gyre.runtime import Actor, handler
@@ -170,7 +172,7 @@ class TaskSource(Actor):
     """Feeds groups to the executor (module docstring)."""
 
     config_cls = TaskSourceConfig
-    subscriptions = (StepApplied,)
+    subscriptions = (StepApplied, LandingsLost)
 
     async def on_start(self) -> None:
         self.order = self._order(self.config.tasks, "")
@@ -364,6 +366,12 @@ class TaskSource(Actor):
                 self.stopping = True
                 self.stop_topology(f"task source: {self.done} groups done ({self.landed} landed)")
             return
+        self._fill()
+
+    @handler(LandingsLost)
+    def on_landings_lost(self, msg: LandingsLost) -> None:
+        self.dropped += msg.groups  # they will never train: the gate must not wait for them (module docstring)
+        self.log.warning("landed_groups_lost_after_landing", groups=msg.groups, samples=msg.samples, why=msg.why)
         self._fill()
 
     @handler(StepApplied)

@@ -37,11 +37,32 @@ the weights of s; the samples in flight at the boundary are counted as `samples_
 lost), and their groups are named in `groups_not_trained`, so the task source runs their tasks again as new groups.
 What is not kept: the duplicate-detection memory (the old run's executions cannot land in the new one: every group
 it runs has a new id).
+
+Lost messages (issue 28, part 4). Each has a defined outcome:
+- a SamplesLanded that never arrives: the builder numbers its landings (`landing_seq`, with `samples_sent`, its
+  running sample count); a gap counts the missing landings' samples as landed and `samples_dropped_in_transit`, and
+  LandingsLost tells the task source that those groups will never train (its gate stops waiting for them). A landing
+  that arrives after its gap was counted is refused (it was counted dropped). One builder a run: a landing numbered
+  1 with executions never seen starts a new numbering (the builder restarted). A lost last landing is seen at the
+  next one.
+- a StepReady that never reaches the core: a fixed step whose StepApplied has not come is announced again every
+  `step_ready_resend_s` (at most `max_step_ready_resends` times); the core treats a repeat as a no-op.
+- a StepApplied that never reaches the claimer: the same re-announcement; a core that applied the step already
+  answers it with the step's StepApplied again (actors/cells/cell.py), and the ledger moves on.
+Claimer restarts. With `journal_path`, the ledger's summary is written (atomically, without fsync: a restart in the
+same process or machine reads it) whenever its step, its landings or its grants change: the step id and base
+version, the counters with every sample in flight counted as `samples_dropped_restart`, the groups in flight, the
+landing numbers and the newest step boundary. A restarted claimer (`Actor.restarts` > 0) reads it: if no
+micro-step of the current step had been granted, the run goes on from there (the samples in flight are counted as
+dropped and announced in LandingsLost: their groups do not train); if some had been, their samples died with the
+old instance and the step cannot end exactly once, so the claimer ends the run with a message saying to resume it
+from its last checkpoint (the boundary it restored still serves that checkpoint).
 """
 
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -50,7 +71,7 @@ import structlog
 from gyre.actors.errors import ActorError
 from gyre.messages.cells import LoadReport, RoleChanged, TRAIN
 from gyre.messages.checkpoints import CheckpointAsked, CheckpointState
-from gyre.messages.samples import SamplesLanded, TrainingSample
+from gyre.messages.samples import LandingsLost, SamplesLanded, TrainingSample
 from gyre.messages.scheduling import ClaimerStatistics, ClaimerTick, TrainingBacklog
 from gyre.messages.training import (
     ClaimGranted,
@@ -62,7 +83,7 @@ from gyre.messages.training import (
 )
 from gyre.policies.staleness import MaxVersionLag, StalenessPolicyError, check_staleness_policy
 from gyre.runtime import Actor, handler
-from gyre.runtime.checkpoint import encode_json, read_actor_state
+from gyre.runtime.checkpoint import decode_json, encode_json, read_actor_state
 
 log = structlog.get_logger(__name__)
 
@@ -124,6 +145,14 @@ class ClaimerConfig:
     """Trained samples (and landed executions) remembered to catch duplicates; the oldest are forgotten."""
     resume_from: str = ""
     """A committed checkpoint folder whose ledger this claimer continues ("" = start afresh; module docstring)."""
+    step_ready_resend_s: float | None = attrs.field(default=30.0, validator=_positive)
+    """A fixed step whose StepApplied has not come for this long is announced again (module docstring, Lost
+    messages); None: never."""
+    max_step_ready_resends: int = attrs.field(default=100, validator=_positive)
+    """Re-announcements of one step, at most."""
+    journal_path: str = ""
+    """Where the ledger's summary is kept for a restart (module docstring, Claimer restarts); "" = nowhere (a
+    restarted claimer then starts empty)."""
 
     def __attrs_post_init__(self) -> None:
         if self.early_close_fraction > 1.0:
@@ -213,6 +242,14 @@ class MicroStepLedger:
         self._trained = _BoundedSet(config.max_remembered_samples)
         self.counts: collections.Counter[str] = collections.Counter()
         self.boundaries: collections.OrderedDict[int, _Boundary] = collections.OrderedDict()
+        self.step_granted = False
+        """A micro-step of the current step was handed out (a restart then cannot rebuild the step)."""
+        self.last_ready: StepReady | None = None
+        self.ready_sent_s = 0.0
+        self.ready_resends = 0
+        self.landing_seq = 0
+        self.landing_samples = 0
+        self._missing_landings = _BoundedSet(4096)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def _note_boundary(self, ended_step: int) -> None:
@@ -244,9 +281,69 @@ class MicroStepLedger:
         self.base_version = int(state["base_version"])
         self.counts = collections.Counter({key: int(value) for key, value in state["counts"].items()})
 
+    # ---- the journal (module docstring, Claimer restarts) ---------------------------------------------------------
+    def journal_key(self) -> tuple:
+        """What a journal write must follow: the step, its grants, the landings (claims alone change nothing)."""
+        return (self.step_id, self.step_granted, self.step_fixed, self.counts["samples_landed"], self.landing_seq)
+
+    def journal_state(self) -> dict:
+        in_flight = self.samples_in_flight()
+        counts = dict(self.counts)
+        counts["samples_dropped_restart"] = counts.get("samples_dropped_restart", 0) + in_flight
+        groups = {s.group_id for e in self.pending for s in e.samples}
+        groups |= {s.group_id for m in self.microsteps.values() if m.state != "done" for s in m.samples}
+        boundary = None
+        if self.boundaries:
+            step, last = next(reversed(self.boundaries.items()))
+            boundary = {"step": step, "state": last.state, "groups": sorted(last.groups_not_trained)}
+        return {"step_id": self.step_id, "base_version": self.base_version, "granted": self.step_granted,
+                "counts": counts, "in_flight": in_flight, "groups": sorted(groups),
+                "landing": [self.landing_seq, self.landing_samples], "boundary": boundary}
+
+    def restore_journal(self, journal: dict) -> list[Any]:
+        """Continue from `journal_state` after a restart; returns the LandingsLost for the samples that were in
+        flight (nothing when there were none)."""
+        self.restore(journal)
+        self.landing_seq, self.landing_samples = (int(v) for v in journal["landing"])
+        boundary = journal.get("boundary")
+        if boundary:
+            self.boundaries[int(boundary["step"])] = _Boundary(boundary["state"], set(boundary["groups"]))
+        groups, samples = len(journal["groups"]), int(journal["in_flight"])
+        return [LandingsLost(groups, samples, "claimer restarted")] if samples else []
+
     # ---- landing and packing --------------------------------------------------------------------------------------
+    def _sequence(self, msg: SamplesLanded) -> tuple[bool, list[Any]]:
+        """Check a landing's number (module docstring, Lost messages): whether to take it, and a LandingsLost for
+        a gap before it."""
+        number, total, size = msg.landing_seq, msg.samples_sent, len(msg.samples)
+        if number <= self.landing_seq:
+            if number in self._missing_landings:
+                log.warning("landing_arrived_after_it_was_counted_lost_refused", group=msg.group_id, landing=number)
+                return False, []
+            if number != 1 or all(e in self._seen_executions for e in msg.execution_ids):
+                return True, []  # a repeat: the execution check refuses it
+            log.warning("landings_numbered_afresh_the_builder_restarted", previous=self.landing_seq)
+            self.landing_seq = self.landing_samples = 0
+        published: list[Any] = []
+        if number > self.landing_seq + 1:
+            groups, samples = number - 1 - self.landing_seq, max(0, total - size - self.landing_samples)
+            for missing in range(self.landing_seq + 1, number):
+                self._missing_landings.add(missing)
+            self.counts["samples_landed"] += samples
+            self.counts["samples_dropped_in_transit"] += samples
+            log.error("landings_lost_in_transit_counted_dropped", landings=groups, samples=samples, next=number)
+            published.append(LandingsLost(groups, samples, "in transit"))
+        self.landing_seq, self.landing_samples = number, total
+        return True, published
+
     def land(self, msg: SamplesLanded) -> list[Any]:
-        """Take one group's samples; returns the messages to publish (StepReady if a step got fixed)."""
+        """Take one group's samples; returns the messages to publish (StepReady if a step got fixed, LandingsLost
+        for a gap in the landings' numbers)."""
+        published: list[Any] = []
+        if msg.landing_seq:
+            take, published = self._sequence(msg)
+            if not take:
+                return published
         self.counts["samples_landed"] += len(msg.samples)
         for boundary in self.boundaries.values():  # landed after those steps ended: not trained by then
             boundary.groups_not_trained.add(msg.group_id)
@@ -273,7 +370,7 @@ class MicroStepLedger:
             self.counts["samples_dropped_overflow"] += len(dropped.samples)
             log.warning("pending_queue_full_dropped_the_oldest_execution", execution=dropped.execution_id,
                         bound=self.config.max_pending_executions)
-        return self._fill()
+        return published + self._fill()
 
     def _fill(self) -> list[Any]:
         """Assign pending executions to the current step until it is fixed."""
@@ -339,13 +436,32 @@ class MicroStepLedger:
             self._close(microstep)
         self.step_fixed = True
         self.counts["steps_ready"] += 1
-        return StepReady(
+        self.ready_resends = 0
+        self.last_ready = StepReady(
             step_id=self.step_id,
             num_microsteps=len(self.microsteps),
             num_samples=sum(len(m.samples) for m in self.microsteps.values()),
             num_executions=self.step_executions,
             base_version=self.base_version,
         )
+        return self.last_ready
+
+    def ready_published(self, now_s: float) -> None:
+        """The actor published (or re-published) the current StepReady at `now_s`."""
+        self.ready_sent_s = now_s
+
+    def ready_due(self, now_s: float) -> list[StepReady]:
+        """The current step's StepReady again, if it is fixed, not applied, and quiet for `step_ready_resend_s`
+        (module docstring, Lost messages)."""
+        limit = self.config.step_ready_resend_s
+        if limit is None or not self.step_fixed or self.last_ready is None or now_s - self.ready_sent_s < limit:
+            return []
+        if self.ready_resends >= self.config.max_step_ready_resends:
+            return []
+        self.ready_resends += 1
+        self.counts["step_ready_resends"] += 1
+        log.warning("step_ready_announced_again", step=self.step_id, resends=self.ready_resends)
+        return [self.last_ready]
 
     # ---- claims ---------------------------------------------------------------------------------------------------
     def _no_work(self) -> ClaimGranted:
@@ -369,6 +485,7 @@ class MicroStepLedger:
         microstep.state = "claimed"
         microstep.holder = msg.cell
         microstep.past_holders.add(msg.cell)
+        self.step_granted = True
         self.counts["microsteps_granted"] += 1
         return ClaimGranted(
             step_id=self.step_id,
@@ -495,6 +612,8 @@ class MicroStepLedger:
         self.step_id = msg.step_id + 1
         self.base_version = msg.version
         self.step_fixed = False
+        self.step_granted = False
+        self.last_ready = None
         self.step_executions = 0
         self.microsteps = {}
         self.open = []
@@ -544,6 +663,9 @@ class MicroStepLedger:
             step_id=self.step_id,
             base_version=self.base_version,
             samples_rerolled=c["samples_rerolled"],
+            samples_dropped_in_transit=c["samples_dropped_in_transit"],
+            samples_dropped_restart=c["samples_dropped_restart"],
+            step_ready_resends=c["step_ready_resends"],
         )
 
     def backlog(self, now_s: float) -> TrainingBacklog:
@@ -569,8 +691,8 @@ class MicroStepLedger:
 
 
 def check_exactly_once(stats: ClaimerStatistics, *, lost_ok: bool = False) -> None:
-    """Raise AccountingError unless every landed sample is trained once, skipped with its step, dropped with a reason,
-    re-rolled at a resume, or still in flight.
+    """Raise AccountingError unless every landed sample is trained once, skipped with its step, dropped with a reason
+    (stale, overflow, duplicate, lost in transit, in flight at a restart), re-rolled at a resume, or still in flight.
 
     `lost_ok` skips the check that no sample was lost: the claimer itself uses it, because a loss means the core
     applied a step early (its bug, logged as an error), while an unbalanced ledger or a double training is ours.
@@ -578,6 +700,7 @@ def check_exactly_once(stats: ClaimerStatistics, *, lost_ok: bool = False) -> No
     accounted = (
         stats.samples_trained + stats.samples_skipped + stats.samples_dropped_stale + stats.samples_dropped_overflow
         + stats.samples_duplicate + stats.samples_lost + stats.samples_in_flight + stats.samples_rerolled
+        + stats.samples_dropped_in_transit + stats.samples_dropped_restart
     )
     problems = []
     if accounted != stats.samples_landed:
@@ -598,14 +721,48 @@ class MicroStepClaimer(Actor):
 
     async def on_start(self) -> None:
         self.ledger = MicroStepLedger(self.config)
+        self._journal_key: tuple | None = None
+        self._ending = ""
+        """Why this instance ends the run (a restart that cannot rebuild its step): it then takes no StepApplied,
+        so the checkpoint it serves stays the last boundary before its failure."""
+        self._last_backlog: TrainingBacklog | None = None
+        self._tick_armed = False
+        journal = Path(self.config.journal_path) if self.config.journal_path else None
+        if self.restarts and journal is not None and journal.exists():
+            await self._restart_from(journal)
+            return
         if self.config.resume_from:
             state, checkpoint = await self.offload(read_actor_state, self.config.resume_from, self.name)
             self.ledger.restore(state)
             self.log.info("claimer_restored", checkpoint=str(checkpoint.path), step_id=self.ledger.step_id,
                           base_version=self.ledger.base_version, rerolled=self.ledger.counts["samples_rerolled"])
-        self._last_backlog: TrainingBacklog | None = None
-        self._tick_armed = False
-        self._publish_backlog()
+        self._after()
+
+    async def _restart_from(self, journal: Path) -> None:
+        """A restart: the ledger from the journal, or the run's end (module docstring, Claimer restarts)."""
+        state = decode_json(await self.offload(journal.read_bytes))
+        lost = self.ledger.restore_journal(state)
+        self.log.warning("claimer_restarted_from_its_journal", step_id=self.ledger.step_id,
+                         base_version=self.ledger.base_version, samples_dropped=state["in_flight"],
+                         groups_dropped=len(state["groups"]), granted=state["granted"])
+        if state["granted"]:
+            self._ending = (
+                f"the micro-step claimer restarted after micro-steps of step {self.ledger.step_id} were handed out: "
+                "their samples died with it, so that step cannot be trained exactly once; the run ends here: resume "
+                "it from its last checkpoint (gyre run FILE --report DIR --resume)")
+            self.stop_topology(self._ending, 1)
+        self._after(lost)
+
+    def _write_journal(self) -> None:
+        key = self.ledger.journal_key()
+        if not self.config.journal_path or key == self._journal_key:
+            return
+        self._journal_key = key
+        path = Path(self.config.journal_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".tmp-{path.name}")
+        temp.write_bytes(encode_json(self.ledger.journal_state()))
+        temp.replace(path)  # no fsync: the journal serves restarts on this machine, not a machine's crash
 
     def statistics(self) -> ClaimerStatistics:
         return self.ledger.statistics()
@@ -613,10 +770,15 @@ class MicroStepClaimer(Actor):
     # Every handler ends in _after(): publish what changed and arm the silence check while claims are held.
     def _after(self, published: list[Any] = ()) -> None:
         for msg in published:
-            self.log.info("step_ready", step=msg.step_id, microsteps=msg.num_microsteps, samples=msg.num_samples)
+            if isinstance(msg, StepReady):
+                self.log.info("step_ready", step=msg.step_id, microsteps=msg.num_microsteps, samples=msg.num_samples)
+                self.ledger.ready_published(self.clock.now())
             self.publish(msg)
+        self._write_journal()
         self._publish_backlog()
-        if self.ledger.claims_held and not self._tick_armed and self.config.cell_silence_limit_s is not None:
+        silence = self.ledger.claims_held and self.config.cell_silence_limit_s is not None
+        resend = self.ledger.step_fixed and self.config.step_ready_resend_s is not None
+        if (silence or resend) and not self._tick_armed:
             self._tick_armed = True
             self.send_later(self.config.liveness_check_s, ClaimerTick())
 
@@ -660,6 +822,9 @@ class MicroStepClaimer(Actor):
 
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:
+        if self._ending:
+            self.log.warning("step_applied_ignored_the_run_is_ending", step=msg.step_id, why=self._ending)
+            return
         published = self.ledger.step_applied(msg)
         stats = self.ledger.statistics()
         self.log.info("step_applied", step=msg.step_id, version=msg.version, skipped=msg.skipped,
@@ -676,7 +841,4 @@ class MicroStepClaimer(Actor):
     def on_tick(self, msg: ClaimerTick) -> None:
         self._tick_armed = False
         self.ledger.check_silence(self.clock.now())
-        self._after()
-
-    def statistics(self) -> ClaimerStatistics:
-        return self.ledger.statistics()
+        self._after(self.ledger.ready_due(self.clock.now()))

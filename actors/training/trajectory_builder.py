@@ -141,6 +141,7 @@ class TrajectoryBuilder(Actor):
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.work_tokens: dict[str, int] = {}  # group -> prompt tokens not cached + output tokens of its calls
         self.counts: collections.Counter[str] = collections.Counter()
+        self.landings_sent = self.landing_samples_sent = 0  # numbers landings for the claimer, afresh each start
         if self.config.resume_from:
             state, _ = await self.offload(read_actor_state, self.config.resume_from, self.name)
             self.counts.update({key: int(value) for key, value in state["counts"].items()})
@@ -333,6 +334,9 @@ class TrajectoryBuilder(Actor):
                 tokens=landing.num_tokens,
                 loss_tokens=landing.num_loss_tokens,
             )
+            self.landings_sent += 1
+            self.landing_samples_sent += len(landing.samples)
+            landing = attrs.evolve(landing, landing_seq=self.landings_sent, samples_sent=self.landing_samples_sent)
             await self.send(self.config.claimer, landing)
         else:
             self.counts["groups_dropped"] += 1

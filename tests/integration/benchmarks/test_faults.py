@@ -1,6 +1,6 @@
-"""`gyre bench faults` in miniature: a few seeded fault cases of the training run in virtual time, the invariants
-checked after each (issue 28). A fault the run survives leaves every column at 0; one it does not yet survive shows
-up in its column (this test pins both, so a harness that stopped seeing faults would fail)."""
+"""`gyre bench faults` in miniature: seeded fault cases of the training run in virtual time, the invariants checked
+after each (issue 28). Each fault has a defined outcome: the run keeps going with every column at 0 (what it
+dropped is counted as dropped), or it ends with a message saying to resume and the resumed run finishes."""
 
 from __future__ import annotations
 
@@ -12,17 +12,40 @@ COLUMNS = ("samples_lost_in_transit", "samples_unaccounted", "samples_trained_tw
            "staleness_violations")
 
 
+def kept(row: dict) -> None:
+    assert row["fired"] > 0 and row["finished"] and row["outcome"] == "kept", row
+    assert all(row[column] == 0 for column in COLUMNS), row
+
+
 def test_faults_the_run_survives_leave_every_invariant_whole():
     for kind in ("delay", "duplicate-samples", "duplicate-microstep-done", "duplicate-step-applied",
                  "drop-microstep-done"):
-        row = run_case(kind, 0)
-        assert row["fired"] > 0 and row["finished"], row
-        assert all(row[column] == 0 for column in COLUMNS), row
+        kept(run_case(kind, 0))
 
 
-def test_a_dropped_landing_is_seen_as_samples_lost_in_transit():
+def test_a_dropped_landing_is_counted_dropped_and_the_run_goes_on():
     row = run_case("drop-samples", 0)
-    assert row["fired"] == 1 and row["samples_lost_in_transit"] > 0, row
+    kept(row)
+    assert row["samples_dropped_counted"] == 2, row  # one group of 2 executions, 1 sample each
+
+
+def test_a_dropped_step_ready_or_step_applied_is_announced_again():
+    kept(run_case("drop-step-ready", 0, plan="drop claimer>core StepReady 2 1"))
+    kept(run_case("drop-step-applied", 0, plan="drop core>claimer StepApplied 2 1"))
+
+
+def test_a_claimer_killed_between_steps_restarts_from_its_journal():
+    row = run_case("kill", 0, plan="kill claimer at 3 SamplesLanded")
+    kept(row)
+    assert row["samples_dropped_counted"] > 0, row  # what was in flight died with it, counted
+
+
+def test_a_claimer_killed_while_its_step_was_out_ends_the_run_and_the_resume_finishes():
+    row = run_case("kill", 0, plan="kill claimer at 3 MicroStepDone")
+    assert row["reason"].startswith("the micro-step claimer restarted after micro-steps of step"), row
+    assert "--resume" in row["reason"]
+    assert row["resumed"] and row["finished"] and row["outcome"] == "resumed", row
+    assert all(row[column] == 0 for column in COLUMNS), row
 
 
 def test_the_sweep_covers_every_kind(capsys):

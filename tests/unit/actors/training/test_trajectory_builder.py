@@ -129,7 +129,8 @@ def test_complete_group_lands_the_processors_samples(tmp_path: Path) -> None:
     ordered = [scores[0], scores[1], scores[2]]  # the announced order of executions, whatever the arrival order
     expected = build_group_samples("g", trees, ordered, RankedTrajectoryProcessor())
     (landed,) = got["SamplesLanded"]
-    assert landed == expected
+    # The builder numbers its landings for the claimer (a gap is a lost landing): the first one, all its samples.
+    assert landed == attrs.evolve(expected, landing_seq=1, samples_sent=len(expected.samples))
     assert landed.execution_ids == ("g.0", "g.1", "g.2") and landed.num_dropped == 0
     assert landed.samples and {s.execution_id for s in landed.samples} == {"g.0", "g.1", "g.2"}
     assert (landed.min_weight_version, landed.max_weight_version) == (2, 3)
@@ -256,7 +257,7 @@ def test_incremental_records_land_the_samples_of_whole_prompt_records_and_a_mism
     got = run(tmp_path, DriverConfig(script, expected_groups_done=1))
     expected = build_group_samples("g", {e: build_tree(c) for e, c in whole.items()}, list(scores),
                                    RankedTrajectoryProcessor())
-    assert got["SamplesLanded"] == [expected]
+    assert got["SamplesLanded"] == [attrs.evolve(expected, landing_seq=1, samples_sent=len(expected.samples))]
 
     bad = attrs.evolve(records["g.1"][1], new_prompt_ids=(7,) + records["g.1"][1].new_prompt_ids[1:])
     lost = records["g.0"][2]  # extends call 1, which is never sent

@@ -33,7 +33,7 @@ import torch
 from gyre.engines.errors import TrainerError
 from gyre.engines.model_format import ModelSpec
 
-__all__ = ["ParallelSizes", "backend_for", "bucket_plan", "gather_buckets", "gather_state", "init_parallel",
+__all__ = ["ParallelSizes", "backend_for", "bucket_plan", "checkpoint_part_name", "gather_buckets", "gather_state", "init_parallel",
            "shard_state", "split_dim", "unshard_state"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -86,9 +86,13 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def init_parallel(rank: int, world_size: int, init_method: str, sizes: ParallelSizes, device: str = "cpu") -> None:
+def init_parallel(rank: int, world_size: int, init_method: str, sizes: ParallelSizes, device: str = "cpu",
+                  timeout_s: float | None = None) -> None:
     """Join the trainer's process group (`init_method`, e.g. "tcp://127.0.0.1:PORT") and set up megatron's
-    parallel state for `sizes`. Every process of the trainer calls it once, before building its MegatronTrainer."""
+    parallel state for `sizes`. Every process of the trainer calls it once, before building its MegatronTrainer.
+    `timeout_s` bounds the rendezvous and every later collective wait of the group (None: torch's default)."""
+    import datetime
+
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -100,11 +104,24 @@ def init_parallel(rank: int, world_size: int, init_method: str, sizes: ParallelS
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size)
+        extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+                                **extra)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=sizes.tensor,
                                              pipeline_model_parallel_size=sizes.pipeline)
+
+
+def checkpoint_part_name() -> str:
+    """This rank's file in a run checkpoint: "core.tp<T>.pp<P>.pt" (rank 0 of each when there is no parallel
+    state yet). Data-parallel replicas hold the same state and share the file (replica 0 writes it)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return "core.tp0.pp0.pt"
+    return (f"core.tp{parallel_state.get_tensor_model_parallel_rank()}"
+            f".pp{parallel_state.get_pipeline_model_parallel_rank()}.pt")
 
 
 def current_sizes() -> ParallelSizes:

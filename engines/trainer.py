@@ -47,8 +47,10 @@ from gyre.engines import megatron_cpu, parallel
 from gyre.engines.errors import TrainerError
 from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
 from gyre.engines.weight_convert import hf_to_megatron, megatron_to_hf
+from gyre.runtime.errors import ConfigError
 
-__all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "build_gpt_model", "ema_update",
+__all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "build_gpt_model",
+           "checkpoint_state_digest", "ema_update",
            "ensure_parallel_state", "token_logprobs"]
 
 log = structlog.get_logger(__name__)
@@ -98,7 +100,45 @@ class TrainerConfig:
     import and export keep fp32 master weights and fp32 gradient sums (megatron's mixed-precision recipe): updates
     too small for bfloat16 still accumulate. Meant for GPUs; it also runs, slowly, on the CPU."""
 
+    tensor_parallel: int = 1
+    """Tensor-parallel size: each layer's matrices are split over this many processes (megatron's TP)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size: the layers are split into this many consecutive stages, one per process group."""
+    data_parallel: int = 1
+    """Data-parallel size: this many replicas train on their share of each micro-step's rows and sum gradients."""
+    expert_parallel: int = 1
+    """Expert-parallel size for MoE models: must be 1 for now (experts are not split across processes yet)."""
+    group_start_timeout_s: float = 300.0
+    """A trainer of several processes (engines/trainer_group.py): how long its workers may take to start, import
+    megatron, join the process group and build their shard before the group gives up naming the missing rank."""
+    group_timeout_s: float = 600.0
+    """A trainer of several processes: bound on every command and collective wait (a dead or hung rank fails the
+    command after at most this long, usually at once: gloo and the command pipes see a dead peer's closed socket)."""
+
+    @property
+    def parallel(self) -> "parallel.ParallelSizes":
+        """The tensor / pipeline / data sizes as `ParallelSizes` (world size = their product)."""
+        return parallel.ParallelSizes(tensor=self.tensor_parallel, pipeline=self.pipeline_parallel,
+                                      data=self.data_parallel)
+
+    def check_parallel_fits(self, spec: ModelSpec) -> None:
+        """Raise ConfigError unless the parallel sizes split `spec` evenly (ParallelSizes.check_fits)."""
+        try:
+            self.parallel.check_fits(spec)
+        except TrainerError as error:
+            raise ConfigError(f"TrainerConfig tensor_parallel={self.tensor_parallel} pipeline_parallel="
+                              f"{self.pipeline_parallel} does not split the model: {error}") from None
+
     def __attrs_post_init__(self) -> None:
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"TrainerConfig.{name} must be an int >= 1, got {value!r}")
+        if self.expert_parallel != 1:
+            raise ConfigError(f"TrainerConfig.expert_parallel={self.expert_parallel}: expert parallelism is not wired "
+                              "up yet (MoE models train with pipeline and data parallelism); use 1")
+        if not (self.group_start_timeout_s > 0 and self.group_timeout_s > 0):
+            raise ConfigError("group_start_timeout_s and group_timeout_s must be > 0")
         if self.precision not in PRECISIONS:
             raise TrainerError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
         if self.core_attention not in CORE_ATTENTION:
@@ -329,6 +369,10 @@ class MegatronTrainer:
         self.sizes = parallel.current_sizes()
         """Tensor / pipeline / data parallel sizes of the process group this trainer is part of."""
         self.sizes.check_fits(self.spec)
+        if config.parallel.world_size > 1 and config.parallel != self.sizes:
+            raise TrainerError(f"the config asks for {config.parallel} but this process's parallel state is "
+                               f"{self.sizes}: a trainer of several processes is a TrainerGroup "
+                               "(engines/trainer_group.py), which sets the state up in every rank")
         self._grads_reduced = False
         """The data-parallel (and tied-embedding) gradient sums of `reduce_grads` are in the buffer."""
         self.model = build_gpt_model(self.spec, config.seed, config.core_attention, self.device.type,
@@ -584,7 +628,11 @@ class MegatronTrainer:
         """The global L2 norm of the (reduced) gradients: over this rank's shard, every tensor and pipeline rank,
         each parameter counted once."""
         if self.sizes.tensor == self.sizes.pipeline == 1:
-            return float(torch.linalg.vector_norm(self._grads))
+            # Squares summed in float64, a bounded chunk at a time: fp32's own norm of a large buffer is off by ~1e-4
+            # relative (3.39034 against 3.39061 for the tiny model's 1.3M gradients), enough to set one process's
+            # clipping apart from a tensor-parallel trainer's float64 sum over its shards.
+            squares = sum(float(chunk.double().square().sum()) for chunk in self._grads.split(1 << 22))
+            return math.sqrt(squares)
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -694,6 +742,11 @@ class MegatronTrainer:
             parallel_state.get_tensor_model_parallel_rank(), self.sizes.tensor,
             parallel_state.get_pipeline_model_parallel_rank(), self.sizes.pipeline,
         )
+        self.load_shard(converted, version)
+
+    def load_shard(self, converted: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Load this rank's shard of the weights (`parallel.shard_state` of weight_convert's megatron names), what
+        `load_hf_state_dict` does after cutting; a TrainerGroup sends each rank only its shard this way."""
         # Into the fp32 master buffer by layout (the model's copy follows at the next forward): loading through the
         # bf16 model would round the weights.
         slots = {slot.name: slot for slot in self._layout}
@@ -769,6 +822,22 @@ class MegatronTrainer:
         """Write a complete model directory: config and side files of the source directory, plus the weights (their
         moving average with `averaged`)."""
         return save_model_dir(self.model_dir, model_dir, self.hf_state_dict(averaged))
+
+
+def checkpoint_state_digest(state: Mapping[str, Any]) -> str:
+    """SHA-256 over a `checkpoint_state`'s weights, its AdamW moments and step counts, and its version."""
+    import hashlib
+
+    digest = hashlib.sha256(f"version={state['version']}".encode())
+    digest.update(state["params"].numpy().tobytes())
+    optimizer = state["optimizer"]["state"]
+    for index in sorted(optimizer):
+        entry = optimizer[index]
+        for key in ("exp_avg", "exp_avg_sq"):
+            digest.update(entry[key].numpy().tobytes())
+        step = entry.get("step")
+        digest.update(repr(float(step)).encode() if step is not None else b"-")
+    return digest.hexdigest()
 
 
 def ema_update(average: torch.Tensor, params: torch.Tensor, decay: float) -> None:

@@ -4,7 +4,9 @@ When: after every `every_steps`-th step the core ends (applied or skipped: eithe
 step), and once more as the cell stops if the newest step is not saved yet. What: `MegatronTrainer.checkpoint_state`
 (fp32 weights, AdamW moments and step counts, the version, which is also the LR schedule's position, the weight
 average), one file per trainer shard, `core.tp<T>.pp<P>.pt` (data-parallel replicas hold the same state; rank 0 of
-them writes). How: the state is copied under the cell's compute lock (no optimizer step runs meanwhile, and steps
+them writes). A core whose trainer is a group of processes (engines/trainer_group.py) has each rank write and, at
+resume, read and check its own shard's file (`TrainerGroup.save_sharded_checkpoint`, under the compute lock so the
+shards are of one moment); the digest is then one over the shards' digests. How: the state is copied under the cell's compute lock (no optimizer step runs meanwhile, and steps
 apply one at a time in the cell's handler, so the copy is exactly the state after that step), then written off the
 lock into the step's staging folder (gyre.runtime.checkpoint: temp file, fsync, rename), then the checkpointer is
 told `CorePartsSaved` with each file's digest; it gathers the other actors' parts and commits.
@@ -22,7 +24,6 @@ tracker are passed to each call.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -32,6 +33,9 @@ import torch
 
 from gyre.actors.cells.train_role import Offload, StepTracker, TrainerHost
 from gyre.actors.errors import ActorError
+from gyre.engines.parallel import checkpoint_part_name
+from gyre.engines.trainer import checkpoint_state_digest
+from gyre.engines.trainer_group import TrainerGroup, TrainerGroupCommandError
 from gyre.messages.checkpoints import CorePartsSaved
 from gyre.messages.training import StepApplied
 from gyre.runtime import GyreError
@@ -75,12 +79,7 @@ async def resumed_engine_weights(
 
 def core_part_name() -> str:
     """This rank's file in a checkpoint: "core.tp<T>.pp<P>.pt"; None-rank (no parallel state yet) is 0."""
-    from megatron.core import parallel_state
-
-    tensor = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-    pipeline = (parallel_state.get_pipeline_model_parallel_rank()
-                if parallel_state.model_parallel_is_initialized() else 0)
-    return f"core.tp{tensor}.pp{pipeline}.pt"
+    return checkpoint_part_name()
 
 
 def _writes_part() -> bool:
@@ -90,18 +89,9 @@ def _writes_part() -> bool:
     return not parallel_state.model_parallel_is_initialized() or parallel_state.get_data_parallel_rank() == 0
 
 
-def state_digest(state: Mapping[str, Any]) -> str:
-    """SHA-256 over a trainer checkpoint state's weights, its AdamW moments and step counts, and its version."""
-    digest = hashlib.sha256(f"version={state['version']}".encode())
-    digest.update(state["params"].numpy().tobytes())
-    optimizer = state["optimizer"]["state"]
-    for index in sorted(optimizer):
-        entry = optimizer[index]
-        for key in ("exp_avg", "exp_avg_sq"):
-            digest.update(entry[key].numpy().tobytes())
-        step = entry.get("step")
-        digest.update(repr(float(step)).encode() if step is not None else b"-")
-    return digest.hexdigest()
+state_digest = checkpoint_state_digest
+"""SHA-256 over a trainer checkpoint state's weights, its AdamW moments and step counts, and its version (a trainer
+group's digest is one over its shards' digests: TrainerGroup.save_sharded_checkpoint)."""
 
 
 def _encode(state: Mapping[str, Any]) -> bytes:
@@ -141,14 +131,23 @@ class CoreCheckpoints:
         if not self.resume_from:
             return -1
         checkpoint = await self.offload(open_checkpoint, self.resume_from)
+        if isinstance(host.trainer, TrainerGroup):  # every rank reads and checks its own shard's file
+            async with self.compute_lock:
+                self.restored_state_digest = await self.offload(host.trainer.load_sharded_checkpoint,
+                                                                str(checkpoint.path))
+                host.fence[0] = host.trainer.version
+            return self._restored(host, tracker, checkpoint)
         data = await self.offload(checkpoint.read_part, core_part_name())
         state = await self.offload(lambda: torch.load(io.BytesIO(data), weights_only=True))
         async with self.compute_lock:
             await self.offload(host.trainer.load_checkpoint_state, state)
             host.fence[0] = host.trainer.version
+        self.restored_state_digest = await self.offload(state_digest, state)
+        return self._restored(host, tracker, checkpoint)
+
+    def _restored(self, host: TrainerHost, tracker: StepTracker, checkpoint: Any) -> int:
         tracker.applied_through = checkpoint.step_id
         self.last_step_ended = self.last_saved_step = checkpoint.step_id
-        self.restored_state_digest = await self.offload(state_digest, state)
         self.log.info("core_restored", checkpoint=str(checkpoint.path), step_id=checkpoint.step_id,
                       version=host.trainer.version, state_digest=self.restored_state_digest)
         return checkpoint.step_id
@@ -169,6 +168,8 @@ class CoreCheckpoints:
     async def save(self, host: TrainerHost, step_id: int) -> CorePartsSaved | None:
         """Copy the trainer state under the compute lock, write it off the lock, tell the checkpointer. A failure
         (a full disk) is logged and counted, not raised: a lost checkpoint must not stop the run."""
+        if isinstance(host.trainer, TrainerGroup):
+            return await self._save_sharded(host.trainer, step_id)
         async with self.compute_lock:
             state = await self.offload(host.trainer.checkpoint_state)
         name = core_part_name()
@@ -182,8 +183,27 @@ class CoreCheckpoints:
             self.log.error("core_checkpoint_part_failed", step_id=step_id, error=str(error))
             return None
         digest = await self.offload(state_digest, state)
-        saved = CorePartsSaved(self.me, step_id, int(state["version"]), (record.name,), (record.sha256,),
-                               (record.size_bytes,), digest)
+        return await self._saved(folder, CorePartsSaved(self.me, step_id, int(state["version"]), (record.name,),
+                                                        (record.sha256,), (record.size_bytes,), digest))
+
+    async def _save_sharded(self, group: TrainerGroup, step_id: int) -> CorePartsSaved | None:
+        """A trainer group: every rank writes its own shard's file into the staging folder, under the compute lock
+        (the ranks' states must be those of one moment; writing each shard is the copy)."""
+        try:
+            folder = staging_dir(self.root, step_id)
+            async with self.compute_lock:
+                records, digest = await self.offload(group.save_sharded_checkpoint, folder)
+                version = group.version
+        except (OSError, TrainerGroupCommandError) as error:
+            self.failed += 1
+            self.log.error("core_checkpoint_part_failed", step_id=step_id, error=str(error))
+            return None
+        return await self._saved(folder, CorePartsSaved(
+            self.me, step_id, version, tuple(r.name for r in records), tuple(r.sha256 for r in records),
+            tuple(r.size_bytes for r in records), digest))
+
+    async def _saved(self, folder: Path, saved: CorePartsSaved) -> CorePartsSaved:
+        step_id = saved.step_id
         try:
             await self.offload(write_core_record, folder, saved)  # for a checkpointer that is stopping
         except OSError as error:
@@ -191,7 +211,7 @@ class CoreCheckpoints:
         self.last_saved_step = max(self.last_saved_step, step_id)
         self.saved += 1
         self.log.info("core_checkpoint_part_saved", step_id=step_id, version=saved.weight_version,
-                      bytes=record.size_bytes, state_digest=digest)
+                      parts=len(saved.part_names), bytes=sum(saved.part_bytes), state_digest=saved.state_digest)
         try:
             self.tell(self.checkpointer, saved)
         except GyreError as error:  # the checkpointer stopped or is absent: the part stays uncommitted

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -58,6 +59,7 @@ from gyre.actors.cells.weight_pull import pull_weights, source_from_layout
 from gyre.actors.errors import ActorError
 from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember, RendezvousServer
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
+from gyre.engines.trainer_group import TrainerGroup, build_trainer
 from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.samples import TrainingSample
@@ -105,7 +107,7 @@ class TrainerHost:
     compute ones one at a time (under its compute lock), the round ones on the host's own reduction thread.
     """
 
-    def __init__(self, trainer: MegatronTrainer, agent: Any, is_core: bool, fence_scratch: torch.Tensor,
+    def __init__(self, trainer: MegatronTrainer | TrainerGroup, agent: Any, is_core: bool, fence_scratch: torch.Tensor,
                  address: str = "127.0.0.1", reduce_timeout_s: float = 60.0) -> None:
         self.trainer = trainer
         self.agent = agent
@@ -130,7 +132,7 @@ class TrainerHost:
         cls, model_dir: str, config: TrainerConfig, agent: Any, is_core: bool, fence_scratch: torch.Tensor,
         address: str = "127.0.0.1", reduce_timeout_s: float = 60.0,
     ) -> TrainerHost:
-        return cls(MegatronTrainer(model_dir, config), agent, is_core, fence_scratch, address, reduce_timeout_s)
+        return cls(build_trainer(model_dir, config), agent, is_core, fence_scratch, address, reduce_timeout_s)
 
     def _register(self, buffer: torch.Tensor) -> None:
         self.agent.register_tensor(buffer)
@@ -153,14 +155,24 @@ class TrainerHost:
         """Forward/backward of one micro-step, in length-sorted chunks (policies.loss.length_sorted_chunks) so that
         little compute goes into padding; gradients accumulate into the trainer. Returns the micro-step's metrics."""
         parts = []
+        replicas = self.trainer.sizes.data
         for chunk in length_sorted_chunks(samples, chunk_padded_tokens):
-            batch = pack_samples(chunk)
+            # A partial of a module-level function: a trainer group pickles it to its other ranks.
+            def share(rows: Sequence[TrainingSample]) -> tuple | None:
+                if not rows:
+                    return None
+                batch = pack_samples(rows)
+                loss_fn = functools.partial(_sample_loss, batch=batch, num_executions=num_executions,
+                                            clip_low=clip_low, clip_high=clip_high)
+                return batch.input_ids, batch.lengths, loss_fn, batch.temperatures
 
-            def loss_fn(logprobs: torch.Tensor, batch: PackedBatch = batch):
-                return loss_from_samples(logprobs, batch, num_executions=num_executions, clip_low=clip_low,
-                                         clip_high=clip_high)
-
-            parts.append(self.trainer.forward_backward(batch.input_ids, batch.lengths, loss_fn, batch.temperatures))
+            if replicas == 1:
+                parts.append(self.trainer.forward_backward(*share(chunk)))
+                continue
+            # Data-parallel replicas: each its rows of the chunk (sorted by length, dealt round-robin, so the shares
+            # pad alike); the loss is a sum over rows, so the replicas' gradients sum to the chunk's.
+            results = self.trainer.forward_backward_shares([share(chunk[r::replicas]) for r in range(replicas)])
+            parts.extend(result for result in results if result is not None)
         return combine_chunk_metrics(parts)
 
     # ---- gradients: reduction rounds ----------------------------------------------------------------------
@@ -223,6 +235,13 @@ class TrainerHost:
         self._registered.clear()
         if self.member is not None:
             self.member.drop()
+        if isinstance(self.trainer, TrainerGroup):
+            self.trainer.close()  # stops its worker processes
+
+
+def _sample_loss(logprobs: torch.Tensor, *, batch: PackedBatch, num_executions: int, clip_low: float,
+                 clip_high: float):
+    return loss_from_samples(logprobs, batch, num_executions=num_executions, clip_low=clip_low, clip_high=clip_high)
 
 
 def join_round(member: ReductionMember, join: JoinReduction, payload: bytes, grads: torch.Tensor) -> ReductionBytes:

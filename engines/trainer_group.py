@@ -1,0 +1,629 @@
+"""A trainer of several processes, driven from one: the train-role cell's process is rank 0 of a megatron group.
+
+Layout. A `TrainerConfig` whose tensor * pipeline * data sizes exceed 1 makes a `TrainerGroup`: the calling process
+(the core cell's) is global rank 0 and starts world_size - 1 worker processes (`python -m gyre.engines.trainer_group`,
+one per device: on CUDA rank r uses device r mod count). Every rank joins one torch.distributed group and megatron's
+`parallel_state` through `parallel.init_parallel` (gloo on CPU, NCCL on CUDA: the same code) and builds a
+`MegatronTrainer` holding its shard. Rank 0 is in data-parallel replica 0 at tensor and pipeline rank 0, which
+makes it the publishing rank of `MegatronTrainer.iter_hf_buckets`.
+
+Driving. Each worker has one command pipe to rank 0 (a socket pair inherited at start; pickled (command, args)
+frames). A call on the group, under the group's lock (commands never interleave): rank 0 checks the inputs, sends
+the command to every worker (each its own arguments where they differ), runs its own part (the collectives meet
+there), then reads every worker's reply. Commands: `forward_backward` (the same batch on every rank of a replica;
+data-parallel replicas each get their share through `forward_backward_shares`, or replica 0 the whole batch),
+`logprobs`, `optimizer_step` (megatron's reductions, the global-norm clip, AdamW on every shard), `zero_grads`,
+`load_shard` (each rank gets only its shard of new weights), `hf_buckets` (every rank iterates the bucket gather in
+step; rank 0 receives each bucket, converts it to HF names and hands it on before the next is gathered, so no rank
+holds more than its shard plus one bucket), `save_part` / `load_part` (sharded checkpoints: each rank writes and
+restores its own file `core.tp<T>.pp<P>.pt` in the checkpoint folder, through runtime.checkpoint's atomic writes and
+checksums; data-parallel replica 0 writes, every replica reads), `set_version` and `shutdown`.
+
+Failures. Every wait is bounded: the start (`group_start_timeout_s`: spawn, megatron's import, the rendezvous, the
+build) and each command (`group_timeout_s`, also the process group's collective timeout). A worker that dies or fails
+to start turns the call into `TrainerGroupError` naming the rank, its exit code and the tail of its output (each
+worker's stdout and stderr go to a file in the group's temp folder); a dead worker is seen at once (its pipe closes;
+gloo sees its sockets close), not after the timeout. A group that failed is unusable (the cell fails and its restart
+builds a new one); `close` stops the workers (shutdown, then kill) and leaves the process group.
+
+The surface is MegatronTrainer's where the cell uses it (version, param_buffer, param_layout, forward_backward,
+optimizer_step, zero_grads, hf_state_dict, iter_hf_buckets, save_hf, logprobs, load_hf_state_dict), so the cell code
+does not branch; flat whole-model gradients (`grad_buffer`, `add_flat_grads`: the satellites' reduction rounds) and
+whole-state checkpoints (`checkpoint_state`) have no meaning for a sharded trainer and raise TrainerError, the
+sharded checkpoint being `save_sharded_checkpoint` / `load_sharded_checkpoint`. A process hosts at most one group
+(megatron's parallel state is per process), and it must be the process's first torch.distributed group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import structlog
+import torch
+
+from gyre.engines import parallel
+from gyre.engines.errors import EngineError, TrainerError
+from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
+from gyre.engines.trainer import LossFn, MegatronTrainer, TrainerConfig, checkpoint_state_digest
+from gyre.runtime.errors import ConfigError
+
+__all__ = ["TrainerGroup", "TrainerGroupCommandError", "TrainerGroupError", "build_trainer", "load_part", "save_part"]
+
+log = structlog.get_logger(__name__)
+
+OUTPUT_TAIL_CHARS = 3000
+"""How much of a failed worker's output its error quotes."""
+_POLL_S = 0.1
+_EXIT_GRACE_S = 3.0
+"""After rank 0's own part fails, how long it waits for a worker to be seen dead before blaming rank 0's error."""
+
+
+class TrainerGroupError(EngineError, RuntimeError):
+    """A trainer group's worker died, failed to start, failed a command or did not answer in time. A RuntimeError,
+    not a ValueError: no caller should treat it as bad input and carry on."""
+
+
+class TrainerGroupCommandError(TrainerGroupError):
+    """Every rank answered, but some failed the command (their error and traceback are in the message; e.g. a full
+    disk under one rank's checkpoint file). The group is still in step and usable."""
+
+
+def build_trainer(model_dir: str | Path, config: TrainerConfig) -> "MegatronTrainer | TrainerGroup":
+    """The in-process MegatronTrainer for world size 1, a TrainerGroup for more."""
+    if config.parallel.world_size > 1:
+        return TrainerGroup(model_dir, config)
+    return MegatronTrainer(model_dir, config)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _send(conn: Connection, message: Any) -> None:
+    # Plain pickle: tensors travel by value (torch's multiprocessing pickler would pass shared-memory handles).
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - OUTPUT_TAIL_CHARS))
+            return handle.read().decode(errors="replace").strip() or "(no output)"
+    except OSError as error:
+        return f"(output unreadable: {error})"
+
+
+# ---- what every rank runs for a command (rank 0 in the calling process, the others in `_worker_main`) ----------
+
+def save_part(trainer: MegatronTrainer, folder: str) -> tuple[Any, str]:
+    """This rank's checkpoint state into `folder/core.tp<T>.pp<P>.pt` (atomic, data-parallel replica 0 only).
+    Returns (its PartRecord or None where another replica writes, the state's digest)."""
+    from megatron.core import parallel_state
+
+    from gyre.runtime.checkpoint import write_file_atomic
+
+    state = trainer.checkpoint_state()
+    digest = checkpoint_state_digest(state)
+    if parallel_state.get_data_parallel_rank() != 0:
+        return None, digest
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return write_file_atomic(Path(folder) / parallel.checkpoint_part_name(), buffer.getvalue()), digest
+
+
+def load_part(trainer: MegatronTrainer, checkpoint_path: str) -> str:
+    """Restore this rank's shard from the committed checkpoint at `checkpoint_path` (its checksum checked);
+    returns the restored state's digest."""
+    from gyre.runtime.checkpoint import open_checkpoint
+
+    data = open_checkpoint(checkpoint_path).read_part(parallel.checkpoint_part_name())
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    trainer.load_checkpoint_state(state)
+    return checkpoint_state_digest(state)
+
+
+def _forward_backward(trainer: MegatronTrainer, share: tuple | None) -> dict | None:
+    return None if share is None else trainer.forward_backward(*share)
+
+
+def _logprobs(trainer: MegatronTrainer, batch: tuple | None) -> torch.Tensor | None:
+    return None if batch is None else trainer.logprobs(*batch)
+
+
+def _hf_buckets(trainer: MegatronTrainer, bucket_bytes: int, averaged: bool) -> int:
+    count = 0
+    for bucket in trainer.iter_hf_buckets(bucket_bytes, averaged):
+        assert not bucket, "only rank 0 publishes"
+        count += 1
+    return count
+
+
+def _set_version(trainer: MegatronTrainer, version: int) -> None:
+    trainer.version = version
+
+
+def _ranks(trainer: MegatronTrainer) -> dict:
+    from megatron.core import parallel_state
+
+    return {"tensor": parallel_state.get_tensor_model_parallel_rank(),
+            "pipeline": parallel_state.get_pipeline_model_parallel_rank(),
+            "data": parallel_state.get_data_parallel_rank(), "num_params": trainer.num_params}
+
+
+COMMANDS = {
+    "forward_backward": _forward_backward,
+    "logprobs": _logprobs,
+    "optimizer_step": lambda trainer, lr: trainer.optimizer_step(lr),
+    "zero_grads": lambda trainer: trainer.zero_grads(),
+    "grad_norm": lambda trainer: (trainer.reduce_grads(), trainer.grad_norm())[1],
+    "load_shard": lambda trainer, shard, version: trainer.load_shard(shard, version),
+    "hf_buckets": _hf_buckets,
+    "save_part": save_part,
+    "load_part": load_part,
+    "set_version": _set_version,
+}
+
+
+class TrainerGroup:
+    """World size > 1 of `TrainerConfig`: this process is rank 0 and drives the others (module docstring)."""
+
+    def __init__(self, model_dir: str | Path, config: TrainerConfig, python: str = sys.executable) -> None:
+        import torch.distributed as dist
+
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.spec = ModelSpec.from_model_dir(self.model_dir)
+        self.sizes = config.parallel
+        self.world_size = self.sizes.world_size
+        if self.world_size < 2:
+            raise ConfigError("a TrainerGroup has at least two ranks; world size 1 is the in-process MegatronTrainer")
+        config.check_parallel_fits(self.spec)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and torch.cuda.device_count() < self.world_size:
+            raise ConfigError(f"a trainer of {self.world_size} ranks needs {self.world_size} GPUs (one per rank); "
+                              f"this machine has {torch.cuda.device_count()}")
+        if dist.is_initialized():
+            raise TrainerGroupError(
+                f"this process already has a torch.distributed group (world size {dist.get_world_size()}): another "
+                "trainer lives here, and a trainer group's rank 0 needs a process whose first group is the group's")
+        self._lock = threading.Lock()
+        self._broken = ""
+        self._closed = False
+        self._workdir = Path(tempfile.mkdtemp(prefix="gyre-trainer-group-"))
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        self._logs: list[Path] = []
+        self.local: MegatronTrainer | None = None
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        deadline = time.monotonic() + config.group_start_timeout_s
+        try:
+            self._spawn(python, init_method)
+            self._collect("start", deadline, expect="joining")
+            parallel.init_parallel(0, self.world_size, init_method, self.sizes, self.device.type,
+                                   timeout_s=config.group_start_timeout_s)
+            self.local = MegatronTrainer(self.model_dir, config)
+            self.ranks = [_ranks(self.local)] + self._collect("start", deadline)
+            """Per global rank: its tensor, pipeline and data-parallel rank and the size of its shard."""
+            if not self.local.is_publisher:
+                raise TrainerGroupError("rank 0 is not the publishing rank of megatron's layout")
+        except BaseException as error:
+            reason = self._dead_worker_report("start", wait_s=_EXIT_GRACE_S)
+            self._shutdown(kill=True)
+            if reason:
+                raise TrainerGroupError(reason) from error
+            raise
+        log.info("trainer_group_ready", world_size=self.world_size, tensor=self.sizes.tensor,
+                 pipeline=self.sizes.pipeline, data=self.sizes.data, device=self.device.type,
+                 shard_params=[r["num_params"] for r in self.ranks])
+
+    # ---- processes ------------------------------------------------------------------------------------------
+
+    def _spawn(self, python: str, init_method: str) -> None:
+        env = dict(os.environ)
+        if self.config.num_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.config.num_threads)
+        for rank in range(1, self.world_size):
+            parent, child = socket.socketpair()
+            path = self._workdir / f"rank{rank}.log"
+            with open(path, "wb") as output:
+                proc = subprocess.Popen([python, "-m", "gyre.engines.trainer_group", str(child.fileno())],
+                                        pass_fds=(child.fileno(),), stdout=output, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env)
+            child.close()
+            conn = Connection(parent.detach())
+            self._procs.append(proc)
+            self._conns.append(conn)
+            self._logs.append(path)
+            _send(conn, ("init", rank, self.world_size, init_method, self.sizes, self.device.type,
+                       str(self.model_dir), self.config))
+
+    def _rank_report(self, rank: int, during: str, why: str) -> str:
+        proc = self._procs[rank - 1]
+        code = proc.poll()
+        state = f"exited with code {code}" if code is not None else f"is alive (pid {proc.pid}) but {why}"
+        return (f"trainer group rank {rank} of {self.world_size} {state} during {during!r}; its output ends with:\n"
+                f"{_tail(self._logs[rank - 1])}")
+
+    def _dead_worker_report(self, during: str, wait_s: float = 0.0) -> str:
+        """A report on the first worker that has exited ("" if all live), waiting up to `wait_s` for one to."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._procs, start=1):
+                if proc.poll() is not None:
+                    return self._rank_report(rank, during, "")
+            if time.monotonic() >= deadline:
+                return ""
+            time.sleep(_POLL_S)
+
+    def _fail(self, message: str) -> TrainerGroupError:
+        self._broken = message
+        log.error("trainer_group_failed", error=message)
+        return TrainerGroupError(message)
+
+    def _receive(self, rank: int, during: str, deadline: float) -> Any:
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        while True:
+            try:
+                if conn.poll(_POLL_S):
+                    return _recv(conn)
+            except (EOFError, OSError):
+                try:
+                    proc.wait(timeout=_EXIT_GRACE_S)  # a closed pipe is a dying worker: let its exit code show
+                except subprocess.TimeoutExpired:
+                    pass
+                raise self._fail(self._rank_report(rank, during, "closed its command pipe")) from None
+            if proc.poll() is not None:
+                raise self._fail(self._rank_report(rank, during, ""))
+            if time.monotonic() > deadline:
+                raise self._fail(self._rank_report(rank, during, "did not answer in time"))
+
+    def _collect(self, during: str, deadline: float, expect: str = "ok") -> list[Any]:
+        """Every worker's reply to the last command, in rank order. A worker's error (its own, when rank 0's part
+        succeeded) is raised as TrainerGroupError with its traceback."""
+        results = []
+        errors = []
+        for rank in range(1, self.world_size):
+            reply = self._receive(rank, during, deadline)
+            if reply[0] == expect:
+                results.append(reply[1] if len(reply) > 1 else None)
+            elif reply[0] == "error":
+                errors.append(f"rank {rank}: {reply[1]}: {reply[2]}\n{reply[3]}")
+                results.append(None)
+            else:
+                raise self._fail(f"trainer group rank {rank} answered {reply[0]!r} to {during!r}")
+        if errors:
+            raise TrainerGroupCommandError(f"trainer group command {during!r} failed on " + "\n".join(errors))
+        return results
+
+    def _run(self, command: str, worker_args: Sequence[tuple], local: Any) -> tuple[Any, list[Any]]:
+        """Send `command` to every worker (rank r gets worker_args[r - 1]), run `local()` here, collect."""
+        with self._lock:
+            return self._run_locked(command, worker_args, local)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise TrainerGroupError("the trainer group is closed")
+        if self._broken:
+            raise TrainerGroupError(f"the trainer group failed earlier: {self._broken}")
+
+    def _send_all(self, command: str, worker_args: Sequence[tuple]) -> float:
+        self._check_usable()
+        for rank, args in enumerate(worker_args, start=1):
+            try:
+                _send(self._conns[rank - 1], (command, args))
+            except (OSError, EOFError):
+                raise self._fail(self._rank_report(rank, command, "closed its command pipe")) from None
+        return time.monotonic() + self.config.group_timeout_s
+
+    def _run_locked(self, command: str, worker_args: Sequence[tuple], local: Any) -> tuple[Any, list[Any]]:
+        deadline = self._send_all(command, worker_args)
+        try:
+            mine = local()
+        except BaseException as error:
+            dead = self._dead_worker_report(command, wait_s=_EXIT_GRACE_S)
+            if dead:
+                raise self._fail(dead) from error
+            # The same error on every rank (bad input the checks here did not catch): their replies say so too.
+            try:
+                self._collect(command, deadline)
+            except TrainerGroupCommandError:
+                pass
+            raise
+        return mine, self._collect(command, deadline)
+
+    def _same_for_all(self, *args: Any) -> list[tuple]:
+        return [args] * (self.world_size - 1)
+
+    def _per_replica(self, shares: Sequence[Any]) -> list[tuple]:
+        return [(shares[self.ranks[rank]["data"]],) for rank in range(1, self.world_size)]
+
+    # ---- the trainer's surface --------------------------------------------------------------------------------
+
+    @property
+    def _trainer(self) -> MegatronTrainer:
+        assert self.local is not None
+        return self.local
+
+    @property
+    def version(self) -> int:
+        return self._trainer.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._run("set_version", self._same_for_all(value), lambda: _set_version(self._trainer, value))
+
+    @property
+    def num_params(self) -> int:
+        """Elements of rank 0's shard (its flat buffers)."""
+        return self._trainer.num_params
+
+    @property
+    def is_publisher(self) -> bool:
+        return True
+
+    @property
+    def has_average(self) -> bool:
+        return self._trainer.has_average
+
+    def param_layout(self):
+        """Rank 0's shard layout (megatron names, local to its stage)."""
+        return self._trainer.param_layout()
+
+    def param_buffer(self) -> torch.Tensor:
+        """Rank 0's live flat shard. Not the whole model: a peer that pulls whole flat weights gets a layout
+        error (weight_pull checks sizes)."""
+        return self._trainer.param_buffer()
+
+    def flat_params(self) -> torch.Tensor:
+        return self._trainer.flat_params()
+
+    def scheduled_lr(self) -> float:
+        return self._trainer.scheduled_lr()
+
+    def _check_batch(self, input_ids, lengths, temperatures) -> None:
+        ids, lens = self._trainer._check_batch(input_ids, lengths)
+        self._trainer._check_temperatures(temperatures, ids)
+
+    def forward_backward(self, input_ids: torch.Tensor, lengths: torch.Tensor, loss_fn: LossFn,
+                         temperatures: torch.Tensor | None = None) -> dict:
+        """MegatronTrainer.forward_backward over the group. `loss_fn` must pickle (a module-level function or a
+        functools.partial of one): every rank computes the loss of its stage's output. With data-parallel replicas,
+        replica 0 computes the whole batch (`forward_backward_shares` spreads rows instead)."""
+        shares: list = [None] * self.sizes.data
+        shares[0] = (input_ids, lengths, loss_fn, temperatures)
+        out = self.forward_backward_shares(shares)[0]
+        assert out is not None
+        return out
+
+    def forward_backward_shares(self, shares: Sequence[tuple | None]) -> list[dict | None]:
+        """One (input_ids, lengths, loss_fn, temperatures) or None per data-parallel replica: each replica
+        accumulates the gradients of its share (they are summed over the replicas at the optimizer step). Returns
+        each replica's metrics (None for an empty share). Losses that are sums over rows (Gyre's) make the replicas'
+        sum the whole batch's."""
+        if len(shares) != self.sizes.data:
+            raise TrainerError(f"{len(shares)} shares for {self.sizes.data} data-parallel replicas")
+        for share in shares:
+            if share is not None:
+                self._check_batch(share[0], share[1], share[3] if len(share) > 3 else None)
+        mine, others = self._run("forward_backward", self._per_replica(shares),
+                                 lambda: _forward_backward(self._trainer, shares[0]))
+        results: list[dict | None] = [None] * self.sizes.data
+        results[0] = mine
+        for rank in range(1, self.world_size):
+            replica = self.ranks[rank]["data"]
+            if results[replica] is None and others[rank - 1] is not None:
+                results[replica] = others[rank - 1]
+        return results
+
+    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor,
+                 temperatures: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_batch(input_ids, lengths, temperatures)
+        batch = (input_ids, lengths, temperatures)
+        shares = [batch] + [None] * (self.sizes.data - 1)
+        mine, _ = self._run("logprobs", self._per_replica(shares), lambda: _logprobs(self._trainer, batch))
+        return mine
+
+    def zero_grads(self) -> None:
+        self._run("zero_grads", self._same_for_all(), self._trainer.zero_grads)
+
+    def grad_norm(self) -> float:
+        """The global norm of the gradients summed so far (reduced over the replicas first)."""
+        mine, _ = self._run("grad_norm", self._same_for_all(), lambda: COMMANDS["grad_norm"](self._trainer))
+        return mine
+
+    def optimizer_step(self, lr: float | None = None) -> dict:
+        mine, _ = self._run("optimizer_step", self._same_for_all(lr), lambda: self._trainer.optimizer_step(lr))
+        return mine
+
+    def grad_buffer(self) -> torch.Tensor:
+        raise TrainerError("a trainer group has no whole-model gradient buffer: satellites' reduction rounds need a "
+                           "world-size-1 core for now")
+
+    def add_flat_grads(self, flat: torch.Tensor, scale: float = 1.0) -> None:
+        raise TrainerError("a trainer group takes no whole-model flat gradients: satellites' reduction rounds need a "
+                           "world-size-1 core for now")
+
+    def load_flat_params(self, flat: torch.Tensor, version: int | None = None) -> None:
+        raise TrainerError("a trainer group loads weights by name (load_hf_state_dict), not as a flat buffer")
+
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Load HF-named weights: rank 0 cuts them and sends each rank only its shard."""
+        from gyre.engines.weight_convert import hf_to_megatron
+
+        full = hf_to_megatron(state, self.spec)
+        shards = {}
+        for rank in range(self.world_size):
+            key = (self.ranks[rank]["tensor"], self.ranks[rank]["pipeline"])
+            if key not in shards:
+                shards[key] = parallel.shard_state(full, self.spec, key[0], self.sizes.tensor, key[1],
+                                                   self.sizes.pipeline)
+        del full
+        args = [(shards[(self.ranks[r]["tensor"], self.ranks[r]["pipeline"])], version)
+                for r in range(1, self.world_size)]
+        self._run("load_shard", args, lambda: self._trainer.load_shard(shards[(0, 0)], version))
+
+    def load_model_dir(self, model_dir: str | Path, version: int | None = None) -> None:
+        self.load_hf_state_dict(load_hf_state_dict(Path(model_dir)), version)
+
+    def iter_hf_buckets(self, bucket_bytes: int = 256 << 20, averaged: bool = False):
+        """The weights under HF names, one bucket at a time, gathered from every rank's shard as the caller iterates
+        (parallel.gather_buckets): at most one bucket of the model is ever whole on rank 0, and none elsewhere. The
+        group stays locked (no step changes the weights) until the iteration ends; a caller that stops early still
+        lets the workers finish theirs (the rest is gathered and dropped)."""
+        with self._lock:
+            deadline = self._send_all("hf_buckets", self._same_for_all(bucket_bytes, averaged))
+            buckets = self._trainer.iter_hf_buckets(bucket_bytes, averaged)
+            try:
+                for bucket in buckets:
+                    yield bucket
+            finally:  # also when the caller stops early: the workers gather every bucket, so must this side
+                try:
+                    for _ in buckets:
+                        pass
+                    self._collect("hf_buckets", deadline)
+                except TrainerGroupError:
+                    raise
+                except Exception as error:
+                    dead = self._dead_worker_report("hf_buckets", wait_s=_EXIT_GRACE_S)
+                    raise self._fail(dead or f"hf_buckets failed on rank 0: {error}") from error
+
+    def hf_state_dict(self, averaged: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model under HF names on rank 0 (from the buckets; what `save_hf` and an in-process engine,
+        which holds the whole model anyway, need). Publishing to engine servers takes `iter_hf_buckets` instead."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.iter_hf_buckets(averaged=averaged):
+            out.update(bucket)
+        return out
+
+    def save_hf(self, model_dir: str | Path, averaged: bool = False) -> Path:
+        return save_model_dir(self.model_dir, model_dir, self.hf_state_dict(averaged))
+
+    def checkpoint_state(self) -> dict:
+        raise TrainerError("a trainer group's checkpoint is sharded: save_sharded_checkpoint(folder)")
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        raise TrainerError("a trainer group's checkpoint is sharded: load_sharded_checkpoint(path)")
+
+    def save_sharded_checkpoint(self, folder: str | Path) -> tuple[list[Any], str]:
+        """Every rank writes its shard's state into `folder` (one file per tensor x pipeline rank). Returns the
+        PartRecords (rank order, one per file) and a digest over every shard's state digest."""
+        mine, others = self._run("save_part", self._same_for_all(str(folder)),
+                                 lambda: save_part(self._trainer, str(folder)))
+        replies = [mine] + others
+        records = [record for record, _ in replies if record is not None]
+        return records, _group_digest(self.ranks, [digest for _, digest in replies])
+
+    def load_sharded_checkpoint(self, checkpoint_path: str | Path) -> str:
+        """Every rank restores its shard from the committed checkpoint; returns the digest `save_sharded_checkpoint`
+        gave when the state was saved."""
+        mine, others = self._run("load_part", self._same_for_all(str(checkpoint_path)),
+                                 lambda: load_part(self._trainer, str(checkpoint_path)))
+        return _group_digest(self.ranks, [mine] + others)
+
+    # ---- closing ----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the workers (a shutdown command, then a kill after a grace period) and leave the process group."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._shutdown(kill=bool(self._broken))
+
+    def _shutdown(self, kill: bool) -> None:
+        for conn in self._conns:
+            try:
+                if not kill:
+                    _send(conn, ("shutdown", ()))
+            except (OSError, EOFError):
+                pass
+        deadline = time.monotonic() + (0.0 if kill else 10.0)
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()) or 0.01)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        for conn in self._conns:
+            conn.close()
+        self._conns.clear()
+        self.local = None
+        try:
+            import torch.distributed as dist
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as error:  # a broken group may not leave cleanly; the process keeps nothing of it
+            log.warning("trainer_group_leave_failed", error=str(error))
+
+    def __del__(self) -> None:
+        for proc in getattr(self, "_procs", []):
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _group_digest(ranks: Sequence[Mapping[str, int]], digests: Sequence[str]) -> str:
+    """One digest over the shards' digests, each (tensor, pipeline) shard once, in shard order."""
+    by_shard = {}
+    for rank, digest in zip(ranks, digests):
+        by_shard.setdefault((rank["tensor"], rank["pipeline"]), digest)
+    combined = hashlib.sha256()
+    for key in sorted(by_shard):
+        combined.update(f"tp{key[0]}.pp{key[1]}={by_shard[key]};".encode())
+    return combined.hexdigest()
+
+
+def _worker_main(fd: int) -> None:
+    conn = Connection(fd)
+    try:
+        _, rank, world_size, init_method, sizes, device, model_dir, config = _recv(conn)
+    except EOFError:
+        return
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    _send(conn, ("joining",))
+    parallel.init_parallel(rank, world_size, init_method, sizes, device, timeout_s=config.group_timeout_s)
+    trainer = MegatronTrainer(model_dir, config)
+    _send(conn, ("ok", _ranks(trainer)))
+    while True:
+        try:
+            command, args = _recv(conn)
+        except (EOFError, OSError):  # rank 0 is gone: nothing to serve
+            return
+        if command == "shutdown":
+            _send(conn, ("ok",))
+            return
+        try:
+            result = COMMANDS[command](trainer, *args)
+        except Exception as error:
+            _send(conn, ("error", type(error).__name__, str(error), traceback.format_exc(limit=8)))
+            continue
+        _send(conn, ("ok", result))
+
+
+if __name__ == "__main__":
+    _worker_main(int(sys.argv[1]))

@@ -1,0 +1,145 @@
+"""A trainer of several processes driven from one (engines/trainer_group.py) against the in-process trainer, fp32.
+
+trainer_group_driver.py is rank 0, as a core cell's process is: it starts the group (two processes over gloo),
+trains three optimizer steps on Gyre's loss, publishes, and round-trips a sharded checkpoint; this file runs the same
+steps in one process (world size 1) and compares: log-probs, each step's loss and gradient norm, and the weights
+after the steps within 1e-5; the weights published bucket by bucket equal the group's whole weights exactly and
+never sit whole in one bucket; the checkpoint gives back the same weights and AdamW moments (digests over both, every shard)
+after a step that moved them. A worker killed mid-run makes the next call fail at once with an
+error that names the rank, and every later call too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre.engines.model_format import PRESETS, init_model_dir, init_state_dict, save_hf_state_dict
+
+DRIVER = Path(__file__).with_name("trainer_group_driver.py")
+TOL = 1e-5
+DRIVER_TIMEOUT_S = 400  # each group pays a megatron import in its worker (~10 s on busy cores); a hang fails
+
+
+def driver():
+    sys.path.insert(0, str(DRIVER.parent))
+    try:
+        import trainer_group_driver
+    finally:
+        sys.path.pop(0)
+    return trainer_group_driver
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = init_model_dir(tmp_path_factory.mktemp("group-model") / "tiny", "tiny", seed=0)
+    save_hf_state_dict(path, init_state_dict(PRESETS["tiny"], seed=31, std=0.05))  # gradients well above round-off
+    return str(path)
+
+
+def run_driver(model: str, out: Path, *layouts: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(DRIVER), model, str(out), *layouts], env=env, capture_output=True,
+                          timeout=DRIVER_TIMEOUT_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr).decode(errors="replace")[-6000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def records(model, tmp_path_factory) -> dict:
+    return run_driver(model, tmp_path_factory.mktemp("group-out") / "records.pt", "tp2", "kill")
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict:
+    from gyre.engines.trainer import MegatronTrainer, TrainerConfig
+
+    torch.set_num_threads(2)
+    return driver().train(MegatronTrainer(model, TrainerConfig(lr=driver().LR)), data=1)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def check_matches_one_process(got: dict, want: dict) -> None:
+    assert float((got["logprobs"] - want["logprobs"]).abs().max()) < TOL
+    assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < TOL
+    assert max(abs(a - b) for a, b in zip(got["grad_norms"], want["grad_norms"])) < TOL
+    assert min(want["grad_norms"]) > 0.1  # gradients well above round-off: the comparison means something
+    assert max_diff(got["weights"], want["weights"]) < TOL
+    moved = max(float((want["weights"][k] - w).abs().max())
+                for k, w in init_weights(want["weights"].keys()).items())
+    assert moved > 5 * TOL  # the steps moved the weights by well over the tolerance
+
+
+def init_weights(names) -> dict:
+    state = init_state_dict(PRESETS["tiny"], seed=31, std=0.05)
+    return {k: state[k] for k in names}
+
+
+def check_published_and_checkpoint(got: dict, want: dict) -> None:
+    buckets = got["buckets"]
+    whole = got["weights"]
+    assert buckets["union"].keys() == whole.keys()
+    assert all(torch.equal(buckets["union"][k], whole[k]) for k in whole)  # what a publisher sends is the model
+    assert max_diff(buckets["union"], want["weights"]) < TOL  # ... and the in-process trainer's within 1e-5
+    total = sum(t.numel() * t.element_size() for t in whole.values())
+    assert sum(buckets["sizes"]) == total and max(buckets["sizes"]) < total / 2  # never the whole model at once
+    checkpoint = got["checkpoint"]
+    assert checkpoint["restored_digest"] == checkpoint["saved_digest"]  # weights and moments of every shard
+    assert checkpoint["restored_version"] == checkpoint["saved_version"] == 3
+    assert max_diff(checkpoint["moved"], whole) > driver().LR / 2  # the extra step moved the weights ...
+    assert max_diff(checkpoint["restored"], whole) == 0.0  # ... and the restore put them back exactly
+
+
+def test_tensor_parallel_group_trains_like_one_process(records, reference):
+    check_matches_one_process(records["tp2"], reference)
+
+
+def test_tensor_parallel_group_publishes_by_bucket_and_restores_its_sharded_checkpoint(records, reference):
+    check_published_and_checkpoint(records["tp2"], reference)
+    assert records["tp2"]["checkpoint"]["parts"] == ["core.tp0.pp0.pt", "core.tp1.pp0.pt"]  # one file per shard
+
+
+def test_a_killed_worker_fails_the_group_with_its_rank_and_output(records):
+    first, second = records["kill"]["first"], records["kill"]["second"]
+    assert first.startswith("trainer group rank 1 of 2 exited with code -9 during 'forward_backward'"), first
+    assert "its output ends with" in first and "trainer_ready" in first  # the worker's own log lines
+    assert second.startswith("the trainer group failed earlier: trainer group rank 1"), second
+
+
+@pytest.mark.slow
+def test_pipeline_and_data_parallel_groups_train_like_one_process(model, reference, tmp_path):
+    got = run_driver(model, tmp_path / "records.pt", "pp2", "dp2")
+    for layout in ("pp2", "dp2"):
+        check_matches_one_process(got[layout], reference)
+        check_published_and_checkpoint(got[layout], reference)
+    assert got["pp2"]["checkpoint"]["parts"] == ["core.tp0.pp0.pt", "core.tp0.pp1.pt"]
+    assert got["dp2"]["checkpoint"]["parts"] == ["core.tp0.pp0.pt"]  # replicas share one shard; replica 0 writes it
+
+
+def test_parallel_sizes_are_checked_as_the_config_is_built(model):
+    from gyre.engines.trainer import TrainerConfig
+    from gyre.engines.trainer_group import TrainerGroup, TrainerGroupError, build_trainer
+    from gyre.runtime.errors import ConfigError
+
+    for bad in ({"tensor_parallel": 0}, {"data_parallel": 1.5}, {"expert_parallel": 2}):
+        with pytest.raises(ConfigError):
+            TrainerConfig(**bad)
+    with pytest.raises(ConfigError, match="num_kv_heads 2 is not a multiple of tensor size 4"):
+        TrainerConfig(tensor_parallel=4).check_parallel_fits(PRESETS["tiny"])
+    with pytest.raises(ConfigError, match="num_layers 4 is not a multiple of pipeline size 3"):
+        build_trainer(model, TrainerConfig(pipeline_parallel=3))
+    assert TrainerConfig(tensor_parallel=2, data_parallel=2).parallel.world_size == 4
+    from gyre.engines.trainer import ensure_parallel_state
+
+    ensure_parallel_state()  # this process has its group of one: no group's rank 0 can live here
+    with pytest.raises(TrainerGroupError, match="already has a torch.distributed group"):
+        TrainerGroup(model, TrainerConfig(tensor_parallel=2))

@@ -1,0 +1,146 @@
+"""Rank 0 of trainer groups, for test_trainer_group.py: `python3 trainer_group_driver.py MODEL_DIR OUT LAYOUT...`.
+
+This process is what a core cell's process is to its trainer group: rank 0, which starts the other ranks and drives
+them (engines/trainer_group.py). For each layout ("tp2", "pp2", "dp2") it trains STEPS optimizer steps on the samples
+of `step_samples` with Gyre's loss (policies.loss, as the cell computes micro-steps), and records what the test
+compares with a one-process trainer: the log-probs, each step's loss and gradient norm, the HF weights after the
+steps (whole, and bucket by bucket as a publisher gets them), and a sharded checkpoint's round trip (saved after the
+steps, one more step taken, restored: the digests of weights and AdamW moments, and the weights). "kill" starts a
+tensor-parallel group, kills rank 1 and records the error the next micro-step raises. Saves the records (torch.save).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import tempfile
+
+import torch
+
+from gyre.messages.samples import TrainingSample
+from gyre.policies.loss import loss_from_samples, pack_samples
+
+STEPS = 3
+LR = 5e-5
+"""Adam moves an element whose gradient is near zero by about lr whatever its size, so the 1e-7 round-off between a
+tensor-parallel sum and a one-process one can flip such a move (see test_parallel.py): at 1e-4 the weights after three
+GSPO steps differ by 1.1e-5, at 5e-5 by half that."""
+BUCKET_BYTES = 1 << 20
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+
+
+def sample(index: int, step: int, length: int) -> TrainingSample:
+    g = torch.Generator().manual_seed(1000 * step + index)
+    ids = tuple(int(t) for t in torch.randint(1, 2000, (length,), generator=g))
+    mask = tuple(t >= length // 3 for t in range(length))
+    k = sum(mask)
+    advantage = float(torch.randn((), generator=g))
+    return TrainingSample(
+        execution_id=f"e{step}-{index}", group_id=f"g{step}", trajectory_rank=0, trajectory_kind="main",
+        leaf_call_index=0, token_ids=ids, loss_mask=mask, behaviour_logprobs=tuple(-7.0 if m else 0.0 for m in mask),
+        advantages=(advantage,) * length, weights=tuple(1.0 / k if m else 0.0 for m in mask), min_weight_version=0,
+        max_weight_version=0, num_loss_tokens=k, sampling_temperatures=(1.0,) * length,
+    )
+
+
+def step_samples(step: int) -> list[TrainingSample]:
+    return [sample(i, step, n) for i, n in enumerate((9, 17, 23, 30))]
+
+
+def share(rows: list[TrainingSample], num_executions: int):
+    if not rows:
+        return None
+    batch = pack_samples(rows)
+    # Wide clips: the ratio is far from 1 (behaviour log-probs are made up), and clipped tokens carry no gradient.
+    loss_fn = functools.partial(loss_from_samples, batch=batch, num_executions=num_executions, clip_low=0.9,
+                                clip_high=10.0)
+    return batch.input_ids, batch.lengths, loss_fn, batch.temperatures
+
+
+def train(trainer, data: int) -> dict:
+    """What both sides run: STEPS steps, each one micro-step of four samples (data replicas: rows dealt round-robin)."""
+    probe = pack_samples(step_samples(99))
+    out = {"logprobs": trainer.logprobs(probe.input_ids, probe.lengths), "losses": [], "grad_norms": []}
+    for step in range(STEPS):
+        rows = step_samples(step)
+        if data == 1:
+            metrics = [trainer.forward_backward(*share(rows, len(rows)))]
+        else:
+            metrics = [m for m in trainer.forward_backward_shares([share(rows[r::data], len(rows))
+                                                                   for r in range(data)]) if m is not None]
+        out["losses"].append(sum(m["loss"] for m in metrics))
+        result = trainer.optimizer_step()
+        assert not result["skipped"]
+        out["grad_norms"].append(result["grad_norm"])
+    out["weights"] = trainer.hf_state_dict()
+    return out
+
+
+def run_layout(model_dir: str, name: str, workdir: str) -> dict:
+    from gyre.engines.trainer import TrainerConfig
+    from gyre.engines.trainer_group import TrainerGroup
+    from gyre.runtime.checkpoint import commit, staging_dir
+
+    tensor, pipeline, data = LAYOUTS[name]
+    group = TrainerGroup(model_dir, TrainerConfig(lr=LR, num_threads=1, tensor_parallel=tensor,
+                                                  pipeline_parallel=pipeline, data_parallel=data))
+    try:
+        out = train(group, data)
+        buckets = list(group.iter_hf_buckets(bucket_bytes=BUCKET_BYTES))
+        out["buckets"] = {"sizes": [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets],
+                          "union": {k: v for b in buckets for k, v in b.items()}}
+        root = os.path.join(workdir, name)
+        records, saved_digest = group.save_sharded_checkpoint(staging_dir(root, 0))
+        path = commit(root, 0, {r.name: r for r in records}, {"weight_version": group.version}, keep=2)
+        saved_version = group.version
+        group.forward_backward(*share(step_samples(7), 4))
+        group.optimizer_step()
+        moved = group.hf_state_dict()
+        restored_digest = group.load_sharded_checkpoint(path)
+        out["checkpoint"] = {"parts": sorted(r.name for r in records), "saved_digest": saved_digest,
+                             "restored_digest": restored_digest, "moved": moved, "restored": group.hf_state_dict(),
+                             "saved_version": saved_version, "restored_version": group.version}
+    finally:
+        group.close()
+    return out
+
+
+def run_kill(model_dir: str) -> dict:
+    from gyre.engines.trainer import TrainerConfig
+    from gyre.engines.trainer_group import TrainerGroup, TrainerGroupError
+
+    group = TrainerGroup(model_dir, TrainerConfig(lr=LR, num_threads=1, tensor_parallel=2))
+    try:
+        group.forward_backward(*share(step_samples(0), 4))
+        os.kill(group._procs[0].pid, signal.SIGKILL)
+        try:
+            group.forward_backward(*share(step_samples(1), 4))
+        except TrainerGroupError as error:
+            first = str(error)
+        else:
+            first = ""
+        try:
+            group.optimizer_step()
+        except TrainerGroupError as error:
+            second = str(error)
+        else:
+            second = ""
+    finally:
+        group.close()
+    return {"first": first, "second": second}
+
+
+def main() -> None:
+    model_dir, out, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    torch.set_num_threads(1)
+    records = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in layouts:
+            records[name] = run_kill(model_dir) if name == "kill" else run_layout(model_dir, name, workdir)
+    torch.save(records, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,8 @@ The path of a model call, file by file. Each file is entered once on the way in 
 calls only the files below it:
 1. `http_app.py` (`ProxyService._model_call`): the API key (a lookup in `sessions.ProxySessions`, which returns at
    once), the X-Gyre-* labels, the bound on calls in flight, the body read within its size and time bounds and
-   decoded within the JSON bounds (`_api_common.loads_bounded`; every bound is a ProxyHttpConfig field); then
+   decoded within the JSON bounds (`json_bodies.BodyCache`: after what it repeats of the session's earlier bodies,
+   else `_api_common.loads_bounded`; every bound is a ProxyHttpConfig field); then
    `api.answer(body, context, runner, limits)`.
 2. `openai_api.py` or `anthropic_api.py` (`answer`): parse the body into a `ChatRequest`, `runner.complete(...)`,
    shape the `ChatOutcome` into the API's JSON (`completion_body`, `message_body`); a refusal (`ApiError`) or an

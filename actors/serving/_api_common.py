@@ -80,10 +80,12 @@ def loads_bounded(raw: bytes | str, limits: JsonLimits, where: str = "the reques
     return value
 
 
-def check_json(value: Any, limits: JsonLimits, where: str, surrogates: bool = True, strings: bool = True) -> None:
+def check_json(
+    value: Any, limits: JsonLimits, where: str, surrogates: bool = True, strings: bool = True, depth: int = 1
+) -> None:
     """Raise ApiError when decoded JSON breaks `limits` or holds a lone surrogate (looked for only when
-    `surrogates`; string lengths only when `strings`). Iterative, so a value nested far beyond the limit cannot
-    exhaust the stack here."""
+    `surrogates`; string lengths only when `strings`); `value` sits at `depth` (1: it is the whole document).
+    Iterative, so a value nested far beyond the limit cannot exhaust the stack here."""
 
     def check_string(text: str) -> None:
         if strings and len(text) > limits.max_string_chars:
@@ -96,7 +98,7 @@ def check_json(value: Any, limits: JsonLimits, where: str, surrogates: bool = Tr
     if type(value) is str:
         check_string(value)
         return
-    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, (dict, list)) else []
+    stack: list[tuple[Any, int]] = [(value, depth)] if isinstance(value, (dict, list)) else []
     while stack:
         node, depth = stack.pop()
         if depth > limits.max_depth:

@@ -32,8 +32,9 @@ import structlog
 from aiohttp import web
 
 from gyre.actors.serving import anthropic_api, openai_api
-from gyre.actors.serving._api_common import Answer, JsonLimits, loads_bounded
+from gyre.actors.serving._api_common import Answer, JsonLimits
 from gyre.actors.serving.backends import GenerateBackend
+from gyre.actors.serving.json_bodies import BodyCache, BodyCacheConfig, not_negative
 from gyre.actors.serving.sessions import (
     ApiError,
     CallContext,
@@ -80,6 +81,9 @@ class ProxyHttpConfig:
     - `max_json_depth` (64 levels) and `max_json_string_chars` (1 Mi characters), checked on the decoded body
       before anything reads it, tool-call arguments (JSON inside a string) included; invalid UTF-8 and lone
       surrogates (which no tokenizer takes) are refused the same way: 400.
+    - `body_cache_bytes` (256 MiB), `body_cache_per_session` (8): bodies kept so that the next body of the same
+      conversation, which repeats it, is decoded from where it differs (json_bodies.py); bytes kept in all and
+      bodies per session.
     - `max_prompt_chars_per_token` (16): a prompt of more than max_context_tokens x this many characters is
       refused (400, context_length) before it is tokenised.
     - `max_context_tokens`: prompt + output tokens (400 for a prompt that leaves no room).
@@ -110,6 +114,11 @@ class ProxyHttpConfig:
     recursion limit."""
     max_json_string_chars: int = attrs.field(default=2**20, validator=count)
     """Characters of one string in a body (keys included) at most; 400 beyond."""
+    body_cache_bytes: int = attrs.field(default=256 * 2**20, validator=not_negative)
+    """Request bodies kept, all sessions together, so that a conversation's next body is decoded only after the
+    messages it repeats (0: every body decoded whole)."""
+    body_cache_per_session: int = attrs.field(default=8, validator=count)
+    """Bodies kept per session (one per conversation it interleaves)."""
     max_prompt_chars_per_token: int = attrs.field(default=16, validator=count)
     """A prompt of more than max_context_tokens x this many characters (messages, system text, tools) gets 400
     without being tokenised: real text averages 3-5 characters per token, so 16 leaves room for whitespace-heavy
@@ -226,6 +235,9 @@ class ProxyService:
             stream_buffer_chunks=config.stream_buffer_chunks,
         )
         self.json_limits = JsonLimits(config.max_json_depth, config.max_json_string_chars)
+        self.bodies = BodyCache(
+            self.json_limits, BodyCacheConfig(config.body_cache_bytes, config.body_cache_per_session)
+        )
         self._completed = self._rejected = self._failed = self._disconnected = 0
         self._in_flight = self._in_flight_peak = 0
 
@@ -264,8 +276,9 @@ class ProxyService:
             raise ApiError("invalid_request", f"{CALL_HEADER} must be one of {CALL_KINDS}, got {kind!r}")
         return agent, kind
 
-    async def _read_json(self, request: web.Request) -> Any:
-        """The body, decoded within the bounds (see ProxyHttpConfig); ApiError otherwise."""
+    async def _read_json(self, request: web.Request, session: ExecutionSession) -> Any:
+        """The body, decoded within the bounds (see ProxyHttpConfig), from where it differs from the session's
+        earlier bodies; ApiError otherwise."""
         config = self.config
         try:
             async with asyncio.timeout(config.body_read_timeout_s):
@@ -276,7 +289,7 @@ class ProxyService:
             raise ApiError(
                 "timeout", f"the request body did not arrive within {config.body_read_timeout_s} s (body_read_timeout_s)"
             ) from None
-        return loads_bounded(raw, self.json_limits)
+        return self.bodies.loads(raw, session.execution_id)
 
     # -- answers -------------------------------------------------------------------------------------------------
 
@@ -328,7 +341,7 @@ class ProxyService:
         except ApiError as error:
             return self._refuse(request, api, error)
         try:
-            body = await self._read_json(request)
+            body = await self._read_json(request, session)
             context = CallContext(session, agent_id, call_kind, started_s)
             return await self._respond(request, api.answer(body, context, self.runner, self.json_limits))
         except ApiError as error:
@@ -373,7 +386,7 @@ class ProxyService:
     async def count_tokens(self, request: web.Request) -> web.StreamResponse:
         try:
             session = self._authenticate(request)
-            body = await self._read_json(request)
+            body = await self._read_json(request, session)
             answer = await anthropic_api.count_tokens_answer(body, session, self.runner)
         except ApiError as error:
             return self._refuse(request, anthropic_api, error)

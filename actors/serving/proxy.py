@@ -148,6 +148,7 @@ class Proxy(Actor):
     def on_revoke_key(self, msg: RevokeKey) -> None:
         known = self.sessions.revoke(msg.execution_id)
         aborted = self.backend.forget_execution(msg.execution_id)
+        self.service.bodies.forget(msg.execution_id)
         if not known:
             self.log.info("revoke_of_an_unknown_execution", execution_id=msg.execution_id)
         elif aborted:

@@ -258,22 +258,54 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         """Template variables such as bos_token and eos_token (tokenizer_config.json's strings): transformers
         passes them to every render, and Llama-style templates open with `{{ bos_token }}`."""
-        self.fast_path = fast_path and source == CHAT_TEMPLATE
+        self.decomposable = source == CHAT_TEMPLATE
+        """Whether rendering a conversation equals concatenating per-message renders (Gyre's own template, by
+        construction). The proxy renders any other template whole (see `turn_text_after` and
+        actors/serving/sessions.py)."""
+        self.fast_path = fast_path and self.decomposable
         """Whether renders try `render_builtin_text` before Jinja."""
         self._template = compile_template(source)
-        ids = {}
+        ids: dict[str, int | None] = {}
         for token in (IM_START, IM_END, END_OF_TEXT):
             token_id = tokenizer.token_to_id(token)
-            if token_id is None:
+            if token_id is None and self.decomposable:
                 raise ChatTemplateError(f"the tokenizer has no {token} token")
             ids[token] = token_id
         self.im_start_id = ids[IM_START]
         self.im_end_id = ids[IM_END]
         self.end_of_text_id = ids[END_OF_TEXT]
-        self.stop_token_ids: tuple[int, ...] = (self.im_end_id, self.end_of_text_id)
-        """Tokens that end an assistant turn: the turn end, and the end-of-text token as a fallback."""
+        stops = [ids[IM_END], ids[END_OF_TEXT]]
+        eos = self.special_tokens.get("eos_token")
+        if eos is not None and tokenizer.token_to_id(eos) is not None:
+            stops.append(tokenizer.token_to_id(eos))
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in stops if i is not None))
+        """Tokens that end an assistant turn: the turn end, and the end-of-text token as a fallback (and the
+        tokenizer config's eos_token, for a template with other markup: Llama's `<|eot_id|>`, say)."""
+        if not self.stop_token_ids:
+            raise ChatTemplateError("the tokenizer has none of <|im_end|>, <|endoftext|> or its eos_token")
         self._header = tuple(self.encode(f"{IM_START}assistant\n"))
         self._trailer = tuple(self.encode("\n"))
+        self._stop_texts = {i: tokenizer.id_to_token(i) for i in self.stop_token_ids}
+        self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        self.splits_at_special_tokens = self._probe_special_splits()
+        """Whether tokenising a text in two pieces cut right after a special token gives the ids of the whole
+        (true of byte-level BPE tokenizers such as Qwen's and Llama 3's, which split on special tokens first).
+        The proxy reuses ids across calls only when it holds; otherwise it tokenises each prompt whole."""
+
+    def _probe_special_splits(self) -> bool:
+        added = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        samples = [" a\n\n b", "\n\nx y", "Hello  world", "\u00fc\u00f1 \t"]
+        for token in added[:4]:
+            for left in samples[:2]:
+                for right in samples:
+                    whole = self.encode(left + token + right)
+                    if whole != self.encode(left + token) + self.encode(right):
+                        return False
+        return True
+
+    def stop_text(self, token_id: int) -> str | None:
+        """The text of a stop token (None for any other id)."""
+        return self._stop_texts.get(token_id)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ChatTemplate":
@@ -311,6 +343,18 @@ class ChatTemplate:
         if len(text) >= ENCODE_WITHOUT_GIL_CHARS:
             return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_with_cuts(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and, for each special token in it, (characters, ids) up to and including it: the places
+        where the text may be cut and each side tokenised alone (when `splits_at_special_tokens`)."""
+        if len(text) >= ENCODE_WITHOUT_GIL_CHARS:
+            encoding = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        else:
+            encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        special = self._special_ids
+        cuts = [(encoding.offsets[i][1], i + 1) for i, token in enumerate(ids) if token in special]
+        return ids, cuts
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -49,6 +49,7 @@ message renderings per execution (least recently used go first).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import hashlib
 import hmac
@@ -300,6 +301,11 @@ class SessionsFull(ActorError, RuntimeError):
     """No room for another execution: the executor must end some before issuing more keys."""
 
 
+KEEP_GENERATED = "keep_generated"
+FOLLOW_TEMPLATE = "follow_template"
+EARLIER_TURNS = (KEEP_GENERATED, FOLLOW_TEMPLATE)
+
+
 @attrs.frozen
 class ProxySessionsConfig:
     max_executions: int = 4096
@@ -312,6 +318,16 @@ class ProxySessionsConfig:
     max_conversations_per_execution: int = 8
     """Conversations (main agent, sub-agents, summaries) whose last rendering is kept for incremental rendering;
     0 renders every call from scratch (through the per-message cache)."""
+    earlier_turns: str = attrs.field(default=KEEP_GENERATED, validator=attrs.validators.in_(EARLIER_TURNS))
+    """A checkpoint's own template (not Gyre's): what the prompt holds where the template re-renders a turn the
+    model generated (Qwen3 drops the `<think>` block of turns before the last user message). "keep_generated":
+    the generated ids, always (the prompt extends the previous call's prompt + output; each turn is trained once,
+    in the context it was generated in). "follow_template": the template's text exactly, tokenised, from where it
+    departs from the previous call's prompt + output (that call's ids are kept up to there; the call branches
+    there in the execution's tree). See the module doc."""
+    max_paths_per_execution: int = 64
+    """Calls of a checkpoint's own template remembered per execution (prompt, output, text) for id reuse; the
+    least recently used go first."""
 
 
 def turn_key(content: str | None, tool_calls: Iterable[tuple[str, str | Mapping[str, Any]]]) -> Hashable:
@@ -432,6 +448,42 @@ class _Memo:
         )
 
 
+@attrs.define(eq=False)
+class _Path:
+    """One call rendered whole through a checkpoint's own template: what it was rendered from, its prompt, and
+    (once answered) its output. The next call of the conversation reuses these ids."""
+
+    tools: list[Any] | None
+    system_text: str | None
+    messages: list[Mapping[str, Any]]
+    """The call's messages (frozen copies), without the system message."""
+    parts: tuple[tuple[int, ...], ...]
+    """The prompt's ids in parts (shared with the path it extends, not copied)."""
+    ends: tuple[int, ...]
+    hasher: Any
+    """SHA-256 over the prompt ids (as int64 bytes)."""
+    text: str | None
+    """The text the prompt ids stand for (the template's text, with generated turns as decoded), or None."""
+    cuts: tuple[tuple[int, int], ...]
+    """(characters, ids) of the prompt up to and including each special token: where a later render that agrees
+    with `text` so far may take these ids and tokenise only the rest."""
+    reused_turns: int = 0
+    output: tuple[int, ...] | None = None
+    key: Hashable | None = None
+    call_index: int = -1
+    """The call whose record was handed on with this prompt (-1: none, a later record cannot name it)."""
+    output_text: str = ""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def path_ids(self) -> Iterable[int]:
+        """Prompt + output."""
+        return chain(chain.from_iterable(self.parts), self.output or ())
+
+
+
 def _frozen_copy(value: Any) -> Any:
     """A copy of JSON-like data deep enough that a caller mutating its messages later cannot corrupt a memo."""
     kind = type(value)
@@ -480,6 +532,11 @@ class ExecutionSession:
         self._rendered: OrderedDict[Any, tuple[tuple[int, ...], bytes]] = OrderedDict()
         # The latest renderings of a few conversations, most recently used last (see the module doc).
         self._memos: list[_Memo] = []
+        # A checkpoint's own template: calls rendered whole, most recently used last (see the module doc).
+        self._whole = not getattr(template, "decomposable", True)
+        self._paths: OrderedDict[int, _Path] = OrderedDict()
+        self._path_ids = 0
+        self._sentinel = "gyreturn" + secrets.token_hex(12)
         self.lock = asyncio.Lock()
         """Held by `CallRunner` around each render and record: a large render runs on a worker thread, and no other
         render or record of this execution may touch its state meanwhile."""
@@ -530,6 +587,8 @@ class ExecutionSession:
         for an assistant message whose tool-call arguments are not a JSON object.
         """
         tools_list = list(tools) if tools else None
+        if self._whole:
+            return self._render_whole(messages, tools_list, system_text)
         memo, known = self._memo_for(tools_list, system_text, messages)
         for message in messages[known:]:
             hasher = memo.hashers[-1].copy()
@@ -600,6 +659,9 @@ class ExecutionSession:
         """Call `call_index`, rendered as `rendered`, was answered with `output_ids` and its record handed on: the
         next call of its conversation may name it (a memo cut since the rendering keeps its older base)."""
         memo = rendered.memo
+        if isinstance(memo, _Path):
+            memo.call_index = call_index
+            return
         if memo is None or memo.cuts != rendered.memo_cuts or len(memo.pieces) < rendered.memo_parts:
             return
         if call_index < memo.base_call:
@@ -616,6 +678,9 @@ class ExecutionSession:
         """Characters `render` would tokenise or look up for these messages: those after the longest conversation
         it already holds (everything, system part and tools included, when it holds none). Changes nothing."""
         tools_list = list(tools) if tools else None
+        if self._whole:  # Jinja renders the whole conversation every call
+            return _messages_chars(messages) + len(system_text or "") + (
+                len(json.dumps(tools_list, ensure_ascii=False)) if tools_list else 0)
         known = -1
         for memo in self._memos:
             if memo.system_text == system_text and memo.tools == tools_list:
@@ -659,6 +724,165 @@ class ExecutionSession:
             self._memos.pop(0)
         return best, best_known
 
+    # -- a checkpoint's own template: rendered whole ----------------------------------------------------------
+
+    def _render_whole(
+        self, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None, system_text: str | None
+    ) -> RenderedPrompt:
+        """Prompt ids for a template that is not decomposable per message (see the module doc)."""
+        template: Any = self._template
+        full = ([{"role": "system", "content": system_text}] if system_text is not None else []) + list(messages)
+        if self._config.earlier_turns == KEEP_GENERATED and template.splits_at_special_tokens:
+            base, count = self._generated_base(tools, system_text, messages)
+            if base is not None:
+                rendered = self._extend_generated(base, count, full, messages, tools, system_text)
+                if rendered is not None:
+                    return rendered
+        text = template.render_text(full, tools, True)
+        base = self._text_base(tools, system_text, messages) if template.splits_at_special_tokens else None
+        head: tuple[tuple[int, ...], ...] = ()
+        head_ends: tuple[int, ...] = ()
+        head_cuts: tuple[tuple[int, int], ...] = ()
+        chars = tokens = reused = 0
+        hasher = None
+        known = 0
+        if base is not None:
+            known = _common_prefix(base.messages, messages)
+            ends_with_stop = bool(base.output) and base.output[-1] in template.stop_token_ids
+            path_text = base.text + (base.output_text if ends_with_stop else "")
+            agree = _agreeing_chars(text, path_text)
+            cuts = list(base.cuts)
+            if ends_with_stop:
+                cuts.append((len(path_text), base.prompt_tokens + len(base.output)))
+            at = bisect.bisect_right(cuts, (agree, sys.maxsize))
+            if at:
+                chars, tokens = cuts[at - 1]
+                head_cuts = tuple(cuts[:at])
+                if tokens > base.prompt_tokens:  # the whole prompt and the whole output
+                    head, head_ends = (*base.parts, base.output), (*base.ends, tokens)
+                    hasher = base.hasher.copy()
+                    hasher.update(_ids_bytes(base.output))
+                    reused = base.reused_turns + 1
+                else:
+                    head, head_ends = _head_parts(base.parts, base.ends, tokens)
+                    reused = base.reused_turns if tokens == base.prompt_tokens else 0
+        if hasher is None:
+            hasher = hashlib.sha256()
+            for part in head:
+                hasher.update(_ids_bytes(part))
+        rest, rest_cuts = template.encode_with_cuts(text[chars:])
+        rest = tuple(rest)
+        hasher.update(_ids_bytes(rest))
+        path = _Path(
+            _frozen_copy(tools), system_text,
+            (base.messages[:known] if base is not None else []) + [_frozen_copy(m) for m in messages[known:]],
+            (*head, rest), (*head_ends, tokens + len(rest)), hasher, text,
+            head_cuts + tuple((c + chars, i + tokens) for c, i in rest_cuts), reused,
+        )
+        return self._whole_prompt(path, base, messages)
+
+    def _generated_base(
+        self, tools: list[Any] | None, system_text: str | None, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[_Path | None, int]:
+        """The remembered call whose messages this conversation starts with, followed by that call's answer (the
+        longest such, the latest of equals), and how many messages it had."""
+        best: _Path | None = None
+        best_count = -1
+        keys: dict[int, Hashable] = {}
+        for path in reversed(self._paths.values()):
+            count = len(path.messages)
+            if count <= best_count or count >= len(messages) or path.tools != tools or path.system_text != system_text:
+                continue
+            message = messages[count]
+            if message.get("role") != "assistant":
+                continue
+            if count not in keys:
+                keys[count] = turn_key(message.get("content"), _message_calls(message))
+            if keys[count] == path.key and _common_prefix(path.messages, messages) == count:
+                best, best_count = path, count
+        if best is not None:
+            self._paths.move_to_end(id(best))
+        return best, best_count
+
+    def _text_base(
+        self, tools: list[Any] | None, system_text: str | None, messages: Sequence[Mapping[str, Any]]
+    ) -> _Path | None:
+        """The remembered call (with a known text) sharing the most leading messages with this conversation."""
+        best: _Path | None = None
+        best_known = -1
+        for path in reversed(self._paths.values()):
+            if path.text is None or path.tools != tools or path.system_text != system_text:
+                continue
+            known = _common_prefix(path.messages, messages)
+            if known > best_known:
+                best, best_known = path, known
+        return best
+
+    def _extend_generated(
+        self, base: _Path, count: int, full: list[Mapping[str, Any]], messages: Sequence[Mapping[str, Any]],
+        tools: list[Any] | None, system_text: str | None,
+    ) -> RenderedPrompt | None:
+        """keep_generated: the prompt is `base`'s prompt + output + the template's text after the answer (found by
+        rendering the conversation with the answer replaced by a marker); None when the marker is not found once."""
+        template: Any = self._template
+        probe = list(full)
+        probe[len(full) - len(messages) + count] = {"role": "assistant", "content": self._sentinel}
+        text = template.render_text(probe, tools, True)
+        at = text.find(self._sentinel)
+        if at < 0 or text.find(self._sentinel, at + len(self._sentinel)) >= 0:
+            return None
+        after = text[at + len(self._sentinel) :]
+        output = base.output or ()
+        stop = template.stop_text(output[-1]) if output else None
+        if stop is not None and after.startswith(stop):
+            after = after[len(stop) :]  # the generated turn end stands for the template's
+        rest, rest_cuts = template.encode_with_cuts(after)
+        rest = tuple(rest)
+        hasher = base.hasher.copy()
+        hasher.update(_ids_bytes(output))
+        hasher.update(_ids_bytes(rest))
+        tokens = base.prompt_tokens + len(output)
+        text_now = cuts = None
+        if base.text is not None:
+            chars = len(base.text) + len(base.output_text)
+            cuts = (*base.cuts, *(((chars, tokens),) if stop is not None else ()),
+                    *((c + chars, i + tokens) for c, i in rest_cuts))
+            text_now = base.text + base.output_text + after
+        path = _Path(
+            base.tools, system_text, base.messages + [_frozen_copy(m) for m in messages[count:]],
+            (*base.parts, output, rest), (*base.ends, tokens, tokens + len(rest)), hasher, text_now, cuts or (),
+            base.reused_turns + 1,
+        )
+        return self._whole_prompt(path, base, messages)
+
+    def _whole_prompt(self, path: _Path, base: _Path | None, messages: Sequence[Mapping[str, Any]]) -> RenderedPrompt:
+        prompt = PromptIds(path.parts, path.ends)
+        extends, shared = -1, 0
+        if base is not None and base.call_index >= 0:
+            extends = base.call_index
+            for token, expected in zip(prompt, base.path_ids()):
+                if token != expected:
+                    break
+                shared += 1
+        assistants = sum(1 for m in messages if m.get("role") == "assistant")
+        return RenderedPrompt(
+            prompt_ids=prompt,
+            prompt_digest=path.hasher.digest(),
+            reused_turns=path.reused_turns,
+            retokenised_turns=max(0, assistants - path.reused_turns),
+            extends_call=extends,
+            shared_tokens=shared,
+            new_prompt_ids=prompt[shared:],
+            memo=path,
+        )
+
+    def _store_path(self, path: _Path, key: Hashable, output: tuple[int, ...]) -> None:
+        path.key, path.output = key, output
+        path.output_text = self._template.decode(output)
+        self._paths[id(path)] = path
+        while len(self._paths) > self._config.max_paths_per_execution:
+            self._paths.popitem(last=False)
+
     def _forget_resolutions(self, key: Hashable, prefix_digest: bytes) -> None:
         """The stored turn (key, prefix digest) came, was replaced or went: messages that resolved to it, and those
         with that key that did not resolve to their own prefix's turn, may now resolve to other ids."""
@@ -668,10 +892,17 @@ class ExecutionSession:
             if loose is not None or exact is not None:
                 memo.cut(min(i for i in (loose, exact) if i is not None))
 
-    def record_turn(self, key: Hashable, prompt_digest: bytes, output_ids: Sequence[int]) -> None:
+    def record_turn(
+        self, key: Hashable, prompt_digest: bytes, output_ids: Sequence[int], rendered: RenderedPrompt | None = None
+    ) -> None:
         """Remember a generated turn: `key` from `turn_key` of the message as the agent was answered,
-        `prompt_digest` from the RenderedPrompt it was generated from."""
+        `prompt_digest` from the RenderedPrompt it was generated from (`rendered` itself, for a template rendered
+        whole)."""
         output = tuple(output_ids)
+        if self._whole:
+            if rendered is not None and isinstance(rendered.memo, _Path):
+                self._store_path(rendered.memo, key, output)
+            return
         turn_end = self._template.stop_token_ids[0]
         ending = () if output and output[-1] == turn_end else (turn_end,)
         piece = self._generation_prompt + output + ending + self._trailer
@@ -685,6 +916,32 @@ class ExecutionSession:
             if self._latest.get(old.key) is old:
                 del self._latest[old.key]
             self._forget_resolutions(old.key, old.prefix_digest)
+
+
+def _agreeing_chars(text: str, other: str) -> int:
+    """How many leading characters `text` and `other` share (C-speed compares over halving ranges)."""
+    if text.startswith(other):
+        return len(other)
+    low, high = 0, min(len(text), len(other))  # text[:low] == other[:low]; they differ before high + 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if text.startswith(other[low:middle], low):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _head_parts(
+    parts: tuple[tuple[int, ...], ...], ends: tuple[int, ...], tokens: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The first `tokens` ids of a prompt in parts, as parts (whole parts shared, the last one cut)."""
+    if tokens <= 0:
+        return (), ()
+    index = bisect.bisect_left(ends, tokens)
+    start = ends[index - 1] if index else 0
+    last = parts[index] if ends[index] == tokens else parts[index][: tokens - start]
+    return (*parts[:index], last), (*ends[:index], tokens)
 
 
 def _message_calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -1099,6 +1356,7 @@ class CallRunner:
                 turn_key(content, [(c.name, c.arguments_json) for c in calls]),
                 call.rendered.prompt_digest,
                 result.output_ids,
+                call.rendered,
             )
         token_logprobs = None
         if chat.logprobs:

@@ -123,19 +123,41 @@ CONVERSATIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def template_dirs(tiny_model_dir, tmp_path_factory):
+LLAMA_SPECIAL_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def write_template_dirs(tiny_model_dir, root) -> dict:
+    """Model directories with the tiny tokenizer and each test template: the Llama-style one's markup is added to
+    the tokenizer as special tokens (as in Llama 3), its eos_token is `<|eot_id|>` and its bos_token the tiny
+    tokenizer's `<|endoftext|>`. Used by the proxy's template tests too (tests/integration/actors/serving)."""
+    from tokenizers import AddedToken, Tokenizer
+
     dirs = {}
     for name, source in {"qwen3": QWEN3_STYLE, "llama": LLAMA_STYLE}.items():
-        path = tmp_path_factory.mktemp(f"template-{name}")
+        path = root / f"template-{name}"
+        path.mkdir(parents=True, exist_ok=True)
         for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
             shutil.copy(tiny_model_dir / f, path / f)
         config = json.loads((path / "tokenizer_config.json").read_text())
         config["chat_template"] = source
         config["bos_token"] = "<|endoftext|>"  # the Llama-style template opens with it
+        if name == "llama":
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA_SPECIAL_TOKENS])
+            tokenizer.save(str(path / "tokenizer.json"))
+            for token in LLAMA_SPECIAL_TOKENS:
+                config["added_tokens_decoder"][str(tokenizer.token_to_id(token))] = {
+                    "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                    "special": True}
+            config["eos_token"] = "<|eot_id|>"
         (path / "tokenizer_config.json").write_text(json.dumps(config))
         dirs[name] = path
     return dirs
+
+
+@pytest.fixture(scope="module")
+def template_dirs(tiny_model_dir, tmp_path_factory):
+    return write_template_dirs(tiny_model_dir, tmp_path_factory.mktemp("templates"))
 
 
 def oracle_ids(model_dir, messages, tools, add_generation_prompt, **kwargs) -> list[int]:

@@ -1,0 +1,262 @@
+"""The proxy on checkpoints' own chat templates, through the real `openai` and `anthropic` SDKs over HTTP, with
+transformers' apply_chat_template as the oracle.
+
+The templates (tests/unit/engines/test_hf_templates.py) have the traits of the common ones: Qwen3-style (tools as
+JSON, `<tool_call>` JSON, tool results grouped in a user turn, `<think>` blocks dropped from assistant turns before
+the last user message) and Llama-style (BOS, role headers, a default system prompt when none is given). The model
+server is scripted: it answers with chosen texts tokenised one character at a time (a tokenisation the tokenizer
+never produces, as a sampling model may), so any re-tokenisation of a generated turn would show.
+
+The oracle for a call: apply_chat_template's text of the conversation the agent sent, tokenised by transformers,
+with each generated turn the rule keeps standing for its generated ids (`substituted`). keep_generated (the default)
+keeps every one: where the template re-renders an earlier turn (drops its thinking), the prompt is the previous
+call's prompt + output + the template's text after that turn. follow_template keeps a generated turn's ids only
+where the template's text still holds it verbatim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import anthropic
+import openai
+import pytest
+
+from gyre.actors.serving.backends import BackendRequest, BackendResult
+from gyre.actors.serving.http_app import ProxyHttpConfig, ServedApp, build_proxy_app
+from gyre.actors.serving.sessions import FOLLOW_TEMPLATE, KEEP_GENERATED, ProxySessions, ProxySessionsConfig
+from gyre.engines.chat_template import ChatTemplate
+from gyre.messages.model_calls import ModelCallCompleted
+from gyre.policies.trajectory_tree import PromptRebuilder, build_tree
+
+_spec = importlib.util.spec_from_file_location(
+    "hf_templates", Path(__file__).parents[3] / "unit" / "engines" / "test_hf_templates.py"
+)
+hf_templates = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_templates)
+
+TOOLS = hf_templates.TOOLS
+
+
+class ScriptedModel:
+    """Answers each call with the next scripted text as character-level ids, ended by the template's stop token."""
+
+    def __init__(self, template: ChatTemplate, stop_id: int) -> None:
+        self.template = template
+        self.stop_id = stop_id
+        self.script: list[str] = []
+        self.requests: list[BackendRequest] = []
+
+    async def generate(self, request: BackendRequest) -> BackendResult:
+        self.requests.append(request)
+        text = self.script.pop(0)
+        ids = [i for ch in text for i in self.template.encode(ch)] + [self.stop_id]
+        return BackendResult(
+            output_ids=tuple(ids), output_logprobs=tuple(-0.5 for _ in ids), output_versions=tuple(1 for _ in ids),
+            finish_reason="stop", cached_tokens=0, cell="scripted",
+        )
+
+
+class Proxy:
+    def __init__(self, model_dir: Path, earlier_turns: str) -> None:
+        self.model_dir = model_dir
+        self.template = ChatTemplate.from_model_dir(model_dir)
+        self.sessions = ProxySessions(self.template, ProxySessionsConfig(earlier_turns=earlier_turns))
+        self.calls: list[ModelCallCompleted] = []
+        self.rebuilder = PromptRebuilder()
+        self.prompts: list[tuple[int, ...]] = []
+        stop_id = self.template.tokenizer.token_to_id("<|eot_id|>") or self.template.im_end_id
+        self.backend = ScriptedModel(self.template, stop_id)
+        ticks = itertools.count()
+        config = ProxyHttpConfig(model_names=("m",), max_context_tokens=4096, max_body_bytes=2**20)
+        self.served = ServedApp(
+            lambda: build_proxy_app(config, self.sessions, self.backend, self.take, clock=lambda: float(next(ticks)))
+        )
+
+    def take(self, call: ModelCallCompleted) -> None:
+        self.rebuilder.add(call)
+        self.prompts.append(self.rebuilder.prompt_ids(call))
+        self.calls.append(call)
+
+    def key(self, execution_id: str) -> str:
+        async def issue() -> str:
+            return self.sessions.issue_key(execution_id, "group")
+
+        return self.served.call(issue())
+
+
+@pytest.fixture(scope="module")
+def template_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return hf_templates.write_template_dirs(tiny_model_dir, tmp_path_factory.mktemp("templates"))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(template_dirs: dict[str, Path]) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    return {name: AutoTokenizer.from_pretrained(path) for name, path in template_dirs.items()}
+
+
+@pytest.fixture
+def proxy(request: pytest.FixtureRequest, template_dirs: dict[str, Path]) -> Iterator[Proxy]:
+    name, earlier_turns = request.param
+    served = Proxy(template_dirs[name], earlier_turns)
+    with served.served:
+        yield served
+
+
+def hf_text(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+def hf_ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def substituted(tokenizer: Any, text: str, generated: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    """`text` tokenised by transformers, except that each generated turn (its decoded text and ids, in order) found
+    verbatim in it, after the previous one found, stands for its generated ids."""
+    ids: list[int] = []
+    at = 0
+    for turn_text, turn_ids in generated:
+        found = text.find(turn_text, at)
+        if found < 0:
+            continue
+        ids += hf_ids(tokenizer, text[at:found]) + list(turn_ids)
+        at = found + len(turn_text)
+    return tuple(ids + hf_ids(tokenizer, text[at:]))
+
+
+def qwen3_agent(client: openai.OpenAI, proxy: Proxy) -> list[list[dict[str, Any]]]:
+    """A tool loop with thinking on every turn, then two more user messages; the conversations of its calls."""
+    script = proxy.backend.script
+    script += [
+        '<think>\nLook at the file first.\n</think>\n\nLet me look.\n<tool_call>\n'
+        '{"name": "run", "arguments": {"cmd": "cat parser.py"}}\n</tool_call>',
+        '<think>\nNow run the tests.\n</think>\n\n<tool_call>\n{"name": "run", "arguments": {"cmd": "pytest -q"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "run", "arguments": {"cmd": "git diff"}}\n</tool_call>',
+        "<think>\nint() of '3.0' fails.\n</think>\n\nUse float(x).",
+        "<think>\nExplain briefly.\n</think>\n\nfloat() parses decimals.",
+        "<think>\nDone.\n</think>\n\nYou are welcome ✓",
+    ]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You fix bugs."},
+        {"role": "user", "content": "Tests fail in parser.py; fix them."},
+    ]
+    conversations = []
+    followups = [None, None, "Why float?", "Thanks!", None]
+    for followup in followups:
+        conversations.append(json.loads(json.dumps(messages)))
+        answer = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        message = answer.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for index, call in enumerate(message.tool_calls or []):
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {index} of {call.id}"})
+        if followup:
+            messages.append({"role": "user", "content": followup})
+    return conversations
+
+
+def llama_agent(client: openai.OpenAI, proxy: Proxy) -> list[list[dict[str, Any]]]:
+    """Plain turns without a system message (the template inserts its default one)."""
+    proxy.backend.script += ["Hello there.", "2 + 2 = 4.", "Bye ✓"]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "  hi  "}]
+    conversations = []
+    for followup in ["what is 2+2?", "thanks", "ok"]:
+        conversations.append(json.loads(json.dumps(messages)))
+        answer = client.chat.completions.create(model="m", messages=messages)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": followup}]
+    return conversations
+
+
+AGENTS = {"qwen3": (qwen3_agent, TOOLS), "llama": (llama_agent, None)}
+CASES = [(name, mode) for name in AGENTS for mode in (KEEP_GENERATED, FOLLOW_TEMPLATE)]
+
+
+def generated_turns(proxy: Proxy, count: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The first `count` calls' outputs: decoded text (stop token included) and ids."""
+    return [(proxy.template.decode(c.output_ids), tuple(c.output_ids)) for c in proxy.calls[:count]]
+
+
+@pytest.mark.parametrize("proxy", CASES, indirect=True, ids=[f"{n}-{m}" for n, m in CASES])
+def test_prompts_are_the_templates_with_the_generated_ids(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    name = proxy.model_dir.name.removeprefix("template-")
+    agent, tools = AGENTS[name]
+    tokenizer = hf_tokenizers[name]
+    client = openai.OpenAI(base_url=proxy.served.base_url + "/v1", api_key=proxy.key(f"{name}-x"), max_retries=0)
+    conversations = agent(client, proxy)
+    keep = proxy.sessions.config.earlier_turns == KEEP_GENERATED
+    calls, prompts = proxy.calls, proxy.prompts
+    assert len(calls) == len(conversations)
+    # What the engine was given is what the record says (rebuilt from the incremental records, digests checked).
+    assert [tuple(r.prompt_ids) for r in proxy.backend.requests] == prompts
+    # The first prompt is apply_chat_template's, token for token.
+    assert prompts[0] == tuple(tokenizer.apply_chat_template(conversations[0], tools=tools,
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False))
+    dropped = []
+    for k in range(1, len(calls)):
+        text = hf_text(tokenizer, conversations[k], tools)
+        previous = prompts[k - 1] + tuple(calls[k - 1].output_ids)
+        kept_verbatim = proxy.template.decode(calls[k - 1].output_ids) in text
+        if kept_verbatim or keep:
+            # The call conditions on the previous call's prompt and generated ids, exactly.
+            assert prompts[k][: len(previous)] == previous
+            assert calls[k].extends_call == calls[k - 1].call_index
+            assert calls[k].shared_tokens == len(previous)
+        if kept_verbatim:
+            assert prompts[k] == substituted(tokenizer, text, generated_turns(proxy, k))
+            continue
+        dropped.append(k)
+        if keep:
+            # The template re-rendered the earlier turns (dropped their thinking); the prompt keeps the generated
+            # ids and appends the template's text after the last generated turn.
+            visible = proxy.template.decode(calls[k - 1].output_ids).split("</think>")[-1].lstrip("\n")
+            after = text[text.rindex(visible) + len(visible):]
+            assert prompts[k] == previous + tuple(hf_ids(tokenizer, after))
+        else:
+            # The template's text exactly; ids of generated turns only where it still holds them verbatim.
+            assert prompts[k] == substituted(tokenizer, text, generated_turns(proxy, k))
+            assert calls[k].extends_call == calls[k - 1].call_index
+            assert calls[k].shared_tokens < len(previous)  # a branch, from where the render departs
+    # The calls after a new user message: the template dropped the thinking of the turns before it.
+    assert dropped == ([3, 4] if name == "qwen3" else [])
+
+    # What is trained: the tree over the records.
+    tree = build_tree(calls)
+    outputs = [len(c.output_ids) for c in calls]
+    last = tree.path(calls[-1].call_index)
+    if keep or not dropped:
+        # One trajectory: every generated token in the context it was generated in, trained once.
+        assert len(tree.trajectories()) == 1
+        assert sum(last.policy_mask) == sum(outputs) == tree.statistics().policy_tokens
+    else:
+        # The re-rendered conversation branches: the earlier turns stay on the first trajectory (with their
+        # thinking), the later calls' trajectory sees the template's re-render as prompt.
+        trajectories = tree.trajectories()
+        assert [t.leaf_call_index for t in trajectories] == [k - 1 for k in dropped] + [calls[-1].call_index]
+        assert sum(last.policy_mask) == outputs[-1]
+        assert tree.statistics().policy_tokens == sum(outputs)
+
+
+@pytest.mark.parametrize("proxy", [("llama", KEEP_GENERATED)], indirect=True)
+def test_anthropic_messages_on_a_llama_style_template(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    tokenizer = hf_tokenizers["llama"]
+    client = anthropic.Anthropic(base_url=proxy.served.base_url, api_key=proxy.key("anthropic"), max_retries=0)
+    proxy.backend.script += ["Hello there, how are you?", "Four, of course."]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    reply = client.messages.create(model="m", system="Be brief.", max_tokens=50, messages=messages)
+    messages += [{"role": "assistant", "content": reply.content[0].text}, {"role": "user", "content": "2+2?"}]
+    client.messages.create(model="m", system="Be brief.", max_tokens=50, messages=messages)
+    conversation = [{"role": "system", "content": "Be brief."}, *messages]
+    first, second = proxy.prompts
+    assert first == tuple(tokenizer.apply_chat_template(conversation[:2], add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False))
+    text = hf_text(tokenizer, conversation, None)
+    assert second == substituted(tokenizer, text, generated_turns(proxy, 1))
+    assert second[: len(first) + len(proxy.calls[0].output_ids)] == first + proxy.calls[0].output_ids

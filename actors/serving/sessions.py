@@ -325,7 +325,7 @@ class ProxySessionsConfig:
     in the context it was generated in). "follow_template": the template's text exactly, tokenised, from where it
     departs from the previous call's prompt + output (that call's ids are kept up to there; the call branches
     there in the execution's tree). See the module doc."""
-    max_paths_per_execution: int = 64
+    max_paths_per_execution: int = 16
     """Calls of a checkpoint's own template remembered per execution (prompt, output, text) for id reuse; the
     least recently used go first."""
 
@@ -462,11 +462,16 @@ class _Path:
     ends: tuple[int, ...]
     hasher: Any
     """SHA-256 over the prompt ids (as int64 bytes)."""
-    text: str | None
-    """The text the prompt ids stand for (the template's text, with generated turns as decoded), or None."""
-    cuts: tuple[tuple[int, int], ...]
+    text: tuple[str, ...] | None
+    """The text the prompt ids stand for (the template's, with generated turns as decoded), in pieces shared with
+    the path it extends (never one string per call: a long conversation's paths would each hold a copy), or
+    None when unknown."""
+    text_chars: int
+    """Characters of `text`."""
+    cuts: tuple[tuple[tuple[int, int], ...], ...]
     """(characters, ids) of the prompt up to and including each special token: where a later render that agrees
-    with `text` so far may take these ids and tokenise only the rest."""
+    with `text` so far may take these ids and tokenise only the rest. In segments (ascending), shared with the
+    path it extends."""
     reused_turns: int = 0
     output: tuple[int, ...] | None = None
     key: Hashable | None = None
@@ -535,7 +540,6 @@ class ExecutionSession:
         # A checkpoint's own template: calls rendered whole, most recently used last (see the module doc).
         self._whole = not getattr(template, "decomposable", True)
         self._paths: OrderedDict[int, _Path] = OrderedDict()
-        self._path_ids = 0
         self._sentinel = "gyreturn" + secrets.token_hex(12)
         self.lock = asyncio.Lock()
         """Held by `CallRunner` around each render and record: a large render runs on a worker thread, and no other
@@ -742,22 +746,23 @@ class ExecutionSession:
         base = self._text_base(tools, system_text, messages) if template.splits_at_special_tokens else None
         head: tuple[tuple[int, ...], ...] = ()
         head_ends: tuple[int, ...] = ()
-        head_cuts: tuple[tuple[int, int], ...] = ()
+        head_cuts: tuple[tuple[tuple[int, int], ...], ...] = ()
+        head_text: tuple[str, ...] = ()
         chars = tokens = reused = 0
         hasher = None
         known = 0
         if base is not None:
             known = _common_prefix(base.messages, messages)
             ends_with_stop = bool(base.output) and base.output[-1] in template.stop_token_ids
-            path_text = base.text + (base.output_text if ends_with_stop else "")
+            path_text = (*base.text, base.output_text) if ends_with_stop else base.text
             agree = _agreeing_chars(text, path_text)
-            cuts = list(base.cuts)
+            cuts = base.cuts
             if ends_with_stop:
-                cuts.append((len(path_text), base.prompt_tokens + len(base.output)))
-            at = bisect.bisect_right(cuts, (agree, sys.maxsize))
-            if at:
-                chars, tokens = cuts[at - 1]
-                head_cuts = tuple(cuts[:at])
+                cuts = (*cuts, ((base.text_chars + len(base.output_text), base.prompt_tokens + len(base.output)),))
+            head_cuts = _cuts_up_to(cuts, agree)
+            if head_cuts:
+                chars, tokens = head_cuts[-1][-1]
+                head_text = _head_text(path_text, chars)
                 if tokens > base.prompt_tokens:  # the whole prompt and the whole output
                     head, head_ends = (*base.parts, base.output), (*base.ends, tokens)
                     hasher = base.hasher.copy()
@@ -776,8 +781,8 @@ class ExecutionSession:
         path = _Path(
             _frozen_copy(tools), system_text,
             (base.messages[:known] if base is not None else []) + [_frozen_copy(m) for m in messages[known:]],
-            (*head, rest), (*head_ends, tokens + len(rest)), hasher, text,
-            head_cuts + tuple((c + chars, i + tokens) for c, i in rest_cuts), reused,
+            (*head, rest), (*head_ends, tokens + len(rest)), hasher, (*head_text, text[chars:]), len(text),
+            (*head_cuts, tuple((c + chars, i + tokens) for c, i in rest_cuts)), reused,
         )
         return self._whole_prompt(path, base, messages)
 
@@ -843,15 +848,15 @@ class ExecutionSession:
         hasher.update(_ids_bytes(rest))
         tokens = base.prompt_tokens + len(output)
         text_now = cuts = None
+        chars = base.text_chars + len(base.output_text)
         if base.text is not None:
-            chars = len(base.text) + len(base.output_text)
-            cuts = (*base.cuts, *(((chars, tokens),) if stop is not None else ()),
-                    *((c + chars, i + tokens) for c, i in rest_cuts))
-            text_now = base.text + base.output_text + after
+            cuts = (*base.cuts, ((chars, tokens),) if stop is not None else (),
+                    tuple((c + chars, i + tokens) for c, i in rest_cuts))
+            text_now = (*base.text, base.output_text, after)
         path = _Path(
             base.tools, system_text, base.messages + [_frozen_copy(m) for m in messages[count:]],
-            (*base.parts, output, rest), (*base.ends, tokens, tokens + len(rest)), hasher, text_now, cuts or (),
-            base.reused_turns + 1,
+            (*base.parts, output, rest), (*base.ends, tokens, tokens + len(rest)), hasher, text_now, chars + len(after),
+            cuts or (), base.reused_turns + 1,
         )
         return self._whole_prompt(path, base, messages)
 
@@ -918,18 +923,47 @@ class ExecutionSession:
             self._forget_resolutions(old.key, old.prefix_digest)
 
 
-def _agreeing_chars(text: str, other: str) -> int:
-    """How many leading characters `text` and `other` share (C-speed compares over halving ranges)."""
-    if text.startswith(other):
-        return len(other)
-    low, high = 0, min(len(text), len(other))  # text[:low] == other[:low]; they differ before high + 1
-    while low < high:
-        middle = (low + high + 1) // 2
-        if text.startswith(other[low:middle], low):
-            low = middle
-        else:
-            high = middle - 1
-    return low
+def _agreeing_chars(text: str, pieces: Sequence[str]) -> int:
+    """How many leading characters `text` shares with the concatenation of `pieces` (C-speed compares: whole
+    pieces, then halving ranges inside the first piece that differs)."""
+    at = 0
+    for piece in pieces:
+        if text.startswith(piece, at):
+            at += len(piece)
+            continue
+        low, high = 0, min(len(text) - at, len(piece))  # piece[:low] agrees; it differs before high + 1
+        while low < high:
+            middle = (low + high + 1) // 2
+            if text.startswith(piece[low:middle], at + low):
+                low = middle
+            else:
+                high = middle - 1
+        return at + low
+    return at
+
+
+def _cuts_up_to(
+    segments: tuple[tuple[tuple[int, int], ...], ...], chars: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The cut segments up to the last cut at or before `chars` (empty when there is none); walks back from the
+    end, where a later render usually departs."""
+    for index in range(len(segments) - 1, -1, -1):
+        segment = segments[index]
+        if segment and segment[0][0] <= chars:
+            at = bisect.bisect_right(segment, (chars, sys.maxsize))
+            return (*segments[:index], segment[:at])
+    return ()
+
+
+def _head_text(pieces: Sequence[str], chars: int) -> tuple[str, ...]:
+    """The first `chars` characters of a text in pieces, as pieces (whole pieces shared, the last one cut)."""
+    head: list[str] = []
+    for piece in pieces:
+        if chars <= 0:
+            break
+        head.append(piece if len(piece) <= chars else piece[:chars])
+        chars -= len(piece)
+    return tuple(head)
 
 
 def _head_parts(

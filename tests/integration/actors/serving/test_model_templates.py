@@ -43,9 +43,10 @@ TOOLS = hf_templates.TOOLS
 
 
 class ScriptedModel:
-    """Answers each call with the next scripted text as character-level ids, ended by the template's stop token."""
+    """Answers each call with the next scripted text as character-level ids, ended by the template's stop token
+    (none: the answer was cut at its length limit)."""
 
-    def __init__(self, template: ChatTemplate, stop_id: int) -> None:
+    def __init__(self, template: ChatTemplate, stop_id: int | None) -> None:
         self.template = template
         self.stop_id = stop_id
         self.script: list[str] = []
@@ -54,10 +55,12 @@ class ScriptedModel:
     async def generate(self, request: BackendRequest) -> BackendResult:
         self.requests.append(request)
         text = self.script.pop(0)
-        ids = [i for ch in text for i in self.template.encode(ch)] + [self.stop_id]
+        ids = [i for ch in text for i in self.template.encode(ch)]
+        if self.stop_id is not None:
+            ids.append(self.stop_id)
         return BackendResult(
             output_ids=tuple(ids), output_logprobs=tuple(-0.5 for _ in ids), output_versions=tuple(1 for _ in ids),
-            finish_reason="stop", cached_tokens=0, cell="scripted",
+            finish_reason="stop" if self.stop_id is not None else "length", cached_tokens=0, cell="scripted",
         )
 
 
@@ -260,3 +263,141 @@ def test_anthropic_messages_on_a_llama_style_template(proxy: Proxy, hf_tokenizer
     text = hf_text(tokenizer, conversation, None)
     assert second == substituted(tokenizer, text, generated_turns(proxy, 1))
     assert second[: len(first) + len(proxy.calls[0].output_ids)] == first + proxy.calls[0].output_ids
+
+
+def run_tool_loop(proxy: Proxy, answers: list[str], tools: Any = TOOLS) -> list[list[dict[str, Any]]]:
+    """An agent that sends each answer back with a tool result per tool call; the conversations of its calls."""
+    client = openai.OpenAI(base_url=proxy.served.base_url + "/v1", api_key=proxy.key("loop"), max_retries=0)
+    proxy.backend.script += answers
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You fix bugs."},
+                                      {"role": "user", "content": "Fix parser.py."}]
+    conversations = []
+    for _ in answers:
+        conversations.append(json.loads(json.dumps(messages)))
+        message = client.chat.completions.create(model="m", messages=messages, tools=tools).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"output of {call.id}"})
+    return conversations
+
+
+def tool_answer(cmd: str, spacing: str = " ") -> str:
+    return f'<tool_call>\n{{"name": "run", "arguments": {{"cmd":{spacing}"{cmd}"}}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
+def test_a_call_tokenises_only_what_is_new(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    tokenised: list[str] = []
+    encode = proxy.template.encode_with_cuts
+
+    def spy(text: str) -> Any:
+        tokenised.append(text)
+        return encode(text)
+
+    proxy.template.encode_with_cuts = spy  # type: ignore[method-assign]
+    conversations = run_tool_loop(proxy, [tool_answer(f"step {i}") for i in range(6)])
+    assert len(tokenised) == len(conversations)
+    assert "You fix bugs." in tokenised[0]
+    for k, text in enumerate(tokenised[1:], 1):
+        # The previous answer's tool result and the generation prompt, nothing before.
+        assert text == f"\n<|im_start|>user\n<tool_response>\noutput of {conversations[k][-1]['tool_call_id']}\n" \
+                       "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    tokenizer = hf_tokenizers["qwen3"]
+    last = hf_text(tokenizer, conversations[-1], TOOLS)
+    assert proxy.prompts[-1] == substituted(tokenizer, last, generated_turns(proxy, len(conversations) - 1))
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED), ("qwen3", FOLLOW_TEMPLATE)], indirect=True,
+                         ids=["keep", "follow"])
+def test_a_turn_the_template_writes_otherwise(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    """The model wrote its arguments without a space; the proxy answers them as JSON (json.dumps), which the
+    template writes back with one: not the text the model generated."""
+    tokenizer = hf_tokenizers["qwen3"]
+    conversations = run_tool_loop(proxy, [tool_answer("ls", spacing=""), "Done."])
+    first, second = proxy.prompts
+    path = first + proxy.calls[0].output_ids
+    text = hf_text(tokenizer, conversations[1], TOOLS)
+    assert proxy.template.decode(proxy.calls[0].output_ids) not in text
+    if proxy.sessions.config.earlier_turns == KEEP_GENERATED:
+        after = text[text.rindex("</tool_call><|im_end|>") + len("</tool_call><|im_end|>"):]
+        assert second == path + tuple(hf_ids(tokenizer, after))
+    else:
+        assert second == tuple(hf_ids(tokenizer, text))  # the template's tokens, exactly
+        assert proxy.calls[1].extends_call == 0 and proxy.calls[1].shared_tokens < len(path)
+        assert second[: proxy.calls[1].shared_tokens] == path[: proxy.calls[1].shared_tokens]
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
+def test_a_cut_short_answer_gets_the_templates_turn_end(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    tokenizer = hf_tokenizers["qwen3"]
+    client = openai.OpenAI(base_url=proxy.served.base_url + "/v1", api_key=proxy.key("cut"), max_retries=0)
+    proxy.backend.stop_id = None
+    proxy.backend.script.append("An answer that ran out")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Go on."}]
+    answer = client.chat.completions.create(model="m", messages=messages)
+    assert answer.choices[0].finish_reason == "length"
+    messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                 {"role": "user", "content": "and?"}]
+    proxy.backend.stop_id = proxy.template.im_end_id
+    proxy.backend.script.append("More.")
+    client.chat.completions.create(model="m", messages=messages)
+    first, second = proxy.prompts
+    output = proxy.calls[0].output_ids
+    assert output[-1] not in proxy.template.stop_token_ids
+    assert second[: len(first) + len(output)] == first + output
+    assert second == substituted(tokenizer, hf_text(tokenizer, messages, None), generated_turns(proxy, 1))
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
+def test_the_same_conversation_twice_gets_the_same_prompt(proxy: Proxy) -> None:
+    client = openai.OpenAI(base_url=proxy.served.base_url + "/v1", api_key=proxy.key("retry"), max_retries=0)
+    proxy.backend.script += [tool_answer("ls"), "Done.", "Done again."]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "List."}]
+    message = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+    messages += [message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "a.txt"}]
+    client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # a retry
+    first, second, retry = proxy.prompts
+    assert second == retry and second[: len(first)] == first
+    assert proxy.calls[2].extends_call == 0 and proxy.calls[2].shared_tokens == len(first) + len(
+        proxy.calls[0].output_ids)
+
+
+def test_a_template_that_rewrites_assistant_content_follows_the_template(
+    template_dirs: dict[str, Path], tmp_path: Path, hf_tokenizers: dict[str, Any]
+) -> None:
+    """A template that writes assistant content in capitals: the generated text is nowhere in its render (nor is
+    the marker keep_generated looks for), so the prompt is the template's, tokenised from where it departs from
+    the previous call's prompt; and what the engine is given is what the record says."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    upper = tmp_path / "template-upper"
+    shutil.copytree(template_dirs["qwen3"], upper)
+    config = json.loads((upper / "tokenizer_config.json").read_text())
+    source = config["chat_template"]
+    assert "'<|im_start|>assistant\\n' + content }}" in source
+    config["chat_template"] = source.replace("'<|im_start|>assistant\\n' + content }}",
+                                             "'<|im_start|>assistant\\n' + content | upper }}")
+    (upper / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(upper)
+    proxy = Proxy(upper, KEEP_GENERATED)
+    with proxy.served:
+        client = openai.OpenAI(base_url=proxy.served.base_url + "/v1", api_key=proxy.key("upper"), max_retries=0)
+        proxy.backend.script += ["Hello there, friend.", "Sure."]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        answer = client.chat.completions.create(model="m", messages=messages)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+        client.chat.completions.create(model="m", messages=messages)
+    first, second = proxy.prompts
+    assert "HELLO THERE, FRIEND." in hf_text(tokenizer, messages, None)
+    assert second == tuple(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+    assert [tuple(r.prompt_ids) for r in proxy.backend.requests] == [first, second]
+    path = first + proxy.calls[0].output_ids
+    shared = proxy.calls[1].shared_tokens
+    assert proxy.calls[1].extends_call == 0 and len(first) - 3 <= shared < len(path)  # a branch, inside the answer
+    assert second[:shared] == path[:shared] and second[shared] != path[shared]

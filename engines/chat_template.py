@@ -15,6 +15,13 @@ and tool messages, assistant messages with tool calls, tools given as dicts); an
 missing field, a template a checkpoint brought) goes through Jinja. A property test holds the two to the same text
 on generated conversations.
 
+A template a checkpoint brings (any other source) renders through Jinja exactly as apply_chat_template does
+(tests/unit/engines/test_hf_templates.py), but is not assumed decomposable (`decomposable` is false): per-message
+renders are not its renders (a default system prompt, a BOS at the start only, Qwen3 dropping earlier `<think>`
+blocks). The proxy renders such a conversation whole and tokenises only what is new, cutting texts after special
+tokens (`encode_with_cuts`, `splits_at_special_tokens`); see actors/serving/sessions.py. Its stop tokens add the
+tokenizer config's eos_token (Llama's `<|eot_id|>`) to `<|im_end|>` and `<|endoftext|>` where the tokenizer has them.
+
 Layout (Qwen style):
 
     <|im_start|>system\\n{system text}[\\n\\n]{tools section}<|im_end|>\\n      (only if a system text or tools)

@@ -35,6 +35,42 @@ or a fork (a retry, a sub-agent sharing the beginning) keeps the base but only f
 fresh conversation with the same system part (a compressed history, a new sub-agent) branches from a known call
 after that part; a conversation with none carries its whole prompt.
 
+A checkpoint's own chat template (issue 26): everything above relies on Gyre's template being decomposable per
+message (a conversation's ids are its messages' ids, concatenated). A template a checkpoint brings need not be: a
+default system prompt when none is given, a BOS only at the start, tool results grouped into one turn, Qwen3
+dropping the `<think>` block of assistant turns before the last user message. For such a template
+(`ChatTemplate.decomposable` false) a session renders the whole conversation's text through Jinja on every call
+(the cost of a Jinja pass over the conversation, stated; no bounded-window render, since whether a window renders
+as the whole would need the whole render to check), and tokenises only the text that is new: it remembers its
+recent calls (`_Path`: messages, prompt ids in parts, the text they stand for in pieces, the places after special
+tokens where the text may be cut and each side tokenised alone, the output), bounded by max_paths_per_execution.
+Splitting a text right after a special token tokenises as the whole does for byte-level BPE tokenizers (the
+tokenizer splits on special tokens first); `ChatTemplate.splits_at_special_tokens` probes it at load, and without
+it every prompt is tokenised whole. What the prompt holds where the template re-renders a generated turn is
+`ProxySessionsConfig.earlier_turns`:
+
+- keep_generated (the default): when the conversation is a remembered call's conversation followed by that call's
+  answer (the turn key, as above), the prompt is that call's prompt + output ids + the template's text after the
+  answer, tokenised. That text is found by rendering the conversation with the answer replaced by a marker message
+  (assistant, content a random token): what follows the marker is what the template writes after that turn, its
+  turn end first (dropped when the output ended with that very stop token; kept when the output was cut short).
+  So every call extends the previous call's prompt + output exactly, even after a new user message makes the
+  template drop earlier thinking: the model's context holds its own earlier thinking, the execution's tree is one
+  path, and each generated token is trained once, in the context it was generated in. The prompt then differs from
+  apply_chat_template's (which has the thinking dropped): by design, and the record carries the prompt that was
+  given.
+- follow_template: the prompt's text is the template's render, exactly. The ids of the remembered call sharing the
+  most leading messages (its prompt + output) are kept up to the last special token before the point where the
+  render departs from that call's text, and the rest is tokenised: a generated turn keeps its ids while the
+  template writes it verbatim; once the template re-renders it (thinking dropped, tool-call arguments rewritten)
+  the call branches there in the execution's tree, and the trajectory processor's rule (at most 5 trajectories,
+  ranked main > summary > sub-agent) applies to the branches.
+
+keep_generated falls back to the follow_template rendering when the conversation does not extend a remembered
+call by its answer (the first call, an edited answer, a call evicted) or when the marker is not in the render once
+(a template that rewrites assistant content). Either way the record's prompt ids are the ids the engine was given.
+Tests: tests/integration/actors/serving/test_model_templates.py, with transformers' apply_chat_template as the oracle.
+
 Streaming: `CallRunner.stream` runs the generation as its own task, which hands output ids to a bounded channel
 instead of calling anything above it; the stream's reader takes them out one chunk at a time and gets the deltas
 that `streaming.TurnStreamer` settles. The ids, log-probs, recorded turn and ModelCallCompleted are exactly those of

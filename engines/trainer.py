@@ -697,14 +697,20 @@ class MegatronTrainer:
         weights = {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self._layout}
         return {k: v.cpu() for k, v in megatron_to_hf(parallel.gather_state(weights, self.spec), self.spec).items()}
 
-    def iter_hf_buckets(self, bucket_bytes: int = 256 << 20, averaged: bool = False):
+    def iter_hf_buckets(self, bucket_bytes: int = 256 << 20, averaged: bool = False,
+                        flat: torch.Tensor | None = None):
         """The weights under HF names, one bucket at a time (`parallel.bucket_plan`: whole decoder layers, at most
         `bucket_bytes` fp32 bytes unless one layer is larger): a collective generator every rank of the trainer
         iterates in step; the publishing rank (`is_publisher`) gets each bucket's tensors, the others empty dicts.
-        No rank holds more than its shard plus one bucket, where `hf_state_dict` gathers the whole model."""
+        No rank holds more than its shard plus one bucket, where `hf_state_dict` gathers the whole model. `flat`
+        (a copy of this rank's flat parameters taken earlier, `param_layout()` order) is published instead of the
+        live weights: a publisher snapshots under its lock and gathers later (engines/trainer_group.py)."""
         from gyre.engines.weight_convert import megatron_layer_to_hf
 
-        flat = self.averaged_params() if averaged else self._params.detach()
+        if flat is None:
+            flat = self.averaged_params() if averaged else self._params.detach()
+        elif flat.shape != self._params.shape:
+            raise TrainerError(f"a weight snapshot of {flat.numel()} elements for a shard of {self._params.numel()}")
         weights = {slot.name: flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self._layout}
         for bucket in parallel.gather_buckets(weights, self.spec, bucket_bytes):
             if not bucket:

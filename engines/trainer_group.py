@@ -58,6 +58,7 @@ from gyre.engines import parallel
 from gyre.engines.errors import EngineError, TrainerError
 from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
 from gyre.engines.trainer import LossFn, MegatronTrainer, TrainerConfig, checkpoint_state_digest
+from gyre.engines.weight_buckets import HFBuckets
 from gyre.runtime.errors import ConfigError
 
 __all__ = ["TrainerGroup", "TrainerGroupCommandError", "TrainerGroupError", "build_trainer", "load_part", "save_part"]
@@ -159,6 +160,30 @@ def _hf_buckets(trainer: MegatronTrainer, bucket_bytes: int, averaged: bool) -> 
     return count
 
 
+_SNAPSHOT: dict[int, torch.Tensor] = {}
+"""This rank's weight snapshot for a publication (`TrainerGroup.publication`), by id: only the newest is kept."""
+
+
+def _snapshot(trainer: MegatronTrainer, snapshot_id: int, averaged: bool) -> None:
+    _SNAPSHOT.clear()
+    _SNAPSHOT[snapshot_id] = trainer.averaged_params() if averaged else trainer.flat_params()
+
+
+def _snapshot_flat(snapshot_id: int) -> torch.Tensor:
+    flat = _SNAPSHOT.get(snapshot_id)
+    if flat is None:
+        raise TrainerError(f"weight snapshot {snapshot_id} is gone (a newer publication replaced it)")
+    return flat
+
+
+def _snapshot_buckets(trainer: MegatronTrainer, snapshot_id: int, bucket_bytes: int) -> int:
+    count = 0
+    for bucket in trainer.iter_hf_buckets(bucket_bytes, flat=_snapshot_flat(snapshot_id)):
+        assert not bucket, "only rank 0 publishes"
+        count += 1
+    return count
+
+
 def _set_version(trainer: MegatronTrainer, version: int) -> None:
     trainer.version = version
 
@@ -182,6 +207,8 @@ COMMANDS = {
     "save_part": save_part,
     "load_part": load_part,
     "set_version": _set_version,
+    "snapshot": _snapshot,
+    "snapshot_buckets": _snapshot_buckets,
 }
 
 
@@ -208,6 +235,7 @@ class TrainerGroup:
                 f"this process already has a torch.distributed group (world size {dist.get_world_size()}): another "
                 "trainer lives here, and a trainer group's rank 0 needs a process whose first group is the group's")
         self._lock = threading.Lock()
+        self._publications = 0
         self._broken = ""
         self._closed = False
         self._workdir = Path(tempfile.mkdtemp(prefix="gyre-trainer-group-"))
@@ -492,21 +520,48 @@ class TrainerGroup:
         group stays locked (no step changes the weights) until the iteration ends; a caller that stops early still
         lets the workers finish theirs (the rest is gathered and dropped)."""
         with self._lock:
-            deadline = self._send_all("hf_buckets", self._same_for_all(bucket_bytes, averaged))
-            buckets = self._trainer.iter_hf_buckets(bucket_bytes, averaged)
+            yield from self._gather_locked("hf_buckets", (bucket_bytes, averaged),
+                                           self._trainer.iter_hf_buckets(bucket_bytes, averaged))
+
+    def publication(self, bucket_bytes: int = 256 << 20, averaged: bool = False) -> HFBuckets:
+        """This version's weights for publishing: every rank copies its shard now (call it under the lock that
+        keeps steps out, so the version is exact), and each pass over the returned HFBuckets gathers that copy
+        bucket by bucket (`iter_hf_buckets`' bound, plus one shard-sized copy per rank). A later publication
+        replaces the copy; a pass over an older one then raises TrainerError."""
+        with self._lock:
+            self._publications += 1
+            snapshot_id = self._publications
+            version = self.version
+            self._run_locked("snapshot", self._same_for_all(snapshot_id, averaged),
+                             lambda: _snapshot(self._trainer, snapshot_id, averaged))
+        plan = parallel.bucket_plan(self.spec, bucket_bytes)
+
+        def buckets():
+            with self._lock:
+                flat = _snapshot_flat(snapshot_id)
+                yield from self._gather_locked("snapshot_buckets", (snapshot_id, bucket_bytes),
+                                               self._trainer.iter_hf_buckets(bucket_bytes, flat=flat))
+
+        total = sum(parallel._full_numel(self.spec, name) for bucket in plan for name in bucket) * 4
+        return HFBuckets(buckets, version, len(plan), total)
+
+    def _gather_locked(self, command: str, args: tuple, buckets):
+        """Rank 0's side of a bucket gather the workers run as `command`: yields rank 0's buckets; whatever the
+        caller does, the rest is gathered too (the workers gather every bucket) and the replies are collected."""
+        deadline = self._send_all(command, self._same_for_all(*args))
+        try:
+            for bucket in buckets:
+                yield bucket
+        finally:  # also when the caller stops early: the workers gather every bucket, so must this side
             try:
-                for bucket in buckets:
-                    yield bucket
-            finally:  # also when the caller stops early: the workers gather every bucket, so must this side
-                try:
-                    for _ in buckets:
-                        pass
-                    self._collect("hf_buckets", deadline)
-                except TrainerGroupError:
-                    raise
-                except Exception as error:
-                    dead = self._dead_worker_report("hf_buckets", wait_s=_EXIT_GRACE_S)
-                    raise self._fail(dead or f"hf_buckets failed on rank 0: {error}") from error
+                for _ in buckets:
+                    pass
+                self._collect(command, deadline)
+            except TrainerGroupError:
+                raise
+            except Exception as error:
+                dead = self._dead_worker_report(command, wait_s=_EXIT_GRACE_S)
+                raise self._fail(dead or f"{command} failed on rank 0: {error}") from error
 
     def hf_state_dict(self, averaged: bool = False) -> dict[str, torch.Tensor]:
         """The whole model under HF names on rank 0 (from the buckets; what `save_hf` and an in-process engine,

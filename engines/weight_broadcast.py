@@ -16,6 +16,8 @@ drive it):
 
 The groups are not torch.distributed's default group: a trainer has its own (megatron's), and an engine server may
 have none. `join_group` forms one apart, by the rendezvous above; `broadcast` and `receive` use it explicitly.
+A sharded trainer's version comes as `HFBuckets` (engines/weight_buckets.py): `send` gathers each of its buckets
+off the event loop only when the broadcast reaches it, so the sender holds one bucket of the model at a time.
 Backends: "gloo" (CPU tensors; what Gyre's engine server and the tests use) and "nccl" (CUDA tensors, what SGLang
 on GPUs uses: the sender's tensors must then live on its GPU). Every wait has a deadline (`timeout_s`): a peer that
 never joins or never receives fails the update rather than hanging the cell.
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gyre.engines.errors import EngineError
+from gyre.engines.weight_buckets import HFBuckets
 
 __all__ = [
     "BACKENDS",
@@ -233,9 +236,36 @@ class BroadcastSender:
         log.info("weight_group_formed", group_name=name, world_size=world, backend=self.backend,
                  engines=len(self.clients))
 
-    async def send(self, weights: Mapping[str, torch.Tensor], version: int) -> int:
-        """Broadcast `weights` (HF names) bucket by bucket, each engine loading each bucket; returns bytes sent.
-        WeightGroupError (the group is then closed: the next send forms a new one) if a bucket fails."""
+    async def _batches(self, weights: Mapping[str, torch.Tensor] | HFBuckets):
+        """(source, names) per broadcast bucket. HFBuckets (a sharded trainer's version) are gathered one of theirs
+        at a time, off the event loop, and cut to this sender's bucket size: the whole model is never in memory."""
+        if not isinstance(weights, HFBuckets):
+            for names in buckets(weights, self.bucket_bytes):
+                yield weights, names
+            return
+        loop = asyncio.get_running_loop()
+        parts = iter(weights)
+        done = object()
+        try:
+            while (part := await loop.run_in_executor(None, next, parts, done)) is not done:
+                for names in buckets(part, self.bucket_bytes):
+                    yield part, names
+        finally:
+            close = getattr(parts, "close", None)
+            if close is not None:
+                await loop.run_in_executor(None, close)  # a pass left early still ends on the trainer's side
+
+    async def send(self, weights: Mapping[str, torch.Tensor] | HFBuckets, version: int) -> int:
+        """Broadcast `weights` (HF names, a state dict or HFBuckets) bucket by bucket, each engine loading each
+        bucket; returns bytes sent. WeightGroupError (the group is then closed: the next send forms a new one) if a
+        bucket fails."""
+        batches = self._batches(weights)
+        try:
+            return await self._send(batches, version)
+        finally:
+            await batches.aclose()
+
+    async def _send(self, batches, version: int) -> int:
         from gyre.engines.errors import SGLangError
 
         if self._group is None:
@@ -243,10 +273,10 @@ class BroadcastSender:
         assert self._group is not None
         loop = asyncio.get_running_loop()
         total = 0
-        for names in buckets(weights, self.bucket_bytes):
+        async for source, names in batches:
             # nccl moves CUDA tensors only: the bucket goes to this process's GPU first (one bucket at a time).
             device = "cuda" if self.backend == "nccl" else "cpu"
-            tensors = [weights[name].detach().to(device).contiguous() for name in names]
+            tensors = [source[name].detach().to(device).contiguous() for name in names]
             calls = [asyncio.ensure_future(client.update_weights_from_distributed(
                 names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], self.group_name,
                 flush_cache=True, weight_version=version)) for client in self.clients]

@@ -38,12 +38,19 @@ from gyre.engines.async_engine import AsyncEngine
 from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig, EngineStats
 from gyre.engines.engine_server import build_engine_app
 from gyre.engines.model_format import ModelSpec
+from gyre.engines.trainer_group import TrainerGroup
+from gyre.engines.weight_buckets import HFBuckets, as_state_dict
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.cells import ROLLOUT, CellDraining, LoadReport, RoleChanged
 
 __all__ = ["EngineWeights", "PeerView", "PullStaging", "RecentSessions", "RolloutHost"]
 
 log = structlog.get_logger(__name__)
+
+
+PUBLISH_BUCKET_BYTES = 256 << 20
+"""A sharded core trainer publishes its weights in buckets of whole decoder layers of at most this many fp32 bytes
+(a larger layer is a bucket of its own): the most of the model the core's process holds at once while publishing."""
 
 
 class RecentSessions:
@@ -215,7 +222,7 @@ class RolloutHost(PullStaging):
         await self.prepare()
         assert self.async_engine is not None
         if weights is not None:
-            await self.async_engine.load_weights(weights, version)
+            await self.async_engine.load_weights(await self._offload(as_state_dict, weights), version)
         await self.async_engine.continue_generation()
         app = build_engine_app(self.async_engine, self.agent, model_path=self.model_dir)
         app.middlewares.append(self.sessions.middleware())
@@ -300,10 +307,12 @@ class RolloutHost(PullStaging):
 
     # ---- weights ------------------------------------------------------------------------------------------
 
-    async def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    async def load_weights(self, weights: Mapping[str, torch.Tensor] | HFBuckets, version: int) -> None:
         """Swap weights between two steps: pause in place, load, continue. In-flight requests keep their tokens
-        and version tags; tokens generated afterwards carry `version`."""
+        and version tags; tokens generated afterwards carry `version`. (HFBuckets are made whole first: an
+        in-process engine holds the whole model anyway.)"""
         assert self.async_engine is not None
+        weights = await self._offload(as_state_dict, weights)
 
         def swap(engine: EmbeddedEngine) -> None:
             was_paused = engine.paused
@@ -338,6 +347,8 @@ class EngineWeights:
         self.offload = offload
         self.trainer = trainer
         """The core's trainer host (the core always has one); None on a satellite."""
+        self.publish_bucket_bytes = PUBLISH_BUCKET_BYTES
+        """A sharded core trainer's publishing bucket bound (fp32 bytes; whole decoder layers)."""
 
     async def newest(self) -> tuple[dict[str, torch.Tensor] | None, int]:
         """The newest weights as an HF state dict and their version; (None, version held) when there is nothing
@@ -345,7 +356,12 @@ class EngineWeights:
         rollout = self.rollout
         if self.trainer is not None:
             async with self.compute_lock:
-                weights = await self.offload(self.trainer.trainer.hf_state_dict)
+                trainer = self.trainer.trainer
+                if isinstance(trainer, TrainerGroup):
+                    # Sharded: each rank copies its shard now (no step runs under the lock), and the engine host
+                    # gathers the copy bucket by bucket as it writes or broadcasts it (engines/weight_buckets.py).
+                    return await self.offload(trainer.publication, self.publish_bucket_bytes), self.trainer.version
+                weights = await self.offload(trainer.hf_state_dict)
                 return weights, self.trainer.version
 
         async def pull_into_staging(source: WeightSource) -> None:

@@ -55,6 +55,7 @@ from gyre.actors.cells.train_role import Offload
 from gyre.engines.embedded_engine import EngineConfig, EngineStats
 from gyre.engines.model_format import ModelSpec, ServedModelMismatch, check_served_model
 from gyre.engines.weight_broadcast import BroadcastSender, WeightGroupError
+from gyre.engines.weight_buckets import HFBuckets, write_safetensors
 from gyre.engines.sglang_client import (
     API_KEY_PURPOSE,
     CapabilityMissing,
@@ -93,7 +94,7 @@ class WeightsDir:
         self.model_dir = Path(model_dir)
         self.keep = keep
 
-    def write(self, weights: Mapping[str, torch.Tensor], version: int) -> str:
+    def write(self, weights: Mapping[str, torch.Tensor] | HFBuckets, version: int) -> str:
         from safetensors.torch import save_file
 
         final = self.root / f"v{version}"
@@ -104,9 +105,12 @@ class WeightsDir:
             for item in self.model_dir.iterdir():
                 if item.is_file() and not item.name.endswith(MODEL_FILES_SKIPPED):
                     shutil.copyfile(item, tmp / item.name)
-            # A clone per tensor: pulled weights are views of one flat buffer, which safetensors refuses to save.
-            tensors = {name: tensor.detach().contiguous().clone() for name, tensor in weights.items()}
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            if isinstance(weights, HFBuckets):  # a sharded trainer's: streamed, one bucket in memory at a time
+                write_safetensors(tmp / "model.safetensors", weights)
+            else:
+                # A clone per tensor: pulled weights are views of one flat buffer, which safetensors refuses to save.
+                tensors = {name: tensor.detach().contiguous().clone() for name, tensor in weights.items()}
+                save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             for item in tmp.iterdir():
                 _fsync(item)
             _fsync(tmp)

@@ -5,7 +5,8 @@ trains three optimizer steps on Gyre's loss, publishes, and round-trips a sharde
 steps in one process (world size 1) and compares: log-probs, each step's loss and gradient norm, and the weights
 after the steps within 1e-5; the weights published bucket by bucket equal the group's whole weights exactly and
 never sit whole in one bucket; the checkpoint gives back the same weights and AdamW moments (digests over both, every shard)
-after a step that moved them. A worker killed mid-run makes the next call fail at once with an
+after a step that moved them; a publication (the core's path to engine servers) streams a snapshot of the
+version it was taken at, bucket by bucket, into the safetensors file an engine server loads. A worker killed mid-run makes the next call fail at once with an
 error that names the rank, and every later call too.
 """
 
@@ -97,6 +98,11 @@ def check_published_and_checkpoint(got: dict, want: dict) -> None:
     assert checkpoint["restored_version"] == checkpoint["saved_version"] == 3
     assert max_diff(checkpoint["moved"], whole) > driver().LR / 2  # the extra step moved the weights ...
     assert max_diff(checkpoint["restored"], whole) == 0.0  # ... and the restore put them back exactly
+    publication = got["publication"]
+    assert publication["version"] == 3
+    assert max_diff(publication["file"], whole) == 0.0  # the snapshot's version, though a step came in between
+    assert publication["sizes"] == buckets["sizes"] and len(publication["sizes"]) == publication["num_buckets"]
+    assert sum(publication["sizes"]) == publication["total_bytes"] == total
 
 
 def test_tensor_parallel_group_trains_like_one_process(records, reference):

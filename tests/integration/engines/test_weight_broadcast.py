@@ -18,6 +18,7 @@ from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig, SamplingP
 from gyre.engines.model_format import init_model_dir, load_hf_state_dict
 from gyre.engines.sglang_client import RequestRejected, SGLangClient
 from gyre.engines.weight_broadcast import BroadcastSender, WeightGroupError, buckets
+from gyre.engines.weight_buckets import HFBuckets
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 
@@ -72,6 +73,36 @@ def test_a_bucketed_broadcast_loads_another_model_into_a_server(tiny_model_dir, 
     assert after["meta_info"]["output_token_versions"] == [5] * 8
     assert info["weight_version"] == 5
     assert first != second
+
+
+def test_buckets_gathered_one_at_a_time_broadcast_like_a_state_dict(tiny_model_dir, other_model, tmp_path,
+                                                                    engine_servers):
+    """HFBuckets (a sharded trainer's version, engines/weight_buckets.py): each bucket is made only when the
+    broadcast reaches it, and the server ends up with the same model as from the whole state dict."""
+    weights = load_hf_state_dict(other_model)
+    names = list(weights)
+    parts = [{n: weights[n] for n in names[i::3]} for i in range(3)]
+    made = []
+
+    def make():
+        for part in parts:
+            made.append(len(made))
+            yield part
+
+    async def drive(url: str) -> tuple:
+        async with SGLangClient(url) as client:
+            sender = BroadcastSender([client], "127.0.0.1", bucket_bytes=64 * 1024, timeout_s=60)
+            sent = await sender.send(HFBuckets(make, 3, len(parts), 0), version=3)
+            after = await client.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            await sender.close()
+            return sent, after
+
+    with engine_servers(tiny_model_dir, tmp_path, {"engine": []}) as urls:
+        sent, after = asyncio.run(drive(urls["engine"]))
+    assert made == [0, 1, 2]
+    assert sent == sum(t.numel() * t.element_size() for t in weights.values())
+    assert after["output_ids"] == reference_output(other_model)
+    assert after["meta_info"]["output_token_versions"] == [3] * 8
 
 
 def test_broadcast_requests_that_cannot_work_are_refused(tiny_model_dir, tmp_path, engine_servers):

@@ -5,7 +5,8 @@ them (engines/trainer_group.py). For each layout ("tp2", "pp2", "dp2") it trains
 of `step_samples` with Gyre's loss (policies.loss, as the cell computes micro-steps), and records what the test
 compares with a one-process trainer: the log-probs, each step's loss and gradient norm, the HF weights after the
 steps (whole, and bucket by bucket as a publisher gets them), and a sharded checkpoint's round trip (saved after the
-steps, one more step taken, restored: the digests of weights and AdamW moments, and the weights). "kill" starts a
+steps, one more step taken, restored: the digests of weights and AdamW moments, and the weights), and a
+publication (a snapshot taken, a step applied, the snapshot streamed into a safetensors file). "kill" starts a
 tensor-parallel group, kills rank 1 and records the error the next micro-step raises. Saves the records (torch.save).
 """
 
@@ -81,6 +82,9 @@ def train(trainer, data: int) -> dict:
 def run_layout(model_dir: str, name: str, workdir: str) -> dict:
     from gyre.engines.trainer import TrainerConfig
     from gyre.engines.trainer_group import TrainerGroup
+    from safetensors.torch import load_file
+
+    from gyre.engines.weight_buckets import write_safetensors
     from gyre.runtime.checkpoint import commit, staging_dir
 
     tensor, pipeline, data = LAYOUTS[name]
@@ -102,6 +106,16 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
         out["checkpoint"] = {"parts": sorted(r.name for r in records), "saved_digest": saved_digest,
                              "restored_digest": restored_digest, "moved": moved, "restored": group.hf_state_dict(),
                              "saved_version": saved_version, "restored_version": group.version}
+        # Publishing as the core does (actors/cells/rollout_role.py): a snapshot under the lock, gathered later by
+        # the disk writer, bucket by bucket; a step in between does not change what it publishes.
+        publication = group.publication(bucket_bytes=BUCKET_BYTES)
+        group.forward_backward(*share(step_samples(9), 4))
+        group.optimizer_step()
+        target = os.path.join(workdir, f"{name}.safetensors")
+        write_safetensors(target, publication)
+        out["publication"] = {"version": publication.version, "file": load_file(target),
+                              "sizes": [sum(t.numel() * t.element_size() for t in b.values()) for b in publication],
+                              "num_buckets": publication.num_buckets, "total_bytes": publication.total_bytes}
     finally:
         group.close()
     return out

@@ -820,7 +820,7 @@ class ExecutionSession:
             (*head, rest), (*head_ends, tokens + len(rest)), hasher, (*head_text, text[chars:]), len(text),
             (*head_cuts, tuple((c + chars, i + tokens) for c, i in rest_cuts)), reused,
         )
-        return self._whole_prompt(path, base, messages)
+        return self._whole_prompt(path, base, messages, tokens)
 
     def _generated_base(
         self, tools: list[Any] | None, system_text: str | None, messages: Sequence[Mapping[str, Any]]
@@ -894,17 +894,23 @@ class ExecutionSession:
             (*base.parts, output, rest), (*base.ends, tokens, tokens + len(rest)), hasher, text_now, chars + len(after),
             cuts or (), base.reused_turns + 1,
         )
-        return self._whole_prompt(path, base, messages)
+        return self._whole_prompt(path, base, messages, tokens)
 
-    def _whole_prompt(self, path: _Path, base: _Path | None, messages: Sequence[Mapping[str, Any]]) -> RenderedPrompt:
+    def _whole_prompt(
+        self, path: _Path, base: _Path | None, messages: Sequence[Mapping[str, Any]], reused_tokens: int
+    ) -> RenderedPrompt:
+        """The RenderedPrompt of `path`, whose prompt is `base`'s path ids up to `reused_tokens`, then its last part
+        (tokenised now); the record's shared tokens are found in O(that part)."""
         prompt = PromptIds(path.parts, path.ends)
-        extends, shared = -1, 0
+        rest = path.parts[-1]
+        extends, shared, new_ids = -1, 0, tuple(prompt) if reused_tokens else rest
         if base is not None and base.call_index >= 0:
-            extends = base.call_index
-            for token, expected in zip(prompt, base.path_ids()):
+            extends, shared = base.call_index, reused_tokens
+            for token, expected in zip(rest, _path_window(base, reused_tokens, len(rest))):
                 if token != expected:
                     break
                 shared += 1
+            new_ids = rest[shared - reused_tokens :]
         assistants = sum(1 for m in messages if m.get("role") == "assistant")
         return RenderedPrompt(
             prompt_ids=prompt,
@@ -913,7 +919,7 @@ class ExecutionSession:
             retokenised_turns=max(0, assistants - path.reused_turns),
             extends_call=extends,
             shared_tokens=shared,
-            new_prompt_ids=prompt[shared:],
+            new_prompt_ids=new_ids,
             memo=path,
         )
 
@@ -976,6 +982,20 @@ def _agreeing_chars(text: str, pieces: Sequence[str]) -> int:
                 high = middle - 1
         return at + low
     return at
+
+
+def _path_window(path: _Path, start: int, count: int) -> tuple[int, ...]:
+    """Ids `start` to `start + count` of a path's prompt + output, from its parts (no pass over the rest)."""
+    parts, ends = (*path.parts, path.output or ()), (*path.ends, path.prompt_tokens + len(path.output or ()))
+    window: list[int] = []
+    index, at = bisect.bisect_right(ends, start), start
+    while index < len(parts) and len(window) < count:
+        offset = at - (ends[index - 1] if index else 0)  # 0 after the first part
+        taken = parts[index][offset : offset + count - len(window)]
+        window.extend(taken)
+        at += len(taken)
+        index += 1
+    return tuple(window)
 
 
 def _cuts_up_to(

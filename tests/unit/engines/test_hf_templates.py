@@ -197,8 +197,9 @@ def test_template_variables_reach_the_template(template_dirs):
 def test_a_template_that_drops_earlier_thinking_is_not_prefix_stable(template_dirs):
     """Why the proxy cannot build a Qwen3-style conversation by appending per-turn renders: the last assistant
     turn's `<think>` block is kept while it follows the last user message and dropped once a new user message
-    arrives, so the earlier render is not a prefix of the later one. (The proxy must keep the ids it generated
-    for the turn it trains on and re-render only for the prompt: issue 26, item 5.)"""
+    arrives, so the earlier render is not a prefix of the later one. (So the proxy renders such templates whole;
+    what it does with the dropped thinking is ProxySessionsConfig.earlier_turns, tested in
+    tests/integration/actors/serving/test_model_templates.py.)"""
     chat = ChatTemplate.from_model_dir(template_dirs["qwen3"])
     turns = CONVERSATIONS["tool_loop_with_thinking"]
     before = chat.render_ids(turns, None, add_generation_prompt=False)
@@ -207,3 +208,20 @@ def test_a_template_that_drops_earlier_thinking_is_not_prefix_stable(template_di
     assert "<think>" in chat.render_text(turns, None, False).split("Ünïcödé")[-1]
     assert "<think>" not in chat.render_text([*turns, {"role": "user", "content": "x"}], None, False).split(
         "Ünïcödé")[-1]
+
+
+def test_a_checkpoints_template_is_not_decomposable_and_stops_on_its_eos(template_dirs, chat_template):
+    qwen3 = ChatTemplate.from_model_dir(template_dirs["qwen3"])
+    llama = ChatTemplate.from_model_dir(template_dirs["llama"])
+    assert chat_template.decomposable and not qwen3.decomposable and not llama.decomposable
+    eot = llama.tokenizer.token_to_id("<|eot_id|>")
+    assert eot in llama.stop_token_ids and llama.stop_text(eot) == "<|eot_id|>"
+    assert qwen3.stop_token_ids == chat_template.stop_token_ids  # <|im_end|>, <|endoftext|>: its eos is <|im_end|>
+    assert qwen3.splits_at_special_tokens and llama.splits_at_special_tokens
+    text = llama.render_text(CONVERSATIONS["no_system_two_turns"], TOOLS, True)
+    ids, cuts = llama.encode_with_cuts(text)
+    assert ids == llama.render_ids(CONVERSATIONS["no_system_two_turns"], TOOLS, True)
+    assert cuts and all(ids[i - 1] in llama._special_ids for _, i in cuts)
+    for chars, tokens in cuts:  # a cut after a special token tokenises as the whole
+        assert llama.encode(text[:chars]) + llama.encode(text[chars:]) == ids
+        assert llama.encode(text[:chars]) == ids[:tokens]

@@ -401,3 +401,46 @@ def test_a_template_that_rewrites_assistant_content_follows_the_template(
     shared = proxy.calls[1].shared_tokens
     assert proxy.calls[1].extends_call == 0 and len(first) - 3 <= shared < len(path)  # a branch, inside the answer
     assert second[:shared] == path[:shared] and second[shared] != path[shared]
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
+def test_anthropic_tool_loop_streamed_on_a_qwen3_style_template(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    tokenizer = hf_tokenizers["qwen3"]
+    client = anthropic.Anthropic(base_url=proxy.served.base_url, api_key=proxy.key("anthropic-tools"), max_retries=0)
+    tools = [{"name": "run", "description": "Run a shell command.",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    proxy.backend.script += ["<think>\nList first.\n</think>\n\nLooking.\n" + tool_answer("ls"),
+                             "<think>\nFound it.\n</think>\n\nThere is a.txt.", "Bye."]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is here?"}]
+    conversations = []
+    for followup in ("tool", "user", None):
+        conversations.append(json.loads(json.dumps(messages)))
+        with client.messages.stream(model="m", system="Be brief.", max_tokens=200, messages=messages,
+                                    tools=tools) as stream:
+            reply = stream.get_final_message()
+        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        if followup == "tool":
+            [use] = [b for b in reply.content if b.type == "tool_use"]
+            assert use.input == {"cmd": "ls"}
+            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                          "content": "a.txt"}]})
+        elif followup == "user":
+            messages.append({"role": "user", "content": "Thanks."})
+    first, second, third = proxy.prompts
+    outputs = [c.output_ids for c in proxy.calls]
+    assert first == tuple(tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is here?"}],
+        tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False))
+    # The tool loop: the template keeps the thinking, so its text holds the generated turn verbatim.
+    assert second[: len(first) + len(outputs[0])] == first + outputs[0]
+    tool_turn = "\n<|im_start|>user\n<tool_response>\na.txt\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert second == first + outputs[0] + tuple(hf_ids(tokenizer, tool_turn))
+    as_openai = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is here?"},
+                 {"role": "assistant", "content": "<think>\nList first.\n</think>\n\nLooking.",
+                  "tool_calls": [hf_templates.call("run", {"cmd": "ls"})]},
+                 {"role": "tool", "content": "a.txt"}]
+    assert second == substituted(tokenizer, hf_text(tokenizer, as_openai, TOOLS), generated_turns(proxy, 1))
+    # After the new user message the template drops the thinking; the prompt keeps the generated ids.
+    assert third == second + outputs[1] + tuple(hf_ids(
+        tokenizer, "\n<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n"))
+    assert len(build_tree(proxy.calls).trajectories()) == 1

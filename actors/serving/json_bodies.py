@@ -9,11 +9,14 @@ there: the members before `messages` and the first k messages decode to the same
 the earlier decoding and only the bytes after them are parsed (the stdlib's C scanner, one value at a time), then
 checked against the bounds (depth, string length, lone surrogates) as `loads_bounded` checks a whole body.
 
-The result always equals `loads_bounded` of the whole body; anything the incremental walk does not expect (not an
-object, a second `messages` member, invalid JSON, bytes that are not UTF-8) goes to `loads_bounded`, which also
-words the refusals. Decoded values are shared between bodies of the same session, never across sessions, and are
-read only (the API modules build their own dicts from them). Bounded: bodies kept per session and bytes kept in
-all (least recently used sessions go first); a body smaller than `min_body_bytes` is decoded whole and not kept.
+The API modules convert messages the same way (`converted_before`, `keep_converted`): a `DecodedBody` knows which
+of its messages are the earlier body's very objects, and the earlier body keeps what each API made of them, so only
+the new messages are normalised. The result always equals `loads_bounded` of the whole body; anything the
+incremental walk does not expect (not an object, a second `messages` member, invalid JSON, bytes that are not
+UTF-8) goes to `loads_bounded`, which also words the refusals. Decoded values and conversions are shared between
+bodies of the same session, never across sessions, and are read only (the API modules build their own dicts from
+the decoded values, and copy the lists). Bounded: bodies kept per session and bytes kept in all (least recently used
+sessions go first); a body smaller than `min_body_bytes` is decoded whole and not kept.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from gyre.actors.serving._api_common import _SURROGATE_ESCAPE, JsonLimits, check
 from gyre.runtime.errors import ConfigError
 from gyre.runtime.validators import count
 
-__all__ = ["BodyCacheConfig", "BodyCache", "BodyCacheStatistics", "not_negative"]
+__all__ = ["BodyCacheConfig", "BodyCache", "BodyCacheStatistics", "DecodedBody", "converted_before", "keep_converted",
+           "not_negative"]
 
 _WHITESPACE = json.decoder.WHITESPACE
 _SCAN_VALUE = json.JSONDecoder().scan_once  # the C scanner: (text, index) -> (value, index after it)
@@ -63,6 +67,42 @@ class BodyCacheStatistics:
     """Bytes taken from earlier decodings instead of being parsed."""
 
 
+class DecodedBody(dict):
+    """A body decoded by `BodyCache`: the dict `json.loads` makes of it, plus what it repeats of an earlier body of
+    its session: its first `repeated` messages are the very objects of that body's messages, and `derived` holds
+    what the API modules made of its messages (`keep_converted`), for the next body."""
+
+    __slots__ = ("repeated", "earlier_messages", "earlier_derived", "derived")
+
+    def __init__(self, body: dict[str, Any], repeated: int, earlier: "_Body | None", kept: "_Body") -> None:
+        super().__init__(body)
+        self.repeated = repeated
+        self.earlier_messages = earlier.messages if earlier is not None else []
+        self.earlier_derived = earlier.derived if earlier is not None else {}
+        self.derived = kept.derived
+
+
+def converted_before(body: Any, key: str) -> list[Any]:
+    """What an API module made (under `key`, its name) of the first messages of `body` that the session's earlier
+    body had: the very same message objects, so the same conversions (each a pure function of its message). A new
+    list, empty when `body` repeats nothing; the API converts the messages after them and hands the whole list to
+    `keep_converted`. The conversions are shared with later bodies: read only."""
+    if type(body) is not DecodedBody:
+        return []
+    earlier = body.earlier_derived.get(key)
+    count = min(body.repeated, len(earlier)) if earlier is not None else 0
+    # The same objects (a list comparison stops at identity), unless something replaced them since.
+    if not count or body["messages"][:count] != body.earlier_messages[:count]:
+        return []
+    return earlier[:count]
+
+
+def keep_converted(body: Any, key: str, converted: list[Any]) -> None:
+    """Keep what the API module under `key` made of every message of `body`, for the session's next body."""
+    if type(body) is DecodedBody:
+        body.derived[key] = list(converted)
+
+
 class _NotPlain(Exception):
     """The body is not of the shape the walk handles: decode it whole."""
 
@@ -75,6 +115,8 @@ class _Body:
     messages: list[Any]
     ends: list[int]
     """Byte offset in `raw` just after each message."""
+    derived: dict[str, Any] = attrs.field(factory=dict)
+    """What the API modules made of the messages (`keep_converted`)."""
 
 
 def _skip(text: str, index: int) -> int:
@@ -229,7 +271,7 @@ class BodyCache:
             if shared == len(earlier.messages):
                 self._drop(session, earlier)  # the new body extends it: it would never be the longer match again
         self._keep(session, kept)
-        return body
+        return DecodedBody(body, shared, earlier, kept)
 
     # -- matching ------------------------------------------------------------------------------------------------
 
@@ -264,12 +306,11 @@ class BodyCache:
         text = raw[base:].decode("utf-8")
         head, messages, ends, after = _walk_whole(text)
         limits = self.limits
-        check_json(
-            _assemble(head, messages, after), limits, "the request body",
-            surrogates="\\" in text and _SURROGATE_ESCAPE.search(text) is not None,
-            strings=len(text) > limits.max_string_chars,
-        )
-        return _assemble(head, messages, after), _Body(raw, head, messages, _byte_ends(text, ends, base))
+        body = _assemble(head, messages, after)
+        check_json(body, limits, "the request body",
+                   surrogates="\\" in text and _SURROGATE_ESCAPE.search(text) is not None,
+                   strings=len(text) > limits.max_string_chars)
+        return body, _Body(raw, head, messages, _byte_ends(text, ends, base))
 
     def _decode_after(self, raw: bytes, earlier: _Body, shared: int) -> tuple[dict[str, Any], _Body]:
         start = earlier.ends[shared - 1]

@@ -35,6 +35,7 @@ from gyre.actors.serving._api_common import (
     sse,
     stop_field,
 )
+from gyre.actors.serving.json_bodies import converted_before, keep_converted
 from gyre.actors.serving.sessions import (
     ApiError,
     CallContext,
@@ -275,7 +276,11 @@ def parse_chat_request(body: Any, limits: JsonLimits = JsonLimits()) -> ChatRequ
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise ApiError("invalid_request", "messages must be a non-empty list", "messages")
-    messages = [_message(i, m, limits) for i, m in enumerate(raw_messages)]
+    # Each message's normal form (a pure function of it); those repeated from the session's earlier body are taken
+    # from it, so a call converts only its new messages. Shared between calls: read only.
+    messages = converted_before(body, "openai")
+    messages += [_message(i, m, limits) for i, m in enumerate(raw_messages[len(messages) :], len(messages))]
+    keep_converted(body, "openai", messages)
     system_text = None
     if messages[0]["role"] == "system":
         system_text = messages.pop(0)["content"]

@@ -1,7 +1,8 @@
 """Request bodies decoded from where they differ from the session's earlier ones (json_bodies.py): whatever the
 sequence of bodies (appended, forked or edited conversations, other members before and after the messages, any
 formatting, a BOM, text beyond ASCII, values beyond the bounds, broken JSON), each decodes to what `loads_bounded`
-makes of it alone, or is refused as it refuses it; and a growing conversation is in fact decoded incrementally."""
+makes of it alone, or is refused as it refuses it; a growing conversation is in fact decoded incrementally, and its
+OpenAI messages are converted once each."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from gyre.actors.serving._api_common import JsonLimits, loads_bounded
 from gyre.actors.serving.json_bodies import BodyCache, BodyCacheConfig
+from gyre.actors.serving.openai_api import parse_chat_request
 from gyre.actors.serving.sessions import ApiError
 
 LIMITS = JsonLimits(max_depth=6, max_string_chars=40)
@@ -149,3 +151,28 @@ def test_a_second_messages_member_is_decoded_as_json_decodes_it() -> None:
     cache.loads(first, "s")
     raw = b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "messages": [1]}'
     assert cache.loads(raw, "s") == json.loads(raw) == {"messages": [1]}
+
+
+def test_the_openai_messages_of_a_growing_conversation_are_converted_once_each() -> None:
+    cache = BodyCache(JsonLimits(), ALL_BODIES)
+    conversation: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    previous = None
+    for turn in range(12):
+        if turn % 3 == 2:
+            call = {"id": f"c{turn}", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            conversation.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            conversation.append({"role": "tool", "tool_call_id": f"c{turn}", "content": "done"})
+        else:
+            conversation.append({"role": "user" if turn % 2 else "assistant", "content": f"turn {turn}"})
+        raw = json.dumps({"model": "gyre", "messages": conversation}).encode()
+        chat = parse_chat_request(cache.loads(raw, "execution"))
+        assert chat == parse_chat_request(json.loads(raw))  # the same request as from the whole body
+        if previous is not None:  # the messages it repeats are the earlier call's conversions, not new ones
+            assert all(a is b for a, b in zip(chat.messages, previous.messages))
+        previous = chat
+    # An edited history converts again from the edit on.
+    conversation[3] = {"role": "user", "content": "edited"}
+    raw = json.dumps({"model": "gyre", "messages": conversation}).encode()
+    chat = parse_chat_request(cache.loads(raw, "execution"))
+    assert chat == parse_chat_request(json.loads(raw))
+    assert chat.messages[1] is previous.messages[1] and chat.messages[2] == {"role": "user", "content": "edited"}

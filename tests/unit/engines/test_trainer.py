@@ -150,7 +150,8 @@ def test_grad_clipping_and_non_finite_steps(fresh, tiny_model_dir):
     a.forward_backward(*batch(6, [10]), lambda lp: (-1000.0 * lp.sum(), {}))
     flat = a.grads_to_flat()
     report = a.optimizer_step()
-    assert report["grad_norm"] == pytest.approx(float(flat.norm()), rel=1e-5) and report["grad_norm"] > 1.0
+    # Against a float64 norm: fp32's own norm of the 1.3M gradients is off by ~1e-4 relative.
+    assert report["grad_norm"] == pytest.approx(float(flat.double().norm()), rel=1e-9) and report["grad_norm"] > 1.0
     # AdamW's first step moves each weight by about lr regardless of the gradient scale.
     step = (a.flat_params() - MegatronTrainer_flat(tiny_model_dir, a)).abs().max()
     assert step <= 1.1 * a.config.lr

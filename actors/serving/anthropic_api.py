@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from contextlib import aclosing
+from itertools import chain
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from gyre.actors.serving._api_common import (
@@ -32,6 +33,7 @@ from gyre.actors.serving._api_common import (
     sse,
     stop_field,
 )
+from gyre.actors.serving.json_bodies import converted_before, keep_converted
 from gyre.actors.serving.sessions import (
     ApiError,
     CallContext,
@@ -197,63 +199,73 @@ def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
     raise ApiError("invalid_request", f"{where}.content must be a string or text blocks", where)
 
 
-def _messages(raw: Any) -> list[dict[str, Any]]:
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The body's messages in the neutral form; those repeated from the session's earlier body (a `DecodedBody`)
+    take what was made of them then, so a call converts only its new messages (shared between calls: read only)."""
+    raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ApiError("invalid_request", "messages must be a non-empty list", "messages")
+    converted = converted_before(body, "anthropic")
+    converted += [_message(i, message) for i, message in enumerate(raw[len(converted) :], len(converted))]
+    keep_converted(body, "anthropic", converted)
+    return list(chain.from_iterable(converted))
+
+
+def _message(i: int, message: Any) -> list[dict[str, Any]]:
+    """One Anthropic message -> its neutral messages (a user message with tool results gives one per result)."""
     out: list[dict[str, Any]] = []
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, Mapping):
-            raise ApiError("invalid_request", f"{where} must be an object", where)
-        role = message.get("role")
-        blocks = _blocks(message.get("content"), f"{where}.content")
-        if role == "user":
-            texts: list[str] = []
-            for j, block in enumerate(blocks):
-                bwhere = f"{where}.content[{j}]"
-                kind = block["type"]
-                if kind == "text":
-                    texts.append(_text(block, bwhere))
-                elif kind == "tool_result":
-                    call_id = block.get("tool_use_id")
-                    if not isinstance(call_id, str) or not call_id:
-                        raise ApiError("invalid_request", f"{bwhere}.tool_use_id must be a non-empty string", bwhere)
-                    out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, bwhere)})
-                else:
-                    raise ApiError("invalid_request", f"{bwhere}: block type {kind!r} is not supported", bwhere)
-            if texts or not any(b["type"] == "tool_result" for b in blocks):
-                out.append({"role": "user", "content": "".join(texts)})
-        elif role == "assistant":
-            texts = []
-            calls = []
-            for j, block in enumerate(blocks):
-                bwhere = f"{where}.content[{j}]"
-                kind = block["type"]
-                if kind == "text":
-                    texts.append(_text(block, bwhere))
-                elif kind == "tool_use":
-                    name, tool_input = block.get("name"), block.get("input", {})
-                    if not isinstance(name, str) or not name:
-                        raise ApiError("invalid_request", f"{bwhere}.name must be a non-empty string", bwhere)
-                    if not isinstance(tool_input, Mapping):
-                        raise ApiError("invalid_request", f"{bwhere}.input must be an object", bwhere)
-                    calls.append(
-                        {
-                            "id": str(block.get("id") or ""),
-                            "type": "function",
-                            "function": {"name": name, "arguments": json.dumps(tool_input, ensure_ascii=False)},
-                        }
-                    )
-                elif kind in ("thinking", "redacted_thinking"):
-                    continue
-                else:
-                    raise ApiError("invalid_request", f"{bwhere}: block type {kind!r} is not supported", bwhere)
-            assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
-            if calls:
-                assistant["tool_calls"] = calls
-            out.append(assistant)
-        else:
-            raise ApiError("invalid_request", f"{where}.role must be 'user' or 'assistant', got {role!r}", where)
+    where = f"messages[{i}]"
+    if not isinstance(message, Mapping):
+        raise ApiError("invalid_request", f"{where} must be an object", where)
+    role = message.get("role")
+    blocks = _blocks(message.get("content"), f"{where}.content")
+    if role == "user":
+        texts: list[str] = []
+        for j, block in enumerate(blocks):
+            bwhere = f"{where}.content[{j}]"
+            kind = block["type"]
+            if kind == "text":
+                texts.append(_text(block, bwhere))
+            elif kind == "tool_result":
+                call_id = block.get("tool_use_id")
+                if not isinstance(call_id, str) or not call_id:
+                    raise ApiError("invalid_request", f"{bwhere}.tool_use_id must be a non-empty string", bwhere)
+                out.append({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, bwhere)})
+            else:
+                raise ApiError("invalid_request", f"{bwhere}: block type {kind!r} is not supported", bwhere)
+        if texts or not any(b["type"] == "tool_result" for b in blocks):
+            out.append({"role": "user", "content": "".join(texts)})
+    elif role == "assistant":
+        texts = []
+        calls = []
+        for j, block in enumerate(blocks):
+            bwhere = f"{where}.content[{j}]"
+            kind = block["type"]
+            if kind == "text":
+                texts.append(_text(block, bwhere))
+            elif kind == "tool_use":
+                name, tool_input = block.get("name"), block.get("input", {})
+                if not isinstance(name, str) or not name:
+                    raise ApiError("invalid_request", f"{bwhere}.name must be a non-empty string", bwhere)
+                if not isinstance(tool_input, Mapping):
+                    raise ApiError("invalid_request", f"{bwhere}.input must be an object", bwhere)
+                calls.append(
+                    {
+                        "id": str(block.get("id") or ""),
+                        "type": "function",
+                        "function": {"name": name, "arguments": json.dumps(tool_input, ensure_ascii=False)},
+                    }
+                )
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            else:
+                raise ApiError("invalid_request", f"{bwhere}: block type {kind!r} is not supported", bwhere)
+        assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        if calls:
+            assistant["tool_calls"] = calls
+        out.append(assistant)
+    else:
+        raise ApiError("invalid_request", f"{where}.role must be 'user' or 'assistant', got {role!r}", where)
     return out
 
 
@@ -307,7 +319,7 @@ def parse_messages_request(body: Any) -> ChatRequest:
     return ChatRequest(
         model=model,
         system_text=_system_text(body.get("system")),
-        messages=tuple(_messages(body.get("messages"))),
+        messages=tuple(_messages(body)),
         tools=_tools(body.get("tools"), body.get("tool_choice")),
         max_tokens=max_tokens,
         temperature=number_field(body, "temperature", 0.0, 1.0),
@@ -325,7 +337,7 @@ def parse_count_tokens_request(body: Any) -> ChatRequest:
     return ChatRequest(
         model=model_field(body),
         system_text=_system_text(body.get("system")),
-        messages=tuple(_messages(body.get("messages"))),
+        messages=tuple(_messages(body)),
         tools=_tools(body.get("tools"), body.get("tool_choice")),
         max_tokens=None,
         temperature=None,

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from gyre.actors.serving._api_common import JsonLimits, loads_bounded
 from gyre.actors.serving.json_bodies import BodyCache, BodyCacheConfig
+from gyre.actors.serving.anthropic_api import parse_messages_request
 from gyre.actors.serving.openai_api import parse_chat_request
 from gyre.actors.serving.sessions import ApiError
 
@@ -176,3 +177,25 @@ def test_the_openai_messages_of_a_growing_conversation_are_converted_once_each()
     chat = parse_chat_request(cache.loads(raw, "execution"))
     assert chat == parse_chat_request(json.loads(raw))
     assert chat.messages[1] is previous.messages[1] and chat.messages[2] == {"role": "user", "content": "edited"}
+
+
+def test_the_anthropic_messages_of_a_growing_conversation_are_converted_once_each() -> None:
+    cache = BodyCache(JsonLimits(), ALL_BODIES)
+    conversation: list[dict[str, Any]] = []
+    previous = None
+    for turn in range(10):
+        if turn % 2:
+            conversation.append({"role": "assistant", "content": [
+                {"type": "text", "text": f"calling {turn}"},
+                {"type": "tool_use", "id": f"t{turn}", "name": "read", "input": {"path": f"/{turn}"}}]})
+        else:
+            results = [{"type": "tool_result", "tool_use_id": f"t{turn - 1}", "content": "ok"}] if turn else []
+            conversation.append({"role": "user", "content": results + [{"type": "text", "text": f"go {turn}"}]})
+        body = {"model": "gyre", "max_tokens": 8, "system": "Be brief.", "messages": conversation}
+        raw = json.dumps(body).encode()
+        chat = parse_messages_request(cache.loads(raw, "execution"))
+        assert chat == parse_messages_request(json.loads(raw))
+        if previous is not None:  # a user turn with a tool result gives two neutral messages: all of them reused
+            assert all(a is b for a, b in zip(chat.messages, previous.messages))
+        previous = chat
+    assert len(previous.messages) == 14

@@ -24,10 +24,13 @@ Every number is what happened: a fault kind the system does not yet survive show
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +40,16 @@ from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig, gro
 from gyre.actors.training.checkpointer import Checkpointer, CheckpointerConfig
 from gyre.actors.training.microstep_claimer import ClaimerConfig, MicroStepClaimer
 from gyre.actors.training.run_monitor import RunMonitor, RunMonitorConfig
+from gyre.messages.cells import TRAIN, RoleChanged
 from gyre.messages.checkpoints import CorePartsSaved
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.messages.training import ClaimGranted, ClaimMicroStep, MicroStepDone, StepApplied, StepReady
 from gyre.policies.staleness import MaxVersionLag
-from gyre.runtime import Actor, Codec, GyreError, Topology, handler, read_log
+from gyre.runtime import Actor, Codec, GyreError, RestartPolicy, Topology, handler, read_log
 from gyre.runtime.checkpoint import (
-    encode_json, load_latest, read_actor_state, staging_dir, write_core_record, write_file_atomic,
+    decode_json, encode_json, load_latest, read_actor_state, staging_dir, write_core_record, write_file_atomic,
 )
 from gyre.runtime.faults import random_plan
 from gyre.runtime.testing import run_with_faults
@@ -85,9 +89,18 @@ def _sample(execution: str, group: str, version: int) -> TrainingSample:
                           (1.0,) * 4, (1.0,) * 4, (1 / 3,) * 4, version, version, 3)
 
 
+@attrs.frozen
+class ScriptedExecutorConfig:
+    report_file: str = ""
+    """Where the samples it sent are written as it stops (a run in processes: nobody can read its instance)."""
+
+
 class ScriptedExecutor(Actor):
     """Executor, evaluator and trajectory builder in one: each group lands at the claimer 0.7 s after it starts, then
-    its GroupDone reaches the task source (the builder's order). Counts the samples it sent."""
+    its GroupDone reaches the task source (the builder's order). Counts the samples it sent and numbers its
+    landings as the trajectory builder does."""
+
+    config_cls = ScriptedExecutorConfig
 
     async def on_start(self) -> None:
         self.starts: dict[str, StartGroup] = {}
@@ -107,11 +120,22 @@ class ScriptedExecutor(Actor):
         ids = tuple(f"{msg.group_id}-{i}" for i in range(start.group_size))
         samples = tuple(_sample(e, msg.group_id, start.weight_version) for e in ids)
         self.samples_sent += len(samples)
-        self.landings_sent += 1  # numbered as the trajectory builder numbers them
+        self.landings_sent += 1
         self.tell("claimer", SamplesLanded(msg.group_id, samples, ids, (1.0,) * len(ids), (1.0,) * len(ids), 0,
                                            4 * len(ids), 3 * len(ids), start.weight_version, start.weight_version,
                                            self.landings_sent, self.samples_sent))
         self.tell("task_source", msg)
+
+    async def on_stop(self) -> None:
+        if self.config.report_file:
+            Path(self.config.report_file).write_text(json.dumps({"samples_sent": self.samples_sent}))
+
+
+def _note_trained(path: str, executions: list[str]) -> None:
+    """Append what a scripted trainer trained to `path` (one line a micro-step): a record that outlives a kill."""
+    if path and executions:
+        with open(path, "a") as handle:
+            handle.write(" ".join(executions) + "\n")
 
 
 @attrs.frozen
@@ -121,14 +145,23 @@ class ScriptedCoreConfig:
     resume_from: str = ""
     crash_after_step: int = -1
     """End a fresh run (not a resumed one) with status 1 right after this step, as a dying core does."""
+    crash_by_exit: bool = False
+    """Die by os._exit (a real process death, for a run in processes) instead of asking the run to stop."""
+    trained_log: str = ""
+    """Also append what it trains to this file (_note_trained)."""
+    claims_per_ready: int = 0
+    """Micro-steps it claims on each StepReady (0: all it can), so that a satellite gets the others; and with a
+    satellite it trains nothing before the satellite announced itself (a slow process start would else leave it
+    no work)."""
 
 
 class ScriptedCore(Actor):
-    """The core's side of a step and of a checkpoint: claims a step's micro-steps once StepReady fixed it, reports
-    them done, publishes StepApplied; its "weights" are a hash chain of what it trained."""
+    """The core's side of a step and of a checkpoint: claims a step's micro-steps once StepReady fixed it, counts
+    them and those satellites report (MicroStepDone), publishes StepApplied once all are in; its "weights" are a
+    hash chain of what it trained."""
 
     config_cls = ScriptedCoreConfig
-    subscriptions = (StepReady,)
+    subscriptions = (StepReady, RoleChanged)
 
     async def on_start(self) -> None:
         self.version = 0
@@ -137,6 +170,9 @@ class ScriptedCore(Actor):
         self.applied_through = -1
         self.saved_through = -1
         self.last_applied: StepApplied | None = None
+        self.ready: dict[int, StepReady] = {}
+        self.done: dict[int, set[int]] = {}
+        self.satellite_seen = not self.config.claims_per_ready
         if self.config.resume_from:
             state, checkpoint = read_actor_state(self.config.resume_from, "core")
             self.version, self.weights, self.trained = state["version"], state["weights"], state["trained"]
@@ -148,31 +184,58 @@ class ScriptedCore(Actor):
             if self.last_applied is not None and self.last_applied.step_id == msg.step_id:
                 self.tell("claimer", self.last_applied)  # as the core does: the claimer missed it
             return
-        done = 0
-        for _ in range(4 * msg.num_microsteps):  # bounded: claims refused while a re-queued one comes back
-            if done == msg.num_microsteps:
+        self.ready[msg.step_id] = msg
+        done = self.done.setdefault(msg.step_id, set())
+        if not self.satellite_seen:
+            return  # the claimer announces the step again
+        limit = self.config.claims_per_ready or 4 * msg.num_microsteps  # bounded either way
+        for _ in range(limit):
+            if len(done) >= msg.num_microsteps:
                 break
             try:
                 grant = await self.ask("claimer", ClaimMicroStep(self.name, self.version), timeout_s=5.0)
             except GyreError:
-                return  # the claimer is gone or silent: the step cannot end here
-            if grant.step_id != msg.step_id:
-                return
-            for sample in grant.samples:
-                self.trained.append(sample.execution_id)
-                self.weights = hashlib.sha256((self.weights + sample.execution_id).encode()).hexdigest()
+                break  # the claimer is gone or silent: a re-announced StepReady tries again
+            if grant.step_id != msg.step_id or grant.microstep_index in done:
+                break  # nothing left to claim (a satellite holds the rest) or not this step
+            executions = [sample.execution_id for sample in grant.samples]
+            for execution in executions:
+                self.trained.append(execution)
+                self.weights = hashlib.sha256((self.weights + execution).encode()).hexdigest()
+            _note_trained(self.config.trained_log, executions)
+            done.add(grant.microstep_index)
             self.tell("claimer", MicroStepDone(self.name, grant.step_id, grant.microstep_index, "", 0, 0, 4, 0.0))
-            done += 1
-        if done < msg.num_microsteps:
+        self._apply_if_complete(msg.step_id)
+
+    @handler(RoleChanged)
+    def on_role_changed(self, msg: RoleChanged) -> None:
+        self.satellite_seen = True
+
+    @handler(MicroStepDone)
+    def on_satellite_done(self, msg: MicroStepDone) -> None:
+        if msg.step_id <= self.applied_through:
+            return
+        self.done.setdefault(msg.step_id, set()).add(msg.microstep_index)
+        self.weights = hashlib.sha256(f"{self.weights}{msg.cell}:{msg.step_id}.{msg.microstep_index}".encode()
+                                      ).hexdigest()
+        self._apply_if_complete(msg.step_id)
+
+    def _apply_if_complete(self, step_id: int) -> None:
+        ready = self.ready.get(step_id)
+        if ready is None or step_id != self.applied_through + 1 or len(self.done[step_id]) < ready.num_microsteps:
             return
         self.version += 1
-        self.applied_through = msg.step_id
-        self.last_applied = StepApplied(msg.step_id, self.version, 0.1, 1.0, 4 * msg.num_samples, msg.num_samples, 0)
+        self.applied_through = step_id
+        self.ready.pop(step_id)
+        self.done.pop(step_id)
+        self.last_applied = StepApplied(step_id, self.version, 0.1, 1.0, 4 * ready.num_samples, ready.num_samples, 0)
         self.publish(self.last_applied)
-        if self.config.root and (msg.step_id + 1) % self.config.every_steps == 0:
-            self._save(msg.step_id)
-        if msg.step_id == self.config.crash_after_step and not self.config.resume_from:
-            self.stop_topology(f"the core died after step {msg.step_id}", 1)
+        if self.config.root and (step_id + 1) % self.config.every_steps == 0:
+            self._save(step_id)
+        if step_id == self.config.crash_after_step and not self.config.resume_from:
+            if self.config.crash_by_exit:
+                os._exit(9)
+            self.stop_topology(f"the core died after step {step_id}", 1)
 
     def _save(self, step_id: int) -> None:
         folder = staging_dir(self.config.root, step_id)
@@ -193,28 +256,89 @@ class ScriptedCore(Actor):
             self._save(self.applied_through)
 
 
+@attrs.frozen
+class ScriptedSatelliteConfig:
+    trained_log: str = ""
+    """Where it appends what it trains (_note_trained)."""
+    die_at_grant: int = 0
+    """Its process dies (os._exit) as its N-th ClaimGranted with work arrives, holding that claim (0: never)."""
+    marker: str = ""
+    """File written (the kill's wall time) before dying; it dies only while the file does not exist, so its
+    restarted process trains on."""
+
+
+class ScriptedSatellite(Actor):
+    """A train-role satellite: claims micro-steps, "trains" them, reports MicroStepDone to the claimer and the core.
+    It announces its (re)start with RoleChanged(previous_role ""), so the claimer re-queues what it held."""
+
+    config_cls = ScriptedSatelliteConfig
+    subscriptions = (StepApplied,)
+
+    async def on_start(self) -> None:
+        self.version = 0
+        self.grants = 0
+        self.publish(RoleChanged(self.name, TRAIN, "", "", self.version, 0.0, 0, False))
+        self.spawn(self._claim_loop(), "claims")
+
+    @handler(StepApplied)
+    def on_step_applied(self, msg: StepApplied) -> None:
+        self.version = max(self.version, msg.version)
+
+    async def _claim_loop(self) -> None:
+        while True:
+            try:
+                grant = await self.ask("claimer", ClaimMicroStep(self.name, self.version), timeout_s=5.0)
+            except GyreError:
+                await asyncio.sleep(0.5)
+                continue
+            if grant.step_id < 0:
+                await asyncio.sleep(min(grant.retry_after_s, 0.2))
+                continue
+            self.grants += 1
+            marker = self.config.marker
+            if self.grants == self.config.die_at_grant and marker and not Path(marker).exists():
+                Path(marker).write_text(repr(time.time()))
+                os._exit(9)  # holding the claim: a real death, no goodbye
+            _note_trained(self.config.trained_log, [sample.execution_id for sample in grant.samples])
+            done = MicroStepDone(self.name, grant.step_id, grant.microstep_index, "", 0, 0, 4, 0.0)
+            self.tell("claimer", done)
+            self.tell("core", done)
+
+
 def fault_topology(root: str, *, steps: int, seed: int, resume_from: str = "", crash_after_step: int = -1,
-                   report: str = "") -> Topology:
-    """The run of this benchmark (module docstring); checkpoints under `root`."""
+                   report: str = "", processes: bool = False, satellite: ScriptedSatelliteConfig | None = None,
+                   crash_by_exit: bool = False, trained_log: str = "", executor_report: str = "") -> Topology:
+    """The run of this benchmark (module docstring); checkpoints under `root`. `processes`: the core (and the
+    satellite, if any) in processes of their own, the rest in "control", for a run under the local-process
+    launcher."""
+    control = "control" if processes else None
     result = Topology("fault-run", seed=seed)
     result.checkpoint_dir = root
-    result.add("executor", ScriptedExecutor)
+    result.add("executor", ScriptedExecutor, ScriptedExecutorConfig(executor_report), process=control)
     result.add("task_source", TaskSource, TaskSourceConfig(
         tasks=TASKS, group_size=GROUP_SIZE, groups_in_flight=3, groups_per_step=1, seed=seed,
         max_groups_ahead_of_training=groups_ahead_for_staleness(STALENESS, 1), stop_topology_when_done=False,
-        resume_from=resume_from))
+        resume_from=resume_from, group_deadline_s=10.0), process=control)
     result.add("claimer", MicroStepClaimer, ClaimerConfig(groups_per_step=1, group_size=GROUP_SIZE,
+                                                          microstep_token_budget=4,  # one sample a micro-step
                                                           staleness=MaxVersionLag(STALENESS), cell_silence_limit_s=5.0,
                                                           liveness_check_s=1.0, resume_from=resume_from,
                                                           step_ready_resend_s=2.0,
-                                                          journal_path=str(Path(root) / "claimer.journal")))
+                                                          journal_path=str(Path(root) / "claimer.journal")),
+               process=control)
     result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=report or root, steps=steps, cells=("core",),
-                                                       core_cell="core", progress=False, resume_from=resume_from))
+                                                       core_cell="core", progress=False, resume_from=resume_from),
+               process=control)
     result.add("checkpointer", Checkpointer, CheckpointerConfig(
-        root=root, participants=("task_source", "claimer", "monitor"), keep=2, ask_timeout_s=5.0))
+        root=root, participants=("task_source", "claimer", "monitor"), keep=2, ask_timeout_s=5.0), process=control)
+    if satellite is not None:
+        result.add("sat1", ScriptedSatellite, satellite, process="sat1" if processes else None,
+                   restart=RestartPolicy("restart", max_restarts=2))
     # After the checkpointer: on one node actors stop in reverse order, so the core leaves its final part before
     # the checkpointer, stopping, looks for it (in a multi-process run they stop at once).
-    result.add("core", ScriptedCore, ScriptedCoreConfig(root, 1, resume_from, crash_after_step))
+    result.add("core", ScriptedCore, ScriptedCoreConfig(root, 1, resume_from, crash_after_step, crash_by_exit,
+                                                        trained_log, 1 if satellite is not None else 0),
+               process="core" if processes else None, restart=RestartPolicy("stop_topology"))
     return result
 
 
@@ -321,49 +445,160 @@ def run_case(kind: str, seed: int, *, steps: int = 6, until_s: float = 120.0, pl
     return row
 
 
-def sweep(kinds: tuple[str, ...], seeds: int, steps: int = 6) -> dict:
+# ---- process kills in real time --------------------------------------------------------------------------------
+REALTIME_CASES = ("satellite-after-2nd-grant", "core-after-step-2")
+"""Real process deaths (os._exit) under the local-process launcher, the satellite's group in `restart_processes`: a satellite that dies
+holding a claim (its process restarts; the claimer re-queues its claim when the new one announces itself) and the
+core (its policy is stop_topology: the run ends, and a `--resume` from the newest checkpoint finishes it)."""
+
+
+def topology(argv: list[str]) -> Topology:
+    """The real-time run as a topology file (each process of the local-process launcher re-imports it)."""
+    parser = argparse.ArgumentParser(prog="gyre.benchmarks.faults")
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--satellite-dies-at-grant", type=int, default=-1, help="-1: no satellite")
+    parser.add_argument("--core-dies-after-step", type=int, default=-1)
+    parser.add_argument("--resume-from", default="")
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    satellite = None
+    if args.satellite_dies_at_grant >= 0:
+        satellite = ScriptedSatelliteConfig(str(work / "trained.txt"), args.satellite_dies_at_grant,
+                                            str(work / "satellite.killed"))
+    return fault_topology(str(work / "checkpoints"), steps=args.steps, seed=args.seed, resume_from=args.resume_from,
+                          crash_after_step=args.core_dies_after_step, crash_by_exit=True, processes=True,
+                          satellite=satellite, trained_log=str(work / "trained.txt"),
+                          executor_report=str(work / "executor.json"), report=str(work / "report"))
+
+
+def _realtime_invariants(work: Path, log_path: Path, kill_s: float | None, landed_before: int) -> dict:
+    """The invariants from what a run in processes leaves: the log, the trainers' record, the claimer's journal."""
+    row = check_invariants(log_path, {}, [kill_s] if kill_s is not None else [])
+    lines = (work / "trained.txt").read_text().split() if (work / "trained.txt").exists() else []
+    row["samples_trained_twice"] = len(lines) - len(set(lines))
+    journal = decode_json((work / "checkpoints" / "claimer.journal").read_bytes())
+    counts = journal["counts"]
+    accounted = sum(counts.get(k, 0) for k in (
+        "samples_trained", "samples_skipped", "samples_dropped_stale", "samples_dropped_overflow", "samples_duplicate",
+        "samples_rerolled", "samples_dropped_in_transit", "samples_dropped_restart"))
+    row["samples_unaccounted"] = counts.get("samples_landed", 0) - accounted  # in flight: counted in dropped_restart
+    row["samples_trained_twice"] += counts.get("samples_trained_twice", 0)
+    row["samples_dropped_counted"] = (counts.get("samples_dropped_in_transit", 0)
+                                      + counts.get("samples_dropped_restart", 0) - journal["in_flight"])
+    sent = json.loads((work / "executor.json").read_text())["samples_sent"] if (work / "executor.json").exists() else 0
+    row["samples_lost_in_transit"] = sent - (counts.get("samples_landed", 0) - counts.get("samples_duplicate", 0)
+                                             - landed_before)
+    row["lost_calls"] = None  # no agent calls in this run
+    return row
+
+
+def run_realtime_case(case: str, *, steps: int = 6, timeout_s: float = 60.0) -> dict:
+    """One real-time case (REALTIME_CASES) under the local-process launcher; a run the kill ended is resumed."""
+    from gyre.runtime.launch import LocalProcessLauncher, RunOptions
+
+    if case not in REALTIME_CASES:
+        raise ValueError(f"unknown real-time case {case!r}; the cases are {', '.join(REALTIME_CASES)}")
+    with tempfile.TemporaryDirectory(prefix="gyre-faults-rt-") as folder:
+        work = Path(folder)
+        argv = ["--work", folder, "--steps", str(steps)]
+        argv += ["--satellite-dies-at-grant", "2"] if case.startswith("satellite") else ["--core-dies-after-step", "2"]
+        started = time.monotonic()
+        launcher = LocalProcessLauncher(__file__, tuple(argv), restart_processes=("sat1",))
+        log_path = work / "events.glog"
+        result = launcher.run(topology(argv), RunOptions(log_path=str(log_path), until_s=timeout_s))
+        marker = work / "satellite.killed"
+        kill_s = float(marker.read_text()) if marker.exists() else None
+        row = {"kind": case, "seed": 0, "plan": case, "fired": int(marker.exists() or result.exit_code != 0),
+               "finished": result.exit_code == 0 and result.reason.startswith("trained"), "reason": result.reason,
+               "resumed": False}
+        landed_before = 0
+        if not row["finished"] and result.exit_code == 1:
+            checkpoint, _ = load_latest(work / "checkpoints")
+            if checkpoint is not None:
+                before, _ = read_actor_state(checkpoint.path, "claimer")
+                landed_before = before["counts"].get("samples_landed", 0) - before["counts"].get("samples_duplicate",
+                                                                                                    0)
+                kill_s = max(r.handled_s for r in read_log(log_path, Codec()))  # the run's last record
+                (work / "executor.json").unlink(missing_ok=True)
+                log_path = work / "resumed.glog"
+                resumed = ["--work", folder, "--steps", str(steps), "--resume-from", str(checkpoint.path)]
+                again = LocalProcessLauncher(__file__, tuple(resumed)).run(
+                    topology(resumed), RunOptions(log_path=str(log_path), until_s=timeout_s))
+                row.update(resumed=True, finished=again.exit_code == 0 and again.reason.startswith("trained"),
+                           resumed_reason=again.reason, resumed_from_step=checkpoint.step_id)
+        row.update(_realtime_invariants(work, log_path, kill_s, landed_before))
+        row["wall_s"] = round(time.monotonic() - started, 1)
+        row["outcome"] = ("resumed" if row["resumed"] else "kept") if row["finished"] else "ended"
+    return row
+
+
+COLUMNS = ("samples_lost_in_transit", "samples_unaccounted", "samples_trained_twice", "versions_not_monotone",
+           "staleness_violations")
+"""The invariants' columns: each must be 0 in every case."""
+
+
+def _summary(mine: list[dict]) -> dict:
+    recover = sorted(r["recover_s"] for r in mine if r.get("recover_s") is not None)
+    outcomes: dict[str, int] = {}
+    for r in mine:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    calls = [r["lost_calls"] for r in mine if r.get("lost_calls") is not None]
+    return {
+        "cases": len(mine), "fired": sum(1 for r in mine if r["fired"]),
+        "finished": sum(1 for r in mine if r["finished"]), "outcomes": outcomes,
+        **{c: sum(r.get(c) or 0 for r in mine) for c in COLUMNS},
+        "samples_dropped_counted": sum(r.get("samples_dropped_counted") or 0 for r in mine),
+        "lost_calls": sum(calls) if calls else None,
+        "recover_s_median": recover[len(recover) // 2] if recover else None,
+    }
+
+
+def sweep(kinds: tuple[str, ...], seeds: int, steps: int = 6, realtime: tuple[str, ...] = ()) -> dict:
+    """Every kind x seed in virtual time, then each real-time case once."""
     rows = [run_case(kind, seed, steps=steps) for kind in kinds for seed in range(seeds)]
-    columns = ("samples_lost_in_transit", "samples_unaccounted", "samples_trained_twice", "versions_not_monotone",
-               "staleness_violations")
-    by_kind = {}
-    for kind in kinds:
-        mine = [r for r in rows if r["kind"] == kind]
-        recover = sorted(r["recover_s"] for r in mine if r.get("recover_s") is not None)
-        by_kind[kind] = {
-            "cases": len(mine), "fired": sum(1 for r in mine if r["fired"]),
-            "finished": sum(1 for r in mine if r["finished"]),
-            **{c: sum(r.get(c) or 0 for r in mine) for c in columns},
-            "recover_s_median": recover[len(recover) // 2] if recover else None,
-        }
-    return {"kinds": list(kinds), "seeds": seeds, "steps": steps, "by_kind": by_kind, "cases": rows}
+    rows += [run_realtime_case(case, steps=steps) for case in realtime]
+    by_kind = {kind: _summary([r for r in rows if r["kind"] == kind]) for kind in (*kinds, *realtime)}
+    return {"kinds": list(kinds), "realtime": list(realtime), "seeds": seeds, "steps": steps, "by_kind": by_kind,
+            "cases": rows}
 
 
 def _handle(args: argparse.Namespace) -> int:
     from gyre.runtime.logs import configure_logging
 
     configure_logging("critical")  # the faults make the actors log errors by design: the table is the output
+    os.environ["GYRE_LOG_LEVEL"] = "critical"  # and the real-time runs' processes, which inherit it
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = sorted(set(kinds) - set(KINDS))
+    realtime = tuple(k for k in args.realtime.split(",") if k)
+    unknown = sorted(set(kinds) - set(KINDS)) + sorted(set(realtime) - set(REALTIME_CASES))
     if unknown:
-        print(f"gyre bench faults: unknown kinds {unknown}; the kinds are {', '.join(KINDS)}", file=sys.stderr)
+        print(f"gyre bench faults: unknown kinds {unknown}; the kinds are {', '.join(KINDS)}; the real-time cases "
+              f"{', '.join(REALTIME_CASES)}", file=sys.stderr)
         return 2
-    result = sweep(kinds, args.seeds, args.steps)
+    result = sweep(kinds, args.seeds, args.steps, realtime)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
         return 0
-    print(f"{'kind':<24} {'cases':>5} {'fired':>5} {'done':>5} {'transit':>7} {'unacc':>5} {'twice':>5} "
-          f"{'mono':>4} {'stale':>5} {'recover_s':>9}")
+    print(f"{'kind':<26} {'cases':>5} {'fired':>5} {'done':>5} {'transit':>7} {'unacc':>5} {'twice':>5} "
+          f"{'mono':>4} {'stale':>5} {'dropped':>7} {'calls':>5} {'recover_s':>9}  outcomes")
     for kind, row in result["by_kind"].items():
-        print(f"{kind:<24} {row['cases']:>5} {row['fired']:>5} {row['finished']:>5} "
+        calls = "-" if row["lost_calls"] is None else row["lost_calls"]
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(row["outcomes"].items()))
+        print(f"{kind:<26} {row['cases']:>5} {row['fired']:>5} {row['finished']:>5} "
               f"{row['samples_lost_in_transit']:>7} {row['samples_unaccounted']:>5} {row['samples_trained_twice']:>5} "
-              f"{row['versions_not_monotone']:>4} {row['staleness_violations']:>5} {row['recover_s_median']!s:>9}")
+              f"{row['versions_not_monotone']:>4} {row['staleness_violations']:>5} "
+              f"{row['samples_dropped_counted']:>7} {calls!s:>5} {row['recover_s_median']!s:>9}  {outcomes}")
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("faults", help="a training run under seeded faults in virtual time, invariants checked")
+    p = subparsers.add_parser("faults", help="a training run under seeded faults (virtual time, and real process "
+                              "kills), invariants checked")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--seeds", type=int, default=5, help="seeds per fault kind (default 5)")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps each run trains (default 6)")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated ({', '.join(KINDS)})")
+    p.add_argument("--realtime", default=",".join(REALTIME_CASES),
+                   help=f"real-time process kills, comma-separated ({', '.join(REALTIME_CASES)}); '' for none")
     p.set_defaults(func=_handle)

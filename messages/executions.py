@@ -45,6 +45,14 @@ class TaskSpec:
     = none."""
 
 
+@message("gyre.executions.GroupOverdue")
+class GroupOverdue:
+    """Task source -> itself: a group's deadline (TaskSourceConfig.group_deadline_s) has come."""
+
+    group_id: str
+    """The group."""
+
+
 @message("gyre.executions.StartGroup")
 class StartGroup:
     """Task source -> executor: run `group_size` executions of one task (a GSPO group)."""

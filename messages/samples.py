@@ -113,12 +113,17 @@ class SamplesLanded:
 
 @message("gyre.samples.LandingsLost")
 class LandingsLost:
-    """Claimer -> everyone (the task source): groups whose samples never reached the claimer, or died with a
-    restarted claimer; they are counted as dropped (never trained), so the task source's gate stops waiting for them."""
+    """Claimer -> everyone (the task source): groups whose samples never reached the claimer, died with a restarted
+    claimer, or were refused as too stale; they are counted as dropped (never trained), so the task source's gate
+    stops waiting for them, and it catches up on the claimer's step and weights (a StepApplied it missed)."""
 
     groups: int
     """Groups (landings) lost."""
     samples: int
     """Their samples."""
     why: str
-    """"in transit" or "claimer restarted"."""
+    """"in transit", "claimer restarted" or "stale"."""
+    step_id: int = -1
+    """The claimer's current step (-1: not said)."""
+    base_version: int = -1
+    """Its base weight version (-1: not said)."""

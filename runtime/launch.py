@@ -6,7 +6,11 @@
   and seed give a byte-identical event log.
 - `LocalProcessLauncher`: one OS process per `process` group, ZeroMQ over ipc:// (or tcp:// on 127.0.0.1) between
   them, CURVE-authenticated with a fresh key pair per process, a supervisor in the launcher's own process; clean
-  shutdown on Ctrl-C or SIGTERM, no orphans (children die with the parent).
+  shutdown on Ctrl-C or SIGTERM, no orphans (children die with the parent). A process that exits ends the run,
+  unless its group is named in `restart_processes` and every actor of it is in RestartPolicy mode "restart": then
+  it is started again (same endpoint and keys, up to the smallest `max_restarts` of its actors; its event-log
+  segment continues in a new part). Named, not implied by the policies (as under Ray): a group whose actors keep
+  the run's state (the task source, the claimer) starts empty in a new process, which would not continue the run.
 - `RayLauncher` (runtime/ray_launcher.py, imported only when asked: importing ray takes seconds): each process
   group one Ray actor placed by a placement group, tcp:// + CURVE on each node's address.
 """
@@ -173,6 +177,7 @@ def _die_with_parent() -> None:
 def _child_main(
     topology_file: str, argv: list[str], seed: int | None, process: str, endpoints: dict[str, str],
     log_dir: str | None, node_config: NodeConfig, secret: bytes, bus_keys: BusKeys, zmq_config: ZmqConfig,
+    incarnation: int = 0,
 ) -> None:
     _die_with_parent()
     # The secret and this process's bus keys come through the spawn pipe, never the environment, argv or a config
@@ -189,7 +194,8 @@ def _child_main(
     placement = {spec.name: spec.process for spec in topology.specs}
     directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
     transport = ZmqTransport(endpoints[process], endpoints, zmq_config, bus_keys)
-    recorder = EventLogWriter(Path(log_dir) / f"{process}.glog") if log_dir else None
+    segment = f"{process}.glog" if not incarnation else f"{process}.r{incarnation}.glog"
+    recorder = EventLogWriter(Path(log_dir) / segment) if log_dir else None
     node = Node(process, directory, clock=RealClock(), codec=codec, transport=transport, recorder=recorder,
                 config=node_config)
     for spec in topology.processes()[process]:
@@ -256,6 +262,9 @@ class LocalProcessLauncher:
     on both (tcp always; ipc unless `zmq_config.curve_on_ipc` is off)."""
     zmq_config: ZmqConfig = ZmqConfig()
     """Socket bounds and CURVE on ipc, the same in every process of the run."""
+    restart_processes: tuple[str, ...] = ()
+    """Process groups started again when they die and their actors' restart policies allow it (module docstring),
+    e.g. the satellites; any other process that exits ends the run."""
 
     def run(self, topology: Topology, options: RunOptions = RunOptions()) -> RunResult:
         cpu_groups = RunCpuGroups(topology.cpu_cores_by_process)
@@ -277,17 +286,37 @@ class LocalProcessLauncher:
             shutil.rmtree(parts_dir, ignore_errors=True)
             parts_dir.mkdir(parents=True)
         context = multiprocessing.get_context("spawn")
-        children = {
-            name: context.Process(
+
+        def child(name: str, incarnation: int = 0) -> multiprocessing.Process:
+            return context.Process(
                 target=_child_main,
                 args=(self.topology_file, list(self.argv), self.seed, name, endpoints,
                       str(parts_dir) if parts_dir else None, options.node, run_secret(), bus_keys[name],
-                      self.zmq_config),
+                      self.zmq_config, incarnation),
                 name=f"gyre:{name}",
                 daemon=False,
             )
-            for name in sorted(groups)
-        }
+
+        children = {name: child(name) for name in sorted(groups)}
+        restarts: dict[str, int] = {}
+
+        def restart(name: str) -> bool:
+            """Start a dead group again if it may be (module docstring); False when the run must end."""
+            specs = groups[name]
+            allowed = min(spec.restart.max_restarts for spec in specs)
+            if name not in self.restart_processes or any(spec.restart.mode != "restart" for spec in specs):
+                return False
+            if restarts.get(name, 0) >= allowed:
+                return False
+            restarts[name] = restarts.get(name, 0) + 1
+            fresh = children[name] = child(name, restarts[name])
+            fresh.start()
+            assert fresh.pid is not None
+            cpu_groups.add_process(name, fresh.pid)
+            log.warning("process_group_restarted", process=name, restarts=restarts[name], allowed=allowed,
+                        pid=fresh.pid)
+            return True
+
         codec = Codec()
         placement = {spec.name: spec.process for spec in topology.specs}
         directory = Directory.build(topology, placement, endpoints, codec.type_name_of, LAUNCHER_NODE)
@@ -302,7 +331,7 @@ class LocalProcessLauncher:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, node.resolve_stop, f"signal {signal.Signals(signum).name}", 128 + signum)
             await node.start()
-            watcher = loop.create_task(self._watch_children(node, children))
+            watcher = loop.create_task(self._watch_children(node, children, restart))
             try:
                 for name, child in children.items():
                     child.start()
@@ -333,12 +362,17 @@ class LocalProcessLauncher:
         return RunResult(code, reason)
 
     @staticmethod
-    async def _watch_children(node: Node, children: dict[str, multiprocessing.Process]) -> None:
+    async def _watch_children(node: Node, children: dict[str, multiprocessing.Process], restart) -> None:
         while True:
             await asyncio.sleep(0.2)
-            for name, child in children.items():
-                if child.exitcode is not None:
-                    node.resolve_stop(f"process {name} exited with status {child.exitcode}", 1)
+            for name, child in list(children.items()):
+                if child.exitcode is None:
+                    continue
+                code = child.exitcode
+                log.error("process_group_exited", process=name, status=code)
+                child.join(timeout=1.0)
+                if not restart(name):
+                    node.resolve_stop(f"process {name} exited with status {code}", 1)
                     return
 
     async def _stop_children(self, children: dict[str, multiprocessing.Process]) -> None:

@@ -59,8 +59,9 @@ import attrs
 from gyre.actors.errors import ActorError
 from gyre.messages.checkpoints import CheckpointAsked, CheckpointState
 from gyre.messages.execution_stats import GroupRecord, TaskSourceStatistics
-from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
+from gyre.messages.executions import GroupDone, GroupOverdue, StartGroup, TaskSpec
 from gyre.messages.samples import LandingsLost
+from gyre.messages.scheduling import TrainingBacklog
 from gyre.messages.training import StepApplied
 from gyre.policies.task_sampling import EpochOrder, GroupOutcome, TaskSampling, checked_weights, family_of
 from gyre.runtime import Actor, handler
@@ -152,6 +153,10 @@ class TaskSourceConfig:
     """Groups one optimizer step trains (the micro-step claimer's setting)."""
     max_groups_ahead_of_training: int | None = attrs.field(default=None, validator=optional_count)
     """Bound on groups started and not yet trained (module docstring); None: no bound."""
+    group_deadline_s: float | None = None
+    """A group whose GroupDone has not come this long after it started is given up: counted dropped and overdue,
+    its slot freed (its StartGroup or its GroupDone was lost: a partition, a dead process); a GroupDone that comes
+    later is counted unknown. None: wait for ever."""
     initial_weight_version: int = 0
     """Weight version before the first step."""
     first_step_id: int = 0
@@ -172,7 +177,7 @@ class TaskSource(Actor):
     """Feeds groups to the executor (module docstring)."""
 
     config_cls = TaskSourceConfig
-    subscriptions = (StepApplied, LandingsLost)
+    subscriptions = (StepApplied, LandingsLost, TrainingBacklog)
 
     async def on_start(self) -> None:
         self.order = self._order(self.config.tasks, "")
@@ -194,6 +199,7 @@ class TaskSource(Actor):
         self.landed = 0
         self.dropped = 0
         self.unknown_done = 0
+        self.overdue = 0
         self.in_flight: dict[str, tuple[str, int]] = {}  # group id -> (task id, weight version)
         self.history: collections.deque[GroupRecord] = collections.deque(maxlen=self.config.history_size)
         self.stopping = False
@@ -320,6 +326,8 @@ class TaskSource(Actor):
             self.log.info("group_sent", group_id=group_id, task_id=task.task_id, weight_version=self.version,
                           **({"rerolls": rerolls} if rerolls else {}))
             self.tell(cfg.executor, StartGroup(group_id, task, cfg.group_size, self.version))
+            if cfg.group_deadline_s is not None:
+                self.send_later(cfg.group_deadline_s, GroupOverdue(group_id))
 
     def _next_task(self) -> TaskSpec:
         weights = checked_weights(self.config.sampling, self.outcomes_by_family)
@@ -360,6 +368,10 @@ class TaskSource(Actor):
             success_rate=round(msg.success_rate, 4),
             done=self.done,
         )
+        self._next()
+
+    def _next(self) -> None:
+        """After a group ended: stop the run once `max_groups` are done, else start what may start."""
         max_groups = self.config.max_groups
         if max_groups is not None and self.done >= max_groups and not self.in_flight:
             if self.config.stop_topology_when_done and not self.stopping:
@@ -368,11 +380,39 @@ class TaskSource(Actor):
             return
         self._fill()
 
+    @handler(GroupOverdue)
+    def on_group_overdue(self, msg: GroupOverdue) -> None:
+        if self.in_flight.pop(msg.group_id, None) is None:
+            return  # done in time
+        self.done += 1
+        self.dropped += 1
+        self.overdue += 1
+        self.log.warning("group_overdue_given_up", group_id=msg.group_id, deadline_s=self.config.group_deadline_s)
+        self._next()
+
     @handler(LandingsLost)
     def on_landings_lost(self, msg: LandingsLost) -> None:
         self.dropped += msg.groups  # they will never train: the gate must not wait for them (module docstring)
         self.log.warning("landed_groups_lost_after_landing", groups=msg.groups, samples=msg.samples, why=msg.why)
+        self._catch_up(msg.step_id - self.config.first_step_id, msg.base_version)
         self._fill()
+
+    def _catch_up(self, steps_done: int, version: int) -> None:
+        """The claimer's step and weights, when they are ahead of ours (a StepApplied we missed)."""
+        if steps_done > self.steps_done or version > self.version:
+            self.log.warning("caught_up_from_the_claimer", steps_done=steps_done, version=version,
+                             was=(self.steps_done, self.version))
+            self.steps_done = max(self.steps_done, steps_done)
+            self.version = max(self.version, version)
+
+    @handler(TrainingBacklog)
+    def on_backlog(self, msg: TrainingBacklog) -> None:
+        """The claimer's current step says which steps are over (a StepApplied lost on its way here is caught up
+        by the next backlog: the gate would otherwise wait for ever, or start groups on old weights)."""
+        before = (self.steps_done, self.version)
+        self._catch_up(msg.step_id - self.config.first_step_id, msg.base_version)
+        if (self.steps_done, self.version) != before:
+            self._fill()
 
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:

@@ -41,7 +41,9 @@ it runs has a new id).
 Lost messages (issue 28, part 4). Each has a defined outcome:
 - a SamplesLanded that never arrives: the builder numbers its landings (`landing_seq`, with `samples_sent`, its
   running sample count); a gap counts the missing landings' samples as landed and `samples_dropped_in_transit`, and
-  LandingsLost tells the task source that those groups will never train (its gate stops waiting for them). A landing
+  LandingsLost tells the task source that those groups will never train (its gate stops waiting for them; groups
+  refused as stale are announced the same way, with the current step and base version, so a task source that
+  missed a StepApplied catches up instead of starting groups on old weights). A landing
   that arrives after its gap was counted is refused (it was counted dropped). One builder a run: a landing numbered
   1 with executions never seen starts a new numbering (the builder restarted). A lost last landing is seen at the
   next one.
@@ -250,6 +252,8 @@ class MicroStepLedger:
         self.landing_seq = 0
         self.landing_samples = 0
         self._missing_landings = _BoundedSet(4096)
+        self._stale_groups: set[str] = set()
+        self._stale_samples = 0
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def _note_boundary(self, ended_step: int) -> None:
@@ -283,8 +287,10 @@ class MicroStepLedger:
 
     # ---- the journal (module docstring, Claimer restarts) ---------------------------------------------------------
     def journal_key(self) -> tuple:
-        """What a journal write must follow: the step, its grants, the landings (claims alone change nothing)."""
-        return (self.step_id, self.step_granted, self.step_fixed, self.counts["samples_landed"], self.landing_seq)
+        """What a journal write must follow: the step, its grants, the landings, the samples trained (a refused
+        claim or a load report changes nothing)."""
+        return (self.step_id, self.step_granted, self.step_fixed, self.counts["samples_landed"], self.landing_seq,
+                self.counts["samples_trained"])
 
     def journal_state(self) -> dict:
         in_flight = self.samples_in_flight()
@@ -309,7 +315,18 @@ class MicroStepLedger:
         if boundary:
             self.boundaries[int(boundary["step"])] = _Boundary(boundary["state"], set(boundary["groups"]))
         groups, samples = len(journal["groups"]), int(journal["in_flight"])
-        return [LandingsLost(groups, samples, "claimer restarted")] if samples else []
+        return [self._lost(groups, samples, "claimer restarted")] if samples else []
+
+    def _lost(self, groups: int, samples: int, why: str) -> LandingsLost:
+        return LandingsLost(groups, samples, why, self.step_id, self.base_version)
+
+    def stale_announcement(self) -> list[LandingsLost]:
+        """The groups dropped as stale since the last call, as one LandingsLost (module docstring)."""
+        if not self._stale_groups:
+            return []
+        lost = self._lost(len(self._stale_groups), self._stale_samples, "stale")
+        self._stale_groups, self._stale_samples = set(), 0
+        return [lost]
 
     # ---- landing and packing --------------------------------------------------------------------------------------
     def _sequence(self, msg: SamplesLanded) -> tuple[bool, list[Any]]:
@@ -332,7 +349,7 @@ class MicroStepLedger:
             self.counts["samples_landed"] += samples
             self.counts["samples_dropped_in_transit"] += samples
             log.error("landings_lost_in_transit_counted_dropped", landings=groups, samples=samples, next=number)
-            published.append(LandingsLost(groups, samples, "in transit"))
+            published.append(self._lost(groups, samples, "in transit"))
         self.landing_seq, self.landing_samples = number, total
         return True, published
 
@@ -370,7 +387,8 @@ class MicroStepLedger:
             self.counts["samples_dropped_overflow"] += len(dropped.samples)
             log.warning("pending_queue_full_dropped_the_oldest_execution", execution=dropped.execution_id,
                         bound=self.config.max_pending_executions)
-        return published + self._fill()
+        published += self._fill()
+        return published + self.stale_announcement()
 
     def _fill(self) -> list[Any]:
         """Assign pending executions to the current step until it is fixed."""
@@ -391,6 +409,8 @@ class MicroStepLedger:
     def _drop_stale(self, execution: _Execution) -> None:
         self.counts["executions_dropped_stale"] += 1
         self.counts["samples_dropped_stale"] += len(execution.samples)
+        self._stale_groups |= {s.group_id for s in execution.samples}
+        self._stale_samples += len(execution.samples)
         log.debug("stale_execution_dropped", execution=execution.execution_id,
                  sample_version=execution.min_weight_version, base_version=self.base_version)
 
@@ -627,7 +647,7 @@ class MicroStepLedger:
         self.pending = kept
         published = self._fill()
         self._note_boundary(msg.step_id)
-        return published
+        return published + self.stale_announcement()
 
     # ---- reports --------------------------------------------------------------------------------------------------
     def samples_in_flight(self) -> int:

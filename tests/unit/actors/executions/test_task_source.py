@@ -14,6 +14,7 @@ from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig, gro
 from gyre.messages.execution_stats import TaskSourceStatistics
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
+from gyre.messages.samples import LandingsLost
 from gyre.messages.training import StepApplied
 from gyre.policies.task_sampling import EpochOrder, SignalPerToken, SignalWeighted
 from gyre.runtime import Actor, Codec, RunOptions, Topology, VirtualLauncher, handler, read_log
@@ -40,6 +41,10 @@ class DriverConfig:
     """Ask the task source's statistics and stop the run when this many groups are done (0: never)."""
     work_tokens_by_family: tuple[tuple[str, int], ...] = ()
     """GroupDone.work_tokens of the groups of a family ((family, tokens) pairs); 100 for the others."""
+    never_done: tuple[str, ...] = ()
+    """Groups whose GroupDone never comes (lost on the way)."""
+    lost_after_done: int = 0
+    """Publish the claimer's LandingsLost (one group, step 1 at version 1) when this many groups are done."""
 
 
 class Driver(Actor):
@@ -59,7 +64,8 @@ class Driver(Actor):
         reward = self.started / 10
         tokens = dict(self.config.work_tokens_by_family).get(msg.task.task_id.split("-")[0], 100)
         result = GroupDone(msg.group_id, landed, reward, 0.5, msg.group_size, 0 if landed else msg.group_size, tokens)
-        self.send_later(1.0 + self.started % 3, result)  # groups take different times: they finish out of order
+        if msg.group_id not in self.config.never_done:
+            self.send_later(1.0 + self.started % 3, result)  # groups take different times: they finish out of order
 
     @handler(GroupDone)
     async def on_done(self, msg: GroupDone) -> None:
@@ -70,6 +76,8 @@ class Driver(Actor):
             self.version += 0 if skipped else 1
             self.publish(StepApplied(self.step, self.version, 0.0, 0.0, 0, 0, 0, skipped=skipped))
             self.step += 1
+        if self.done == self.config.lost_after_done:
+            self.publish(LandingsLost(1, 2, "in transit", 1, 1))
         if self.done == self.config.ask_statistics_after_done:
             await self.ask("task_source", StatisticsAsked())
             self.stop_topology("done")
@@ -232,3 +240,22 @@ def test_groups_ahead_for_staleness() -> None:
     assert groups_ahead_for_staleness(2, 3) == 9
     with pytest.raises(ValueError):
         groups_ahead_for_staleness(-1, 1)
+
+
+def test_groups_the_claimer_lost_free_the_gate_and_its_step_is_caught_up(tmp_path: Path) -> None:
+    config = TaskSourceConfig(TASKS, group_size=2, groups_in_flight=4, max_groups=3, groups_per_step=2,
+                              max_groups_ahead_of_training=groups_ahead_for_staleness(0, 2))
+    # Without training only two groups may start (test above); a LandingsLost saying one of them never reached
+    # the claimer, whose step 1 trains on version 1, lets the third start, on version 1.
+    reason, seen = run(tmp_path, config, DriverConfig(lost_after_done=2))
+    starts = [m for m in seen if isinstance(m, StartGroup)]
+    assert reason.startswith("task source: 3 groups done") and [m.weight_version for m in starts] == [0, 0, 1]
+
+
+def test_a_group_whose_group_done_never_comes_is_given_up_at_its_deadline(tmp_path: Path) -> None:
+    config = TaskSourceConfig(TASKS, groups_in_flight=2, max_groups=4, group_deadline_s=50.0)
+    reason, _ = run(tmp_path, config, DriverConfig(never_done=("g000001",)))
+    assert reason == "task source: 4 groups done (3 landed)"
+    reason, _ = run(tmp_path / "no-deadline", attrs.evolve(config, group_deadline_s=None),
+                    DriverConfig(never_done=("g000001",)))
+    assert reason == "time limit of 10000.0s reached"

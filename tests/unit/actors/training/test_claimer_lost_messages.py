@@ -23,7 +23,7 @@ def test_a_gap_in_the_landing_numbers_is_counted_dropped_and_announced():
     assert ledger.land(numbered("a", 1, 0)) and ledger.counts["samples_dropped_in_transit"] == 0  # step 0 fixed
     published = ledger.land(numbered("c", 3, 4))  # landing 2 ("b", 2 samples) never came
     lost = [m for m in published if isinstance(m, LandingsLost)]
-    assert lost == [LandingsLost(1, 2, "in transit")]
+    assert lost == [LandingsLost(1, 2, "in transit", 0, 0)]
     stats = ledger.statistics()
     assert stats.samples_dropped_in_transit == 2 and stats.samples_landed == 6
     check_exactly_once(stats)
@@ -74,7 +74,7 @@ def test_a_restarted_ledger_continues_from_the_journal_with_what_was_in_flight_c
     assert journal["in_flight"] == 2
     fresh = MicroStepLedger(config(groups_per_step=1))
     lost = fresh.restore_journal(journal)
-    assert lost == [LandingsLost(1, 2, "claimer restarted")]
+    assert lost == [LandingsLost(1, 2, "claimer restarted", 1, 1)]
     stats = fresh.statistics()
     assert (stats.step_id, stats.base_version, stats.samples_trained) == (1, 1, 2)
     assert stats.samples_dropped_restart == 2 and stats.samples_in_flight == 0

@@ -134,6 +134,7 @@ __all__ = [
     "ProxySessionsConfig",
     "ProxySessions",
     "ExecutionSession",
+    "WindowCheck",
     "RenderedPrompt",
     "PromptIds",
     "SessionsFull",
@@ -361,6 +362,9 @@ class ProxySessionsConfig:
     in the context it was generated in). "follow_template": the template's text exactly, tokenised, from where it
     departs from the previous call's prompt + output (that call's ids are kept up to there; the call branches
     there in the execution's tree). See the module doc."""
+    window_renders: bool = True
+    """keep_generated on a checkpoint's template: render the system message, the answer and what follows it instead
+    of the whole conversation (checked against whole renders, see WindowCheck); False renders whole."""
     max_paths_per_execution: int = 16
     """Calls of a checkpoint's own template remembered per execution (prompt, output, text) for id reuse; the
     least recently used go first."""
@@ -484,6 +488,23 @@ class _Memo:
         )
 
 
+@attrs.define
+class WindowCheck:
+    """Whether keep_generated may render a window (system message, the answer's marker and what follows it) instead
+    of the whole conversation; shared by the sessions of one ProxySessions (one template). The first
+    `first_checks` windowed renders, and every `every`-th after, render the whole conversation too; a difference
+    (or a window the template refuses) switches windows off for good (logged), and the whole render is used."""
+
+    first_checks: int = 4
+    every: int = 64
+    windowed: int = 0
+    """Windowed renders so far."""
+    disabled: bool = False
+
+    def due(self) -> bool:
+        return self.windowed < self.first_checks or self.windowed % self.every == 0
+
+
 @attrs.define(eq=False)
 class _Path:
     """One call rendered whole through a checkpoint's own template: what it was rendered from, its prompt, and
@@ -557,7 +578,10 @@ def _message_key(message: Mapping[str, Any]) -> Any:
 class ExecutionSession:
     """One execution's proxy state; reachable only through its API key."""
 
-    def __init__(self, execution_id: str, group_id: str, config: ProxySessionsConfig, template: TemplateLike) -> None:
+    def __init__(
+        self, execution_id: str, group_id: str, config: ProxySessionsConfig, template: TemplateLike,
+        window_check: WindowCheck | None = None,
+    ) -> None:
         self.execution_id = execution_id
         self.group_id = group_id
         self._config = config
@@ -577,6 +601,7 @@ class ExecutionSession:
         self._whole = not getattr(template, "decomposable", True)
         self._paths: OrderedDict[int, _Path] = OrderedDict()
         self._sentinel = "gyreturn" + secrets.token_hex(12)
+        self._window_check = window_check if window_check is not None else WindowCheck()
         self.lock = asyncio.Lock()
         """Held by `CallRunner` around each render and record: a large render runs on a worker thread, and no other
         render or record of this execution may touch its state meanwhile."""
@@ -866,13 +891,29 @@ class ExecutionSession:
         """keep_generated: the prompt is `base`'s prompt + output + the template's text after the answer (found by
         rendering the conversation with the answer replaced by a marker); None when the marker is not found once."""
         template: Any = self._template
-        probe = list(full)
-        probe[len(full) - len(messages) + count] = {"role": "assistant", "content": self._sentinel}
-        text = template.render_text(probe, tools, True)
-        at = text.find(self._sentinel)
-        if at < 0 or text.find(self._sentinel, at + len(self._sentinel)) >= 0:
+        system_part = len(full) - len(messages)
+        at = system_part + count
+        marker = {"role": "assistant", "content": self._sentinel}
+        check = self._window_check
+        if not self._config.window_renders or check.disabled or at == system_part:
+            after = self._after_marker([*full[:at], marker, *full[at + 1 :]], tools)
+        else:
+            # Only the system message, the marker and what follows it: the text after the marker is the same for
+            # templates that render a message from itself and its neighbours (checked: see WindowCheck).
+            try:
+                after = self._after_marker([*full[:system_part], marker, *full[at + 1 :]], tools)
+            except ValueError:
+                after = None
+            if after is None or check.due():
+                whole = self._after_marker([*full[:at], marker, *full[at + 1 :]], tools)
+                if whole is not None and whole != after:
+                    check.disabled = True
+                    log.warning("chat_template_window_disabled", execution_id=self.execution_id,
+                                reason="the window rendered otherwise than the whole conversation")
+                after = whole
+            check.windowed += 1
+        if after is None:
             return None
-        after = text[at + len(self._sentinel) :]
         output = base.output or ()
         stop = template.stop_text(output[-1]) if output else None
         if stop is not None and after.startswith(stop):
@@ -895,6 +936,14 @@ class ExecutionSession:
             cuts or (), base.reused_turns + 1,
         )
         return self._whole_prompt(path, base, messages, tokens)
+
+    def _after_marker(self, probe: list[Mapping[str, Any]], tools: list[Any] | None) -> str | None:
+        """The template's text after the marker message in `probe`; None unless the marker is in it once."""
+        text = self._template.render_text(probe, tools, True)
+        at = text.find(self._sentinel)
+        if at < 0 or text.find(self._sentinel, at + len(self._sentinel)) >= 0:
+            return None
+        return text[at + len(self._sentinel) :]
 
     def _whole_prompt(
         self, path: _Path, base: _Path | None, messages: Sequence[Mapping[str, Any]], reused_tokens: int
@@ -1052,6 +1101,8 @@ class ProxySessions:
     def __init__(self, template: TemplateLike, config: ProxySessionsConfig = ProxySessionsConfig()) -> None:
         self.template = template
         self.config = config
+        self.window_check = WindowCheck()
+        """keep_generated's windowed renders of a checkpoint's template, for every session (see WindowCheck)."""
         self._by_key_digest: dict[bytes, ExecutionSession] = {}
         self._by_execution: dict[str, tuple[bytes, ExecutionSession]] = {}
 
@@ -1073,7 +1124,7 @@ class ProxySessions:
         digest = self._digest(key)
         if digest in self._by_key_digest:
             raise ValueError("this API key is already in use")
-        session = ExecutionSession(execution_id, group_id, self.config, self.template)
+        session = ExecutionSession(execution_id, group_id, self.config, self.template, self.window_check)
         self._by_key_digest[digest] = session
         self._by_execution[execution_id] = (digest, session)
         log.debug("proxy_key_issued", execution_id=execution_id, group_id=group_id)

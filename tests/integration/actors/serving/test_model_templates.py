@@ -285,26 +285,77 @@ def tool_answer(cmd: str, spacing: str = " ") -> str:
     return f'<tool_call>\n{{"name": "run", "arguments": {{"cmd":{spacing}"{cmd}"}}}}\n</tool_call>'
 
 
-@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
-def test_a_call_tokenises_only_what_is_new(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+def spy_on(proxy: Proxy) -> tuple[list[str], list[int]]:
+    """The texts the proxy tokenises and the number of messages of each render, from now on."""
     tokenised: list[str] = []
-    encode = proxy.template.encode_with_cuts
+    rendered: list[int] = []
+    encode, render = proxy.template.encode_with_cuts, proxy.template.render_text
 
-    def spy(text: str) -> Any:
+    def spy_encode(text: str) -> Any:
         tokenised.append(text)
         return encode(text)
 
-    proxy.template.encode_with_cuts = spy  # type: ignore[method-assign]
-    conversations = run_tool_loop(proxy, [tool_answer(f"step {i}") for i in range(6)])
-    assert len(tokenised) == len(conversations)
+    def spy_render(messages: Any, *args: Any, **kwargs: Any) -> str:
+        rendered.append(len(messages))
+        return render(messages, *args, **kwargs)
+
+    proxy.template.encode_with_cuts = spy_encode  # type: ignore[method-assign]
+    proxy.template.render_text = spy_render  # type: ignore[method-assign]
+    return tokenised, rendered
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
+def test_a_call_tokenises_and_renders_only_what_is_new(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    tokenised, rendered = spy_on(proxy)
+    calls = 9
+    conversations = run_tool_loop(proxy, [tool_answer(f"step {i}") for i in range(calls)])
+    assert len(tokenised) == calls
     assert "You fix bugs." in tokenised[0]
     for k, text in enumerate(tokenised[1:], 1):
         # The previous answer's tool result and the generation prompt, nothing before.
         assert text == f"\n<|im_start|>user\n<tool_response>\noutput of {conversations[k][-1]['tool_call_id']}\n" \
                        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    # Renders: the first call whole; then a window (system, the answer's marker, the tool result), checked against
+    # the whole conversation on the first four windowed calls; after that, windows only.
+    whole = [len(c) for c in conversations]
+    assert rendered == [whole[0], *itertools.chain.from_iterable((3, whole[k]) for k in range(1, 5)),
+                        *(3 for _ in range(5, calls))]
+    assert not proxy.sessions.window_check.disabled
     tokenizer = hf_tokenizers["qwen3"]
-    last = hf_text(tokenizer, conversations[-1], TOOLS)
-    assert proxy.prompts[-1] == substituted(tokenizer, last, generated_turns(proxy, len(conversations) - 1))
+    for k in range(calls):
+        text = hf_text(tokenizer, conversations[k], TOOLS)
+        assert proxy.prompts[k] == substituted(tokenizer, text, generated_turns(proxy, k))
+
+
+def test_a_template_that_renders_a_window_otherwise_is_rendered_whole(
+    template_dirs: dict[str, Path], tmp_path: Path, hf_tokenizers: dict[str, Any]
+) -> None:
+    """A template that numbers tool results by their message's position: a window renders other numbers, which the
+    first check finds; from then on the proxy renders whole, and every prompt is the template's."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    numbered = tmp_path / "template-numbered"
+    shutil.copytree(template_dirs["qwen3"], numbered)
+    config = json.loads((numbered / "tokenizer_config.json").read_text())
+    old = r"'\n<tool_response>\n'"
+    assert old in config["chat_template"]
+    new = r"'\n<tool_response>' + (loop.index0 | string) + '\n'"
+    config["chat_template"] = config["chat_template"].replace(old, new)
+    (numbered / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(numbered)
+    proxy = Proxy(numbered, KEEP_GENERATED)
+    with proxy.served:
+        _, rendered = spy_on(proxy)
+        conversations = run_tool_loop(proxy, [tool_answer(f"step {i}") for i in range(4)])
+    assert proxy.sessions.window_check.disabled
+    whole = [len(c) for c in conversations]
+    assert rendered == [whole[0], 3, whole[1], whole[2], whole[3]]
+    for k in range(4):
+        text = hf_text(tokenizer, conversations[k], TOOLS)
+        assert f"<tool_response>{2 * k + 1}\n" in text or k == 0
+        assert proxy.prompts[k] == substituted(tokenizer, text, generated_turns(proxy, k))
 
 
 @pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED), ("qwen3", FOLLOW_TEMPLATE)], indirect=True,

@@ -40,6 +40,7 @@ import hashlib
 import io
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -605,6 +606,8 @@ class TrainerGroup:
                 return
             self._closed = True
             self._shutdown(kill=bool(self._broken))
+            if not self._broken:  # a failed group's worker logs stay for whoever reads its error
+                shutil.rmtree(self._workdir, ignore_errors=True)
 
     def _shutdown(self, kill: bool) -> None:
         for conn in self._conns:

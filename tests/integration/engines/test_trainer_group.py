@@ -7,7 +7,8 @@ after the steps within 1e-5; the weights published bucket by bucket equal the gr
 never sit whole in one bucket; the checkpoint gives back the same weights and AdamW moments (digests over both, every shard)
 after a step that moved them; a publication (the core's path to engine servers) streams a snapshot of the
 version it was taken at, bucket by bucket, into the safetensors file an engine server loads. A worker killed mid-run makes the next call fail at once with an
-error that names the rank, and every later call too.
+error that names the rank, and every later call too; a worker that exits at start or never answers fails the start
+(bounded) with its rank and output.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def run_driver(model: str, out: Path, *layouts: str) -> dict:
 
 @pytest.fixture(scope="module")
 def records(model, tmp_path_factory) -> dict:
-    return run_driver(model, tmp_path_factory.mktemp("group-out") / "records.pt", "tp2", "kill")
+    return run_driver(model, tmp_path_factory.mktemp("group-out") / "records.pt", "bad_start", "tp2", "kill")
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,14 @@ def test_a_killed_worker_fails_the_group_with_its_rank_and_output(records):
     assert first.startswith("trainer group rank 1 of 2 exited with code -9 during 'forward_backward'"), first
     assert "its output ends with" in first and "trainer_ready" in first  # the worker's own log lines
     assert second.startswith("the trainer group failed earlier: trainer group rank 1"), second
+
+
+def test_a_worker_that_cannot_start_fails_the_start_naming_it(records):
+    exits, hangs = records["bad_start"]["exits"], records["bad_start"]["hangs"]
+    assert exits.startswith("trainer group rank 1 of 2 exited with code 3 during 'start'"), exits
+    assert exits.endswith("no device for this rank")  # its own last words
+    assert hangs.startswith("trainer group rank 1 of 2 is alive"), hangs
+    assert "did not answer in time during 'start'" in hangs
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ compares with a one-process trainer: the log-probs, each step's loss and gradien
 steps (whole, and bucket by bucket as a publisher gets them), and a sharded checkpoint's round trip (saved after the
 steps, one more step taken, restored: the digests of weights and AdamW moments, and the weights), and a
 publication (a snapshot taken, a step applied, the snapshot streamed into a safetensors file). "kill" starts a
-tensor-parallel group, kills rank 1 and records the error the next micro-step raises. Saves the records (torch.save).
+tensor-parallel group, kills rank 1 and records the error the next micro-step raises; "bad_start" records the
+errors of groups whose worker exits at start or never answers. Saves the records (torch.save).
 """
 
 from __future__ import annotations
@@ -146,13 +147,38 @@ def run_kill(model_dir: str) -> dict:
     return {"first": first, "second": second}
 
 
+def run_bad_starts(model_dir: str, workdir: str) -> dict:
+    """Workers that cannot start: one exits at once saying why, one never answers (a start timeout of 3 s)."""
+    from gyre.engines.trainer import TrainerConfig
+    from gyre.engines.trainer_group import TrainerGroup, TrainerGroupError
+
+    out = {}
+    for name, body in (("exits", "echo 'no device for this rank' >&2; exit 3"), ("hangs", "exec sleep 600")):
+        fake_python = os.path.join(workdir, f"python-{name}")
+        with open(fake_python, "w") as handle:
+            handle.write(f"#!/bin/sh\n{body}\n")
+        os.chmod(fake_python, 0o755)
+        try:
+            TrainerGroup(model_dir, TrainerConfig(tensor_parallel=2, group_start_timeout_s=3.0), python=fake_python)
+        except TrainerGroupError as error:
+            out[name] = str(error)
+        else:
+            out[name] = ""
+    return out
+
+
 def main() -> None:
     model_dir, out, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
     torch.set_num_threads(1)
     records = {}
     with tempfile.TemporaryDirectory() as workdir:
         for name in layouts:
-            records[name] = run_kill(model_dir) if name == "kill" else run_layout(model_dir, name, workdir)
+            if name == "kill":
+                records[name] = run_kill(model_dir)
+            elif name == "bad_start":
+                records[name] = run_bad_starts(model_dir, workdir)
+            else:
+                records[name] = run_layout(model_dir, name, workdir)
     torch.save(records, out)
 
 

@@ -495,3 +495,67 @@ def test_anthropic_tool_loop_streamed_on_a_qwen3_style_template(proxy: Proxy, hf
     assert third == second + outputs[1] + tuple(hf_ids(
         tokenizer, "\n<|im_start|>user\nThanks.<|im_end|>\n<|im_start|>assistant\n"))
     assert len(build_tree(proxy.calls).trajectories()) == 1
+
+
+def test_real_engine_on_a_qwen3_style_template(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Nothing faked: the embedded engine on the tiny model, whose directory brings the Qwen3-style template.
+    Whatever the random model writes, each call extends the previous call's prompt + output exactly, and the
+    first prompt is apply_chat_template's."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from gyre.actors.serving.backends import EmbeddedBackend
+    from gyre.engines.async_engine import AsyncEngine
+    from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = hf_templates.QWEN3_STYLE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.set_num_threads(1)
+    template = ChatTemplate.from_model_dir(model_dir)
+    assert not template.decomposable
+    sessions = ProxySessions(template)
+    calls: list[ModelCallCompleted] = []
+    rebuilder = PromptRebuilder()
+    prompts: list[tuple[int, ...]] = []
+
+    def take(call: ModelCallCompleted) -> None:
+        rebuilder.add(call)
+        prompts.append(rebuilder.prompt_ids(call))
+        calls.append(call)
+
+    holder: dict[str, Any] = {}
+
+    def make_app() -> Any:
+        engine = EmbeddedEngine(model_dir, EngineConfig(num_blocks=64, max_context_tokens=1024, num_threads=1))
+        holder["backend"] = EmbeddedBackend(AsyncEngine(engine), cell="cell-0")
+        ticks = itertools.count()
+        return build_proxy_app(ProxyHttpConfig(max_context_tokens=1024), sessions, holder["backend"], take,
+                               clock=lambda: float(next(ticks)))
+
+    served = ServedApp(make_app)
+    with served:
+        async def issue() -> str:
+            return sessions.issue_key("real", "group")
+
+        client = openai.OpenAI(base_url=served.base_url + "/v1", api_key=served.call(issue()), max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+        conversations = []
+        for turn in range(3):
+            conversations.append(json.loads(json.dumps(messages)))
+            answer = client.chat.completions.create(model="gyre", messages=messages, max_tokens=10, seed=turn)
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                         {"role": "user", "content": f"go {turn}"}]
+        served.call(holder["backend"].engine.close())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert prompts[0] == tuple(tokenizer.apply_chat_template(conversations[0], add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False))
+    for k in range(1, 3):
+        previous = prompts[k - 1] + tuple(calls[k - 1].output_ids)
+        assert prompts[k][: len(previous)] == previous
+        assert calls[k].extends_call == k - 1 and calls[k].shared_tokens == len(previous)
+    assert len(build_tree(calls).trajectories()) == 1

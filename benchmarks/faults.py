@@ -17,7 +17,9 @@ the event log and the actors' statistics:
 Outcomes: "kept" (the run went on), "resumed" (the fault ended the run with a message saying to resume, as the
 core's death or a claimer restart mid-step does, and a fault-free `--resume` from its newest checkpoint finished),
 "ended, no checkpoint yet" (it ended before the first checkpoint), "hung" (the time limit).
-Agent calls are not part of this run (no proxy, no agents): "lost calls" are not measured here.
+Agent calls are not part of this run (no proxy, no agents): "lost calls" are measured by the real-time rollout
+cases (benchmarks/fault_rollouts.py: an agent killed mid-call, the evaluator's scorer killed). Real-time process
+kills: REALTIME_CASES.
 Every number is what happened: a fault kind the system does not yet survive shows up as a non-zero column.
 """
 
@@ -446,7 +448,9 @@ def run_case(kind: str, seed: int, *, steps: int = 6, until_s: float = 120.0, pl
 
 
 # ---- process kills in real time --------------------------------------------------------------------------------
-REALTIME_CASES = ("satellite-after-2nd-grant", "core-after-step-2")
+ROLLOUT_CASES = ("agent-mid-call", "scorer-killed")
+"""Real deaths on the rollout side, with the lost-call check (benchmarks/fault_rollouts.py)."""
+REALTIME_CASES = ("satellite-after-2nd-grant", "core-after-step-2", *ROLLOUT_CASES)
 """Real process deaths (os._exit) under the local-process launcher, the satellite's group in `restart_processes`: a satellite that dies
 holding a claim (its process restarts; the claimer re-queues its claim when the new one announces itself) and the
 core (its policy is stop_topology: the run ends, and a `--resume` from the newest checkpoint finishes it)."""
@@ -498,6 +502,10 @@ def run_realtime_case(case: str, *, steps: int = 6, timeout_s: float = 60.0) -> 
     """One real-time case (REALTIME_CASES) under the local-process launcher; a run the kill ended is resumed."""
     from gyre.runtime.launch import LocalProcessLauncher, RunOptions
 
+    if case in ROLLOUT_CASES:
+        from gyre.benchmarks.fault_rollouts import run_rollout_case
+
+        return run_rollout_case(case)
     if case not in REALTIME_CASES:
         raise ValueError(f"unknown real-time case {case!r}; the cases are {', '.join(REALTIME_CASES)}")
     with tempfile.TemporaryDirectory(prefix="gyre-faults-rt-") as folder:
@@ -535,8 +543,8 @@ def run_realtime_case(case: str, *, steps: int = 6, timeout_s: float = 60.0) -> 
 
 
 COLUMNS = ("samples_lost_in_transit", "samples_unaccounted", "samples_trained_twice", "versions_not_monotone",
-           "staleness_violations")
-"""The invariants' columns: each must be 0 in every case."""
+           "staleness_violations", "executions_without_one_outcome", "groups_without_group_done")
+"""The invariants' columns: each must be 0 in every case (the last two: the rollout cases)."""
 
 
 def _summary(mine: list[dict]) -> dict:
@@ -558,7 +566,15 @@ def _summary(mine: list[dict]) -> dict:
 def sweep(kinds: tuple[str, ...], seeds: int, steps: int = 6, realtime: tuple[str, ...] = ()) -> dict:
     """Every kind x seed in virtual time, then each real-time case once."""
     rows = [run_case(kind, seed, steps=steps) for kind in kinds for seed in range(seeds)]
-    rows += [run_realtime_case(case, steps=steps) for case in realtime]
+    rows += [run_realtime_case(case, steps=steps) for case in realtime if case not in ROLLOUT_CASES]
+    rollouts = [case for case in realtime if case in ROLLOUT_CASES]
+    if rollouts:
+        from gyre.benchmarks.fault_rollouts import run_rollout_case
+        from gyre.engines.model_format import init_model_dir
+
+        with tempfile.TemporaryDirectory(prefix="gyre-faults-model-") as folder:
+            model_dir = str(init_model_dir(Path(folder), preset="tiny", seed=0))  # one tiny model for the cases
+            rows += [run_rollout_case(case, model_dir) for case in rollouts]
     by_kind = {kind: _summary([r for r in rows if r["kind"] == kind]) for kind in (*kinds, *realtime)}
     return {"kinds": list(kinds), "realtime": list(realtime), "seeds": seeds, "steps": steps, "by_kind": by_kind,
             "cases": rows}

@@ -168,8 +168,15 @@ class TreeStatistics:
     """Distinct positions the policy emitted."""
 
 
+INT32 = "i" if array("i").itemsize == 4 else "l"
+"""Typecode of the tree's integer arrays (token ids, emitting call, weight version): 4 bytes each, which every id,
+call index and version fits (`_validate` refuses one that does not)."""
+INT32_MAX = 2**31 - 1
+
+
 class _Node:
-    """A stretch of tokens without a branch. Per-token arrays are aligned with `tokens`."""
+    """A stretch of tokens without a branch. Per-token arrays are aligned with `tokens` (32-bit integers, float64
+    log-probs: 20 bytes a stored token)."""
 
     __slots__ = (
         "node_id", "depth", "parent", "tokens", "emitter", "logprobs", "versions", "children", "ends", "prompt_ends"
@@ -179,10 +186,10 @@ class _Node:
         self.node_id = node_id
         self.depth = depth  # path position of tokens[0]
         self.parent = parent
-        self.tokens = array("q")
-        self.emitter = array("q", [-1]) * length  # call_index of the call that emitted the token; -1: prompt token
+        self.tokens = array(INT32)
+        self.emitter = array(INT32, [-1]) * length  # call_index of the call that emitted the token; -1: prompt token
         self.logprobs = array("d", [0.0]) * length
-        self.versions = array("q", [-1]) * length
+        self.versions = array(INT32, [-1]) * length
         self.children: dict[int, _Node] = {}
         self.ends: dict[int, list[int]] = {}  # offset -> call indices whose prompt + output ends at that token
         self.prompt_ends: dict[int, list[int]] = {}  # offset -> call indices whose prompt ends at that token
@@ -314,7 +321,7 @@ class TrajectoryTree:
                 f"{len(new_prompt)} new) does not match the record's prompt digest"
             )
         prompt_len = call.prompt_tokens
-        seq = new_prompt
+        seq = array(INT32, new_prompt)  # ids past 32 bits were refused by _validate
         seq.extend(call.output_ids)
         total = shared + len(seq)
         node = self._insert(seq, shared, start, offset, prompt_len, call.output_logprobs, call.output_versions,
@@ -350,7 +357,7 @@ class TrajectoryTree:
         while node is not None and node.parent is not None:
             pieces.append(node.tokens)
             node = node.parent
-        ids = array("q")
+        ids = array(INT32)
         for piece in reversed(pieces):
             ids.extend(piece)
         return ids
@@ -361,8 +368,8 @@ class TrajectoryTree:
             raise TrajectoryError(f"{where}: the call belongs to execution {call.execution_id!r}")
         if call.group_id != self.group_id:
             raise TrajectoryError(f"{where}: group {call.group_id!r} differs from the tree's {self.group_id!r}")
-        if call.call_index < 0:
-            raise TrajectoryError(f"{where}: negative call_index")
+        if call.call_index < 0 or call.call_index > INT32_MAX:
+            raise TrajectoryError(f"{where}: call_index outside [0, {INT32_MAX}]")
         if call.prompt_tokens < 1:
             raise TrajectoryError(f"{where}: empty prompt (the first token of a path can carry no log-prob)")
         if call.extends_call >= call.call_index or call.extends_call < -1:
@@ -380,6 +387,10 @@ class TrajectoryTree:
                 f"{where}: {n} output ids but {len(call.output_logprobs)} log-probs and "
                 f"{len(call.output_versions)} versions"
             )
+        for name, values in (("prompt id", call.new_prompt_ids), ("output id", call.output_ids),
+                             ("weight version", call.output_versions)):
+            if values and (min(values) < -INT32_MAX - 1 or max(values) > INT32_MAX):
+                raise TrajectoryError(f"{where}: a {name} outside 32 bits (the tree stores them as int32)")
         if not all(math.isfinite(lp) for lp in call.output_logprobs):
             # A NaN or infinite behaviour log-prob (a broken engine) would turn the whole step's loss into NaN.
             raise TrajectoryError(f"{where}: non-finite behaviour log-prob")
@@ -623,7 +634,7 @@ class TrajectoryTree:
             if node is not None:
                 stop = len(node.tokens)
         pieces.reverse()
-        tokens, emitter, logprobs, versions = array("q"), array("q"), array("d"), array("q")
+        tokens, emitter, logprobs, versions = array(INT32), array(INT32), array("d"), array(INT32)
         segments = []
         for node, length in pieces:
             segments.append((node.node_id, node.depth, length))

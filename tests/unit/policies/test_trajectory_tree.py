@@ -67,6 +67,20 @@ def test_shared_prefixes_are_stored_once():
     assert stats.num_nodes == 3
 
 
+def test_ids_calls_and_versions_are_stored_in_32_bits_and_wider_ones_are_refused():
+    top = 2**31 - 1
+    tree = build_tree([call(0, [top, 0, -5], [top - 1], versions=[top]), call(1, [top, 0, -5, top - 1, 3], [4])])
+    path = tree.path(1)
+    assert path.token_ids == (top, 0, -5, top - 1, 3, 4) and path.versions[3] == top
+    assert tree.prompt_ids(1) == (top, 0, -5, top - 1, 3)  # rebuilt and checked against its 64-bit digest
+    for wide in (call(2, [top + 1], [1]), call(2, [1], [-(2**31) - 1]), call(2, [1], [2], versions=[2**31])):
+        with pytest.raises(TrajectoryError, match="32 bits"):
+            tree.add_call(wide)
+    with pytest.raises(TrajectoryError, match="call_index"):
+        tree.add_call(call(2**31, [1], [2]))
+    assert tree.num_calls == 2
+
+
 def test_policy_tokens_of_earlier_calls_stay_policy_inside_later_prompts():
     first = call(0, [1, 2], [10, 11], logprobs=[-0.5, -0.25], versions=[3, 4])
     second = call(1, [1, 2, 10, 11, 7, 8], [12], logprobs=[-0.125], versions=[5])

@@ -16,14 +16,19 @@ from gyre.runtime.replay import ReplayError, replay_actor
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("replay", help="replay one actor from an event log")
+    add_arguments(parser)
+    parser.set_defaults(func=replay_command)
+
+
+def add_arguments(parser: argparse.ArgumentParser, actor_required: bool = True) -> None:
+    """The one-actor replay's arguments (gyre.simulate.cli_replay adds --control-plane beside them)."""
     parser.add_argument("log")
-    parser.add_argument("--actor", required=True)
+    parser.add_argument("--actor", required=actor_required, help="the actor to re-run on its recorded inbox")
     parser.add_argument(
         "--code", action="append", default=[], metavar="PATH",
         help="a file (or folder of files) whose code you trust as it is now: replay may load the classes the log "
              "names from it even if it changed since the run or lies outside the current directory (repeatable)",
     )
-    parser.set_defaults(func=replay_command)
 
 
 def replay_command(args: argparse.Namespace) -> int:

@@ -46,6 +46,10 @@ class EmulatedAgentsConfig:
     admit_up_to_capacity: bool = False
     """Place a session only on a cell with free capacity (capacity_requests minus the sessions placed there); the
     rest wait, counted as CallsWaitingForCell. False: always place (sticky routing with no admission bound)."""
+    max_concurrent: int = 0
+    """Executions running at once, as the executor's `max_concurrent` bounds agent processes: the rest wait, in
+    the order their groups started, before their setup begins (a slot is held until the execution is scored).
+    0: no bound."""
 
 
 @attrs.define
@@ -67,6 +71,8 @@ class EmulatedAgents(Actor):
         self.placed: dict[str, int] = {}  # cell -> live sessions we placed there (our own count, always current)
         self.unplaced: list[Session] = []
         self.waiting_published = 0
+        self.queued: list[tuple[Any, str]] = []  # (plan, group id) waiting for an execution slot
+        self.running = 0
         self.record: RunRecord | None = self.config.record
 
     # ---- cells ----------------------------------------------------------------------------------------------------
@@ -110,9 +116,19 @@ class EmulatedAgents(Actor):
     def on_start_group(self, msg: StartGroup) -> None:
         plans = self.config.workload.plans(msg.group_id, msg.group_size, self.config.seed)
         self.groups[msg.group_id] = _Group(msg.group_size, msg.weight_version)
+        self.queued.extend((plan, msg.group_id) for plan in plans)
+        self._start_queued()
+
+    def _start_queued(self) -> None:
+        bound = self.config.max_concurrent
         now = self.clock.now()
-        sessions = [Session(plan, msg.group_id, phase_end_s=now + plan.setup_s) for plan in plans]
-        self._place(list(self.unplaced) + sessions)
+        sessions = []
+        while self.queued and (bound <= 0 or self.running < bound):
+            plan, group_id = self.queued.pop(0)
+            self.running += 1
+            sessions.append(Session(plan, group_id, phase_end_s=now + plan.setup_s))
+        if sessions:
+            self._place(list(self.unplaced) + sessions)
 
     @handler(SessionsOut)
     def on_sessions_out(self, msg: SessionsOut) -> None:
@@ -121,8 +137,11 @@ class EmulatedAgents(Actor):
             self._finished(session)
         if msg.returned or (msg.finished and self.unplaced):
             self._place(list(self.unplaced) + list(msg.returned))
+        if msg.finished:
+            self._start_queued()
 
     def _finished(self, session: Session) -> None:
+        self.running = max(0, self.running - 1)
         group = self.groups.get(session.group_id)
         if group is None:
             self.log.warning("session_of_unknown_group", group=session.group_id)
@@ -137,7 +156,7 @@ class EmulatedAgents(Actor):
     def _land(self, group_id: str, group: _Group) -> None:
         samples = []
         for session in sorted(group.finished, key=lambda s: s.plan.execution_id):
-            length = session.plan.trajectory_tokens
+            length = session.plan.trained_tokens or session.plan.trajectory_tokens
             version = max(0, session.min_weight_version)
             samples.append(TrainingSample(
                 execution_id=session.plan.execution_id, group_id=group_id, trajectory_rank=0,

@@ -90,6 +90,11 @@ class _Apply:
 
 
 @attrs.frozen
+class _Booted:
+    pass
+
+
+@attrs.frozen
 class EmulatedCellConfig:
     """One emulated cell."""
 
@@ -115,6 +120,9 @@ class EmulatedCellConfig:
     """The core ends the run after applying this step."""
     record: Any = None
     """A RunRecord the simulate harness reads after the run (roles over time, busy time)."""
+    boot_s: float = 0.0
+    """Seconds from the cell's start to its first RoleChanged (a recorded cell's engine or trainer start-up, in
+    `gyre replay --control-plane`); it is silent until then."""
 
 
 class EmulatedCell(Actor):
@@ -142,8 +150,23 @@ class EmulatedCell(Actor):
         self.applied_step = -1
         self.last_report_s = -1e9
         self.record: RunRecord | None = cfg.record
+        if cfg.boot_s > 0:
+            self.target_role = cfg.initial_role  # not serving nor training until it has booted
+            self._note_role(SWITCHING)
+            self.send_later(cfg.boot_s, _Booted())
+            return
+        self._announce()
+
+    @handler(_Booted)
+    def on_booted(self, msg: _Booted) -> None:
+        self.target_role = ""
+        self.engine.now_s = self.clock.now()
+        self._announce()
+
+    def _announce(self) -> None:
+        cfg = self.config
         self._note_role(self.role)
-        self.publish(RoleChanged(self.name, self.role, "", "", self.version, 0.0, 0, cfg.is_core))
+        self.publish(RoleChanged(self.name, self.role, "", "", self.version, cfg.boot_s, 0, cfg.is_core))
         self._report(force=True)
         self.send_later(cfg.tick_s, CellTick())
         if self.role == TRAIN:
@@ -336,7 +359,7 @@ class EmulatedCell(Actor):
         if self.record is not None:
             self.record.step(msg.step_id, now)
         applied = StepApplied(msg.step_id, self.version, 0.0, 0.0, 0, 0, 0)
-        self.publish(WeightsPublished(self.version, self.name, 0, int(self.model.model.weight_bytes)))
+        self.publish(WeightsPublished(self.version, self.name, 0, int(self.model.weight_bytes)))
         self.publish(applied)
         if msg.step_id >= self.config.last_step_id:
             self.stop_topology(f"emulation: {msg.step_id + 1} steps applied")

@@ -159,6 +159,11 @@ class CellModel:
 
     # ---- weights --------------------------------------------------------------------------------------------------
     @property
+    def weight_bytes(self) -> float:
+        """Bytes of one published version (the model's weights)."""
+        return self.model.weight_bytes
+
+    @property
     def weight_sync_s(self) -> float:
         """A rollout or satellite cell loading a new version: BF16 weights over its NICs, plus the fixed cost."""
         return self.sync_fixed_s + self.model.weight_bytes / (self.gpus * self.gpu.nic_bytes_per_s * self.link_efficiency)

@@ -110,6 +110,9 @@ class ExecutionPlan:
     """Tool time after each call; the last entry is the reward time."""
     prompt_tokens: int
     """Context before the first call."""
+    trained_tokens: int = 0
+    """Tokens its samples carry to training, when recorded (a recorded execution's trajectory tree: sub-agents and
+    compressions make several samples); 0: `trajectory_tokens`."""
 
     @property
     def turns(self) -> int:

@@ -52,7 +52,8 @@ it every prompt is tokenised whole. What the prompt holds where the template re-
   answer (the turn key, as above), the prompt is that call's prompt + output ids + the template's text after the
   answer, tokenised. That text is found by rendering the conversation with the answer replaced by a marker message
   (assistant, content a random token): what follows the marker is what the template writes after that turn, its
-  turn end first (dropped when the output ended with that very stop token; kept when the output was cut short).
+  turn end first (dropped when the output ended with a stop token, which stands for it, whichever stop token each
+  is; kept when the output was cut short).
   So every call extends the previous call's prompt + output exactly, even after a new user message makes the
   template drop earlier thinking: the model's context holds its own earlier thinking, the execution's tree is one
   path, and each generated token is trained once, in the context it was generated in. The prompt then differs from
@@ -920,8 +921,13 @@ class ExecutionSession:
             return None
         output = base.output or ()
         stop = template.stop_text(output[-1]) if output else None
-        if stop is not None and after.startswith(stop):
-            after = after[len(stop) :]  # the generated turn end stands for the template's
+        if stop is not None:
+            # The generated turn end stands for the template's, whichever stop token each is (a model may end
+            # with <|endoftext|> where the template writes <|im_end|>): never two turn ends in a row.
+            for text in (stop, *(template.stop_text(i) for i in template.stop_token_ids)):
+                if text and after.startswith(text):
+                    after = after[len(text) :]
+                    break
         rest, rest_cuts = template.encode_with_cuts(after)
         rest = tuple(rest)
         hasher = base.hasher.copy()

@@ -559,3 +559,24 @@ def test_real_engine_on_a_qwen3_style_template(tiny_model_dir: Path, tmp_path: P
         assert prompts[k][: len(previous)] == previous
         assert calls[k].extends_call == k - 1 and calls[k].shared_tokens == len(previous)
     assert len(build_tree(calls).trajectories()) == 1
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
+def test_an_answer_ended_by_another_stop_token_keeps_one_turn_end(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    """The model ended its turn with <|endoftext|> where the template writes <|im_end|>: the generated ids stay, and
+    the generated turn end stands for the template's (not both)."""
+    tokenizer = hf_tokenizers["qwen3"]
+    client = openai.OpenAI(base_url=proxy.served.base_url + "/v1", api_key=proxy.key("eot"), max_retries=0)
+    proxy.backend.stop_id = proxy.template.end_of_text_id
+    proxy.backend.script += ["First answer.", "Second."]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Go."}]
+    answer = client.chat.completions.create(model="m", messages=messages)
+    assert answer.choices[0].message.content == "First answer."
+    messages += [{"role": "assistant", "content": "First answer."}, {"role": "user", "content": "More."}]
+    client.chat.completions.create(model="m", messages=messages)
+    first, second = proxy.prompts
+    output = proxy.calls[0].output_ids
+    assert output[-1] == proxy.template.end_of_text_id
+    text = hf_text(tokenizer, messages, None)
+    after = text[text.rindex("First answer.<|im_end|>") + len("First answer.<|im_end|>"):]
+    assert second == first + output + tuple(hf_ids(tokenizer, after))

@@ -6,7 +6,8 @@ the core's trainer at tensor-parallel size `tensor`, waits for STEPS applied ste
 (its engine starts on the trainer's newest weights, which a trainer group publishes from its shards) and stops the
 run (the core saves its weights to `save_dir`, and every step's sharded checkpoint part goes under
 `checkpoint_root`). The pytest process runs it at tensor 1; this file's main runs it at tensor 2 in a fresh process
-(a trainer group's rank 0 needs a process whose first torch.distributed group is the group's), saving the records.
+(a trainer group's rank 0 needs a process whose first torch.distributed group is the group's), then `resume`s a
+fresh TP=2 core from the last step's sharded checkpoint, saving the records.
 """
 
 from __future__ import annotations
@@ -106,10 +107,49 @@ def run(model_dir: str, tensor: int, save_dir: str, checkpoint_root: str) -> dic
             "steps_applied": core.steps_applied}
 
 
+def resume(model_dir: str, tensor: int, checkpoint_root: str, step_id: int) -> dict:
+    """Commit the core's parts of `step_id` (as the checkpointer would, from the record the core left), then start a
+    fresh core from that checkpoint in the rollout role: it restores every shard and its engine starts on the
+    restored weights."""
+    from gyre.runtime.checkpoint import PartRecord, commit, read_core_record, staging_dir
+
+    record = read_core_record(staging_dir(checkpoint_root, step_id))
+    parts = {name: PartRecord(name, sha, size)
+             for name, sha, size in zip(record.part_names, record.part_sha256, record.part_bytes)}
+    path = commit(checkpoint_root, step_id, parts, {"weight_version": record.weight_version}, keep=4)
+    topology = Topology(f"parallel-core-resume-tp{tensor}", seed=0)
+    topology.add("weight_broker", WeightBroker)
+    topology.add("core", Cell, CellConfig(
+        model_dir=model_dir, is_core=True, initial_role=ROLLOUT,
+        trainer=TrainerConfig(num_threads=1, lr=LR, tensor_parallel=tensor),
+        engine=EngineConfig(num_blocks=64, max_context_tokens=512, max_prefill_tokens=256, num_threads=1),
+        resume_from=str(path)))
+
+    async def driver(h):
+        await h.wait_until(lambda: getattr(h.actor("core"), "role", "") == ROLLOUT, timeout_s=240,
+                           what="resumed core serving")
+        core = h.actor("core")
+        stats = await h.ask("core", StatisticsAsked())
+        return core.run_checkpoints.restored_state_digest, core.training.version, stats.weight_version
+
+    restored, trainer_version, engine_version = run_actors(topology, driver, timeout_s=300).value
+    return {"saved_digest": record.state_digest, "restored_digest": restored, "saved_version": record.weight_version,
+            "trainer_version": trainer_version, "engine_version": engine_version}
+
+
 def main() -> None:
     model_dir, out, save_dir, checkpoint_root = sys.argv[1:5]
     torch.set_num_threads(1)
-    torch.save(run(model_dir, 2, save_dir, checkpoint_root), out)
+    records = run(model_dir, 2, save_dir, checkpoint_root)
+    from gyre.runtime.checkpoint import read_core_record, staging_dir
+
+    records["staged"] = {}  # what each step's staging folder holds before the commit below
+    for step in range(STEPS):
+        folder = staging_dir(checkpoint_root, step)
+        records["staged"][step] = (sorted(p.name for p in folder.glob("core.tp*.pt")),
+                                   read_core_record(folder).part_names)
+    records["resumed"] = resume(model_dir, 2, checkpoint_root, STEPS - 1)
+    torch.save(records, out)
 
 
 if __name__ == "__main__":

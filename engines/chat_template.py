@@ -259,7 +259,7 @@ class ChatTemplate:
     """
 
     def __init__(self, tokenizer: Tokenizer, source: str = CHAT_TEMPLATE, fast_path: bool = True,
-                 special_tokens: Mapping[str, str] | None = None) -> None:
+                 special_tokens: Mapping[str, str] | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.source = source
         self.special_tokens = dict(special_tokens or {})
@@ -285,9 +285,12 @@ class ChatTemplate:
         eos = self.special_tokens.get("eos_token")
         if eos is not None and tokenizer.token_to_id(eos) is not None:
             stops.append(tokenizer.token_to_id(eos))
+        if not self.decomposable:  # generation_config.json's eos_token_id (Llama 3.1: <|eom_id|> and <|eot_id|>)
+            stops.extend(i for i in eos_token_ids if tokenizer.id_to_token(i) is not None)
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in stops if i is not None))
-        """Tokens that end an assistant turn: the turn end, and the end-of-text token as a fallback (and the
-        tokenizer config's eos_token, for a template with other markup: Llama's `<|eot_id|>`, say)."""
+        """Tokens that end an assistant turn: the turn end, and the end-of-text token as a fallback (and, for a
+        checkpoint's template, the tokenizer config's eos_token and generation_config.json's eos_token_id: Llama's
+        `<|eot_id|>` and `<|eom_id|>`, say)."""
         if not self.stop_token_ids:
             raise ChatTemplateError("the tokenizer has none of <|im_end|>, <|endoftext|> or its eos_token")
         self._header = tuple(self.encode(f"{IM_START}assistant\n"))
@@ -338,7 +341,13 @@ class ChatTemplate:
                 value = value.get("content") if isinstance(value, Mapping) else value  # AddedToken form
                 if isinstance(value, str):
                     special[name] = value
-        return cls(Tokenizer.from_file(str(tokenizer_file)), source, special_tokens=special)
+        eos_ids: list[int] = []
+        generation_file = model_dir / "generation_config.json"
+        if generation_file.is_file():
+            value = json.loads(generation_file.read_text(encoding="utf-8")).get("eos_token_id")
+            values = value if isinstance(value, list) else [value]
+            eos_ids = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        return cls(Tokenizer.from_file(str(tokenizer_file)), source, special_tokens=special, eos_token_ids=eos_ids)
 
     # -- text ------------------------------------------------------------------------------------------------
 

@@ -123,13 +123,13 @@ CONVERSATIONS = {
 }
 
 
-LLAMA_SPECIAL_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+LLAMA_SPECIAL_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>")
 
 
 def write_template_dirs(tiny_model_dir, root) -> dict:
     """Model directories with the tiny tokenizer and each test template: the Llama-style one's markup is added to
-    the tokenizer as special tokens (as in Llama 3), its eos_token is `<|eot_id|>` and its bos_token the tiny
-    tokenizer's `<|endoftext|>`. Used by the proxy's template tests too (tests/integration/actors/serving)."""
+    the tokenizer as special tokens (as in Llama 3), its eos_token is `<|eot_id|>` (generation_config.json:
+    `<|eom_id|>` and `<|eot_id|>`) and its bos_token the tiny tokenizer's `<|endoftext|>`. Used by the proxy's template tests too (tests/integration/actors/serving)."""
     from tokenizers import AddedToken, Tokenizer
 
     dirs = {}
@@ -150,6 +150,8 @@ def write_template_dirs(tiny_model_dir, root) -> dict:
                     "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                     "special": True}
             config["eos_token"] = "<|eot_id|>"
+            generation = {"eos_token_id": [tokenizer.token_to_id("<|eom_id|>"), tokenizer.token_to_id("<|eot_id|>")]}
+            (path / "generation_config.json").write_text(json.dumps(generation))
         (path / "tokenizer_config.json").write_text(json.dumps(config))
         dirs[name] = path
     return dirs
@@ -215,7 +217,9 @@ def test_a_checkpoints_template_is_not_decomposable_and_stops_on_its_eos(templat
     llama = ChatTemplate.from_model_dir(template_dirs["llama"])
     assert chat_template.decomposable and not qwen3.decomposable and not llama.decomposable
     eot = llama.tokenizer.token_to_id("<|eot_id|>")
+    eom = llama.tokenizer.token_to_id("<|eom_id|>")
     assert eot in llama.stop_token_ids and llama.stop_text(eot) == "<|eot_id|>"
+    assert eom in llama.stop_token_ids and llama.stop_text(eom) == "<|eom_id|>"
     assert qwen3.stop_token_ids == chat_template.stop_token_ids  # <|im_end|>, <|endoftext|>: its eos is <|im_end|>
     assert qwen3.splits_at_special_tokens and llama.splits_at_special_tokens
     text = llama.render_text(CONVERSATIONS["no_system_two_turns"], TOOLS, True)

@@ -141,6 +141,7 @@ def read_recorded_run(path: str | Path, trust: CodeTrust | None = None) -> Recor
                                           LoadReport, IssueKey)}
     origin: float | None = None
     configs: dict[str, tuple[str, Any]] = {}
+    start_blobs: dict[str, bytes] = {}  # every actor's recorded config, for the cells' engine settings
     seen: set[tuple[str, int]] = set()
     first_role: dict[str, tuple[float, str, bool]] = {}
     switches: dict[tuple[str, str], list[float]] = {}
@@ -174,6 +175,7 @@ def read_recorded_run(path: str | Path, trust: CodeTrust | None = None) -> Recor
                 if msg.incarnation != 0:
                     continue
                 origin = t if origin is None else min(origin, t)
+                start_blobs.setdefault(msg.actor, msg.config_blob)
                 if msg.class_path in (_SCHEDULER, _CLAIMER, _TASK_SOURCE, _EXECUTOR):
                     try:
                         configs[msg.class_path] = (msg.actor, decode_config(msg.config_blob, trust))
@@ -231,7 +233,7 @@ def read_recorded_run(path: str | Path, trust: CodeTrust | None = None) -> Recor
     cores = [c for c in cells if first_role[c][2]]
     if len(cores) != 1:
         raise CounterfactualError(f"{path}: {len(cores)} cells announced themselves as the core")
-    engine = _engine_config(path, codec, trust, cells)
+    engine = _engine_config(start_blobs, trust, cells)
     kv_tokens = engine.block_size_tokens * engine.num_blocks if engine is not None else 1 << 20
     running = engine.max_running_requests if engine is not None else 1024
     try:
@@ -257,19 +259,17 @@ def read_recorded_run(path: str | Path, trust: CodeTrust | None = None) -> Recor
     )
 
 
-def _engine_config(path: str | Path, codec: Codec, trust: CodeTrust | None, cells: tuple[str, ...]) -> Any:
+def _engine_config(start_blobs: dict[str, bytes], trust: CodeTrust | None, cells: tuple[str, ...]) -> Any:
     """A rollout cell's EngineConfig from its start record (KV blocks, running-request bound), or None."""
-    for record in read_log(path, codec):
-        if record.type_name != ActorStarted.__gyre_type__:
+    for cell in cells:
+        if cell not in start_blobs:
             continue
-        msg = record.decode(codec)
-        if msg.actor in cells and msg.incarnation == 0:
-            try:
-                engine = getattr(decode_config(msg.config_blob, trust), "engine", None)
-            except CodecError:
-                return None
-            if engine is not None and hasattr(engine, "num_blocks"):
-                return engine
+        try:
+            engine = getattr(decode_config(start_blobs[cell], trust), "engine", None)
+        except CodecError:
+            return None
+        if engine is not None and hasattr(engine, "num_blocks"):
+            return engine
     return None
 
 

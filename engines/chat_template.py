@@ -426,7 +426,14 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
     ) -> list[list[int]]:
         """The per-piece ids whose concatenation is `render_ids(...)`: system part, one list per non-system
-        message, then the generation prompt (empty lists are kept so indices stay predictable)."""
+        message, then the generation prompt (empty lists are kept so indices stay predictable). Only for a
+        decomposable template: a checkpoint's own template raises ChatTemplateError (its per-piece renders are not
+        its render; use `render_ids`)."""
+        if not self.decomposable:
+            raise ChatTemplateError(
+                "this chat template is not decomposable per message (a checkpoint's own template): per-piece renders "
+                "would not be its render; render the conversation whole (render_ids)"
+            )
         messages = list(messages)
         system_text = None
         if messages and messages[0].get("role") == "system":

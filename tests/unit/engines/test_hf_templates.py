@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from gyre.engines.chat_template import ChatTemplate
+from gyre.engines.chat_template import ChatTemplate, ChatTemplateError
 
 QWEN3_STYLE = r"""
 {%- if tools %}
@@ -222,6 +222,8 @@ def test_a_checkpoints_template_is_not_decomposable_and_stops_on_its_eos(templat
     assert eom in llama.stop_token_ids and llama.stop_text(eom) == "<|eom_id|>"
     assert qwen3.stop_token_ids == chat_template.stop_token_ids  # <|im_end|>, <|endoftext|>: its eos is <|im_end|>
     assert qwen3.splits_at_special_tokens and llama.splits_at_special_tokens
+    with pytest.raises(ChatTemplateError, match="not decomposable"):  # per-piece renders are not its render
+        qwen3.conversation_ids(CONVERSATIONS["tool_loop_with_thinking"], TOOLS)
     text = llama.render_text(CONVERSATIONS["no_system_two_turns"], TOOLS, True)
     ids, cuts = llama.encode_with_cuts(text)
     assert ids == llama.render_ids(CONVERSATIONS["no_system_two_turns"], TOOLS, True)

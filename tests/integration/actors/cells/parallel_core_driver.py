@@ -7,7 +7,8 @@ the core's trainer at tensor-parallel size `tensor`, waits for STEPS applied ste
 run (the core saves its weights to `save_dir`, and every step's sharded checkpoint part goes under
 `checkpoint_root`). The pytest process runs it at tensor 1; this file's main runs it at tensor 2 in a fresh process
 (a trainer group's rank 0 needs a process whose first torch.distributed group is the group's), then `resume`s a
-fresh TP=2 core from the last step's sharded checkpoint, saving the records.
+fresh TP=2 core from the last step's sharded checkpoint, and runs a core of two data-parallel replicas (DP=2),
+saving the records.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class Recorder(Actor):
         self.steps.append(msg)
 
 
-def run(model_dir: str, tensor: int, save_dir: str, checkpoint_root: str) -> dict:
+def run(model_dir: str, tensor: int, save_dir: str, checkpoint_root: str, data: int = 1) -> dict:
     task = TaskSpec("t0", "do t0", {}, (sys.executable, "agent.py"), (sys.executable, "score.py"), 60.0, 5.0)
-    topology = Topology(f"parallel-core-tp{tensor}", seed=0)
+    topology = Topology(f"parallel-core-tp{tensor}-dp{data}", seed=0)
     topology.add("recorder", Recorder)
     topology.add("executor", ScriptedExecutor)
     topology.add("task_source", TaskSource, TaskSourceConfig(
@@ -90,7 +91,7 @@ def run(model_dir: str, tensor: int, save_dir: str, checkpoint_root: str) -> dic
     topology.add("weight_broker", WeightBroker)
     topology.add("core", Cell, CellConfig(
         model_dir=model_dir, is_core=True, initial_role=TRAIN,
-        trainer=TrainerConfig(num_threads=1, lr=LR, tensor_parallel=tensor),
+        trainer=TrainerConfig(num_threads=1, lr=LR, tensor_parallel=tensor, data_parallel=data),
         engine=EngineConfig(num_blocks=64, max_context_tokens=512, max_prefill_tokens=256, num_threads=1),
         claim_retry_s=0.05, clip_low=0.9, clip_high=10.0, save_dir=save_dir, run_checkpoint_dir=checkpoint_root))
 
@@ -149,6 +150,8 @@ def main() -> None:
         records["staged"][step] = (sorted(p.name for p in folder.glob("core.tp*.pt")),
                                    read_core_record(folder).part_names)
     records["resumed"] = resume(model_dir, 2, checkpoint_root, STEPS - 1)
+    # Two data-parallel replicas: TrainerHost.compute deals each chunk's rows to them.
+    records["dp2"] = run(model_dir, 1, save_dir + "-dp2", checkpoint_root + "-dp2", data=2)
     torch.save(records, out)
 
 

@@ -118,11 +118,11 @@ class LandingsLost:
     stops waiting for them, and it catches up on the claimer's step and weights (a StepApplied it missed)."""
 
     groups: int
-    """Groups (landings) lost."""
+    """Groups (landings) lost; -1 for one counted lost that arrived after all ("arrived late")."""
     samples: int
-    """Their samples."""
+    """Their samples (negative with the groups)."""
     why: str
-    """"in transit", "claimer restarted" or "stale"."""
+    """"in transit", "claimer restarted", "stale" or "arrived late"."""
     step_id: int = -1
     """The claimer's current step (-1: not said)."""
     base_version: int = -1

@@ -61,6 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --virtual: run under a seeded fault plan (gyre.runtime.faults), e.g. "
                              "\"kill claimer at 3 StepApplied; delay executor>claimer SamplesLanded 0.5\"; the faults "
                              "that fired are printed")
+    parser.add_argument("--restart-processes", default="", metavar="GROUPS",
+                        help="local processes: comma-separated process groups started again when they die, if "
+                             "their actors' restart policies allow it (e.g. the satellites: sat1,sat2); any other "
+                             "process that exits ends the run")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run the topology's checkpoints record (the main job: --report DIR) from "
                              "its newest whole checkpoint, with the run's own arguments; a conflicting one is refused")
@@ -234,7 +238,14 @@ def run_command(args: argparse.Namespace) -> int:
 
         result = RayLauncher(args.file, tuple(argv), args.seed, args.ray_address).run(topology, options)
     else:
-        result = LocalProcessLauncher(args.file, tuple(argv), args.seed, bus=args.bus).run(topology, options)
+        restart = tuple(name for name in args.restart_processes.split(",") if name)
+        unknown = sorted(set(restart) - set(topology.processes()))
+        if unknown:
+            print(f"gyre run: --restart-processes names no process group of the topology: {unknown}; its groups: "
+                  f"{sorted(topology.processes())}", file=sys.stderr)
+            return 2
+        result = LocalProcessLauncher(args.file, tuple(argv), args.seed, bus=args.bus,
+                                      restart_processes=restart).run(topology, options)
     print(f"gyre run: {result.reason} (exit {result.exit_code})", file=sys.stderr)
     if result.exit_code != 0 and topology.checkpoint_dir:
         newest, _ = load_latest(topology.checkpoint_dir)

@@ -43,10 +43,10 @@ Lost messages (issue 28, part 4). Each has a defined outcome:
   running sample count); a gap counts the missing landings' samples as landed and `samples_dropped_in_transit`, and
   LandingsLost tells the task source that those groups will never train (its gate stops waiting for them; groups
   refused as stale are announced the same way, with the current step and base version, so a task source that
-  missed a StepApplied catches up instead of starting groups on old weights). A landing
-  that arrives after its gap was counted is refused (it was counted dropped). One builder a run: a landing numbered
-  1 with executions never seen starts a new numbering (the builder restarted). A lost last landing is seen at the
-  next one.
+  missed a StepApplied catches up instead of starting groups on old weights). A landing that arrives after its gap
+  was counted (overtaken on the way) is taken after all: the count is undone, and a LandingsLost of -1 group says
+  so. One builder a run: a landing numbered 1 with executions never seen starts a new numbering (the builder
+  restarted). A lost last landing is seen at the next one.
 - a StepReady that never reaches the core: a fixed step whose StepApplied has not come is announced again every
   `step_ready_resend_s` (at most `max_step_ready_resends` times); the core treats a repeat as a no-op.
 - a StepApplied that never reaches the claimer: the same re-announcement; a core that applied the step already
@@ -216,6 +216,9 @@ class _BoundedSet:
     def __contains__(self, item: object) -> bool:
         return item in self._members
 
+    def discard(self, item: object) -> None:
+        self._members.discard(item)  # its place in the order goes when it would have been forgotten
+
     def add(self, item: object) -> None:
         if item in self._members:
             return
@@ -334,9 +337,12 @@ class MicroStepLedger:
         a gap before it."""
         number, total, size = msg.landing_seq, msg.samples_sent, len(msg.samples)
         if number <= self.landing_seq:
-            if number in self._missing_landings:
-                log.warning("landing_arrived_after_it_was_counted_lost_refused", group=msg.group_id, landing=number)
-                return False, []
+            if number in self._missing_landings:  # counted lost at its gap: it is not, after all
+                self._missing_landings.discard(number)
+                self.counts["samples_dropped_in_transit"] -= size
+                self.counts["samples_landed"] -= size  # land() counts it again
+                log.warning("landing_counted_lost_arrived_late", group=msg.group_id, landing=number)
+                return True, [self._lost(-1, -size, "arrived late")]
             if number != 1 or all(e in self._seen_executions for e in msg.execution_ids):
                 return True, []  # a repeat: the execution check refuses it
             log.warning("landings_numbered_afresh_the_builder_restarted", previous=self.landing_seq)

@@ -63,3 +63,15 @@ def test_real_process_kills_a_satellite_restarts_and_the_cores_death_ends_the_ru
     assert core["reason"] == "process core exited with status 9", core
     assert core["outcome"] == "resumed" and core["resumed_from_step"] >= 0, core
     assert all(core[column] == 0 for column in COLUMNS), core
+
+
+def test_gyre_run_restarts_the_named_process_groups_and_refuses_unknown_ones(tmp_path, capsys):
+    from gyre.benchmarks import faults
+    from gyre.runtime.testing import gyre_cli
+
+    topology = ["--", "--work", str(tmp_path), "--satellite-dies-at-grant", "2"]
+    assert gyre_cli(["run", faults.__file__, "--restart-processes", "sat9", *topology]) == 2
+    assert "--restart-processes names no process group of the topology: ['sat9']" in capsys.readouterr().err
+    assert gyre_cli(["run", faults.__file__, "--restart-processes", "sat1", *topology]) == 0
+    assert "trained 6 steps" in capsys.readouterr().err
+    assert (tmp_path / "satellite.killed").exists()  # it died once, holding its second claim, and came back

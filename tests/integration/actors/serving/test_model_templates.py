@@ -580,3 +580,32 @@ def test_an_answer_ended_by_another_stop_token_keeps_one_turn_end(proxy: Proxy, 
     text = hf_text(tokenizer, messages, None)
     after = text[text.rindex("First answer.<|im_end|>") + len("First answer.<|im_end|>"):]
     assert second == first + output + tuple(hf_ids(tokenizer, after))
+
+
+@pytest.mark.parametrize("proxy", [("qwen3", KEEP_GENERATED)], indirect=True)
+def test_a_main_agent_and_a_sub_agent_interleaved(proxy: Proxy, hf_tokenizers: dict[str, Any]) -> None:
+    """Two conversations of one execution (other system texts), their calls interleaved: each call extends the
+    previous call of its own conversation, and each prompt is its conversation's template render."""
+    tokenizer = hf_tokenizers["qwen3"]
+    client = openai.OpenAI(base_url=proxy.served.base_url + "/v1", api_key=proxy.key("agents"), max_retries=0)
+    conversations: dict[str, list[dict[str, Any]]] = {
+        "main": [{"role": "system", "content": "You lead."}, {"role": "user", "content": "Plan."}],
+        "sub": [{"role": "system", "content": "You search."}, {"role": "user", "content": "Find x."}],
+    }
+    order = ["main", "sub", "main", "sub", "sub", "main"]
+    sent = []
+    for index, agent in enumerate(order):
+        messages = conversations[agent]
+        sent.append((agent, json.loads(json.dumps(messages))))
+        proxy.backend.script.append(f"{agent} answer {index}.\n" + tool_answer(f"{agent} {index}"))
+        message = client.chat.completions.create(model="m", messages=messages, tools=TOOLS).choices[0].message
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": f"done {index}"}]
+    for k, (agent, messages) in enumerate(sent):
+        earlier = [j for j in range(k) if sent[j][0] == agent]
+        text = hf_text(tokenizer, messages, TOOLS)
+        assert proxy.prompts[k] == substituted(tokenizer, text, [generated_turns(proxy, k)[j] for j in earlier])
+        if earlier:
+            j = earlier[-1]
+            assert proxy.calls[k].extends_call == j
+            assert proxy.calls[k].shared_tokens == len(proxy.prompts[j]) + len(proxy.calls[j].output_ids)

@@ -1,6 +1,7 @@
 """A trainer of several processes driven from one (engines/trainer_group.py) against the in-process trainer, fp32.
 
-trainer_group_driver.py is rank 0, as a core cell's process is: it starts the group (two processes over gloo),
+trainer_group_driver.py is rank 0, as a core cell's process is: it starts the group (two processes over gloo:
+tensor 2; marked slow, pipeline 2, data 2, the tied model at tensor 2 and the MoE model at data 2),
 trains three optimizer steps on Gyre's loss, publishes, and round-trips a sharded checkpoint; this file runs the same
 steps in one process (world size 1) and compares: log-probs, each step's loss and gradient norm, and the weights
 after the steps within 1e-5; the weights published bucket by bucket equal the group's whole weights exactly and
@@ -13,6 +14,7 @@ error that names the rank, and every later call too; a worker that exits at star
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,32 +39,49 @@ def driver():
     return trainer_group_driver
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    path = init_model_dir(tmp_path_factory.mktemp("group-model") / "tiny", "tiny", seed=0)
-    save_hf_state_dict(path, init_state_dict(PRESETS["tiny"], seed=31, std=0.05))  # gradients well above round-off
+PRESET_OF = {"untied": "tiny", "tied": "tiny-tied", "moe": "tiny-moe"}
+
+
+def model_dir(root: Path, preset: str) -> str:
+    path = init_model_dir(root / preset, preset, seed=0)
+    save_hf_state_dict(path, init_state_dict(PRESETS[preset], seed=31, std=0.05))  # gradients well above round-off
     return str(path)
 
 
-def run_driver(model: str, out: Path, *layouts: str) -> dict:
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("group-models")
+    return {name: model_dir(root, preset) for name, preset in PRESET_OF.items()}
+
+
+@pytest.fixture(scope="module")
+def model(models) -> str:
+    return models["untied"]
+
+
+def run_driver(models: dict, out: Path, *layouts: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(DRIVER), model, str(out), *layouts], env=env, capture_output=True,
-                          timeout=DRIVER_TIMEOUT_S)
+    proc = subprocess.run([sys.executable, str(DRIVER), json.dumps(models), str(out), *layouts], env=env,
+                          capture_output=True, timeout=DRIVER_TIMEOUT_S)
     assert proc.returncode == 0, (proc.stdout + proc.stderr).decode(errors="replace")[-6000:]
     return torch.load(out)
 
 
 @pytest.fixture(scope="module")
-def records(model, tmp_path_factory) -> dict:
-    return run_driver(model, tmp_path_factory.mktemp("group-out") / "records.pt", "bad_start", "tp2", "kill")
+def records(models, tmp_path_factory) -> dict:
+    return run_driver(models, tmp_path_factory.mktemp("group-out") / "records.pt", "bad_start", "tp2", "kill")
 
 
-@pytest.fixture(scope="module")
-def reference(model) -> dict:
+def one_process(model: str) -> dict:
     from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 
     torch.set_num_threads(2)
     return driver().train(MegatronTrainer(model, TrainerConfig(lr=driver().LR)), data=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict:
+    return one_process(model)
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -70,19 +89,19 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def check_matches_one_process(got: dict, want: dict) -> None:
+def check_matches_one_process(got: dict, want: dict, preset: str = "tiny") -> None:
     assert float((got["logprobs"] - want["logprobs"]).abs().max()) < TOL
     assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < TOL
     assert max(abs(a - b) for a, b in zip(got["grad_norms"], want["grad_norms"])) < TOL
     assert min(want["grad_norms"]) > 0.1  # gradients well above round-off: the comparison means something
     assert max_diff(got["weights"], want["weights"]) < TOL
     moved = max(float((want["weights"][k] - w).abs().max())
-                for k, w in init_weights(want["weights"].keys()).items())
+                for k, w in init_weights(want["weights"].keys(), preset).items())
     assert moved > 5 * TOL  # the steps moved the weights by well over the tolerance
 
 
-def init_weights(names) -> dict:
-    state = init_state_dict(PRESETS["tiny"], seed=31, std=0.05)
+def init_weights(names, preset: str) -> dict:
+    state = init_state_dict(PRESETS[preset], seed=31, std=0.05)
     return {k: state[k] for k in names}
 
 
@@ -131,13 +150,17 @@ def test_a_worker_that_cannot_start_fails_the_start_naming_it(records):
 
 
 @pytest.mark.slow
-def test_pipeline_and_data_parallel_groups_train_like_one_process(model, reference, tmp_path):
-    got = run_driver(model, tmp_path / "records.pt", "pp2", "dp2")
+def test_pipeline_and_data_parallel_groups_train_like_one_process(models, reference, tmp_path):
+    got = run_driver(models, tmp_path / "records.pt", "pp2", "dp2", "tied_tp2", "moe_dp2")
     for layout in ("pp2", "dp2"):
         check_matches_one_process(got[layout], reference)
         check_published_and_checkpoint(got[layout], reference)
     assert got["pp2"]["checkpoint"]["parts"] == ["core.tp0.pp0.pt", "core.tp0.pp1.pt"]
     assert got["dp2"]["checkpoint"]["parts"] == ["core.tp0.pp0.pt"]  # replicas share one shard; replica 0 writes it
+    for layout, model in (("tied_tp2", "tied"), ("moe_dp2", "moe")):  # the two other layouts of issue 26
+        want = one_process(models[model])
+        check_matches_one_process(got[layout], want, PRESET_OF[model])
+        check_published_and_checkpoint(got[layout], want)
 
 
 def test_parallel_sizes_are_checked_as_the_config_is_built(model):

@@ -1,7 +1,8 @@
-"""Rank 0 of trainer groups, for test_trainer_group.py: `python3 trainer_group_driver.py MODEL_DIR OUT LAYOUT...`.
+"""Rank 0 of trainer groups, for test_trainer_group.py: `python3 trainer_group_driver.py MODELS OUT LAYOUT...`
+(MODELS: a JSON object {"untied": dir, "tied": dir, "moe": dir}; a layout names the model it trains).
 
 This process is what a core cell's process is to its trainer group: rank 0, which starts the other ranks and drives
-them (engines/trainer_group.py). For each layout ("tp2", "pp2", "dp2") it trains STEPS optimizer steps on the samples
+them (engines/trainer_group.py). For each layout (`LAYOUTS`) it trains STEPS optimizer steps on the samples
 of `step_samples` with Gyre's loss (policies.loss, as the cell computes micro-steps), and records what the test
 compares with a one-process trainer: the log-probs, each step's loss and gradient norm, the HF weights after the
 steps (whole, and bucket by bucket as a publisher gets them), and a sharded checkpoint's round trip (saved after the
@@ -14,6 +15,7 @@ errors of groups whose worker exits at start or never answers. Saves the records
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import sys
@@ -30,7 +32,10 @@ LR = 5e-5
 tensor-parallel sum and a one-process one can flip such a move (see test_parallel.py): at 1e-4 the weights after three
 GSPO steps differ by 1.1e-5, at 5e-5 by half that."""
 BUCKET_BYTES = 1 << 20
-LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+LAYOUTS = {  # name: (model, tensor, pipeline, data)
+    "tp2": ("untied", 2, 1, 1), "pp2": ("untied", 1, 2, 1), "dp2": ("untied", 1, 1, 2),
+    "tied_tp2": ("tied", 2, 1, 1), "moe_dp2": ("moe", 1, 1, 2),
+}
 
 
 def sample(index: int, step: int, length: int) -> TrainingSample:
@@ -88,7 +93,7 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
     from gyre.engines.weight_buckets import write_safetensors
     from gyre.runtime.checkpoint import commit, staging_dir
 
-    tensor, pipeline, data = LAYOUTS[name]
+    _, tensor, pipeline, data = LAYOUTS[name]
     group = TrainerGroup(model_dir, TrainerConfig(lr=LR, num_threads=1, tensor_parallel=tensor,
                                                   pipeline_parallel=pipeline, data_parallel=data))
     try:
@@ -168,7 +173,8 @@ def run_bad_starts(model_dir: str, workdir: str) -> dict:
 
 
 def main() -> None:
-    model_dir, out, layouts = sys.argv[1], sys.argv[2], sys.argv[3:]
+    models, out, layouts = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    model_dir = models["untied"]
     torch.set_num_threads(1)
     records = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -178,7 +184,7 @@ def main() -> None:
             elif name == "bad_start":
                 records[name] = run_bad_starts(model_dir, workdir)
             else:
-                records[name] = run_layout(model_dir, name, workdir)
+                records[name] = run_layout(models[LAYOUTS[name][0]], name, workdir)
     torch.save(records, out)
 
 

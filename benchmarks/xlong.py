@@ -1,11 +1,14 @@
 """`gyre bench xlong`: million-token executions through the real proxy, event log, trajectory tree and processor.
 
 A scripted agent drives the real proxy application (HTTP, OpenAI API, sessions, rendering, id reuse, records)
-over a zero-latency scripted backend (the model server is the outer edge faked; the embedded engine cannot run a
-128K context here). Executions (defaults): one of 400 calls whose main context grows to ~128K tokens and is
-compressed (a summary call, then a fresh history) each time it would pass it, with sub-agents (their own system
-prompt, X-Gyre-Agent) every 25 main turns, ~1M unique tokens in all; one of 50 calls that stays under 40K. Each
-record is encoded as the bus encodes it (the real codec, an EVENT envelope) and appended to a real event log.
+over a zero-latency scripted backend for the long contexts (the model server is the outer edge faked; the embedded
+engine cannot run a 128K context here), and over the embedded engine on the tiny model for a short one
+(`engine_execution`: real sampled ids, log-probs and id reuse of what a model wrote, contexts to ~3K tokens, a
+proxy whose max_context_tokens is the engine's). Executions (defaults): one of 400 calls whose main context grows
+to ~128K tokens and is compressed (a summary call, then a fresh history) each time it would pass it, with sub-agents
+(their own system prompt, X-Gyre-Agent) every 25 main turns, ~1M unique tokens in all; one of 50 calls that stays
+under 40K; the engine's, 24 calls to ~3K tokens with one compression and sub-agents every 8 turns. Each record is
+encoded as the bus encodes it (the real codec, an EVENT envelope) and appended to a real event log.
 
 Figures, and the same for whole-prompt records (each call's full prompt_ids, as before issue 29) as the baseline in
 the same run:
@@ -79,6 +82,11 @@ class ExecutionShape:
     sub_agent_tool_tokens: int = 1500
 
 
+ENGINE_EXECUTION = ExecutionShape(24, 150, context_limit_tokens=3072, sub_agent_every=8, sub_agent_calls=2,
+                                  sub_agent_tool_tokens=100)
+"""The default short execution over the embedded engine."""
+
+
 @attrs.frozen
 class XlongConfig:
     executions: tuple[ExecutionShape, ...] = (ExecutionShape(400, 2400), ExecutionShape(50, 600))
@@ -89,6 +97,12 @@ class XlongConfig:
     probe_tool_tokens: int = 64
     probe_context_tokens: int = 128 * 1024
     seed: int = 0
+    engine_execution: ExecutionShape | None = ENGINE_EXECUTION
+    """An execution driven over the embedded engine on the tiny model (None: none)."""
+    engine_context_tokens: int = 4096
+    """The embedded engine's max_context_tokens, and its proxy's."""
+    engine_output_tokens: int = 24
+    """max_tokens of each call to the engine (a random model rarely stops by itself)."""
 
 
 class ZeroLatencyBackend:
@@ -148,11 +162,12 @@ class _Agent:
                  backend: ZeroLatencyBackend) -> None:
         self.http, self.url, self.key, self.rng = http, base_url + "/v1/chat/completions", key, rng
         self.timing, self.backend = timing, backend
+        self.max_tokens = 256
         self.calls = 0
         self.samples: list[tuple[int, float, float]] = []  # (prompt tokens, client s, proxy overhead s)
 
     async def call(self, messages: list[dict[str, Any]], agent: str = "main", kind: str = "turn") -> tuple[str, int]:
-        body = {"model": "gyre", "messages": messages, "max_tokens": 256, "temperature": 1.0}
+        body = {"model": "gyre", "messages": messages, "max_tokens": self.max_tokens, "temperature": 1.0}
         headers = {"Authorization": f"Bearer {self.key}", AGENT_HEADER: agent, CALL_HEADER: kind}
         start = time.perf_counter()
         async with self.http.post(self.url, json=body, headers=headers) as response:
@@ -238,7 +253,45 @@ async def _probe(agents: dict[str, _Agent], contexts: dict[str, int], calls: int
     return measured
 
 
-async def _drive(config: XlongConfig, template: Any, log_path: Path) -> dict[str, Any]:
+async def _serve(app: Any) -> tuple[Any, str]:
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _drive_engine(config: XlongConfig, template: Any, model_dir: Path, recorder: _Recorder,
+                        http: Any, rng: random.Random) -> dict[str, Any]:
+    """The short execution over the embedded engine: its own proxy app (same recorder), the engine's context."""
+    from gyre.actors.serving.backends import EmbeddedBackend
+    from gyre.engines.async_engine import AsyncEngine
+    from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig
+
+    assert config.engine_execution is not None
+    context = config.engine_context_tokens
+    engine_config = EngineConfig(num_blocks=2 * -(-context // 16) + 16, max_context_tokens=context,
+                                 max_prefill_tokens=min(2048, context), num_threads=1)
+    engine = AsyncEngine(EmbeddedEngine(model_dir, engine_config))
+    sessions = ProxySessions(template, ProxySessionsConfig(max_executions=4))
+    app = build_proxy_app(ProxyHttpConfig(max_context_tokens=context), sessions, EmbeddedBackend(engine, "tiny"),
+                          recorder, clock=time.monotonic)
+    runner, base_url = await _serve(app)
+    started = time.perf_counter()
+    try:
+        agent = _Agent(http, base_url, sessions.issue_key("engine-0", "xlong"), rng, {"handler_s": 0.0},
+                       ZeroLatencyBackend(template, 0))
+        agent.max_tokens = config.engine_output_tokens
+        await agent.run(config.engine_execution)
+    finally:
+        await runner.cleanup()
+        await engine.close()
+    return {"calls": agent.calls, "drive_s": round(time.perf_counter() - started, 1)}
+
+
+async def _drive(config: XlongConfig, template: Any, log_path: Path, model_dir: Path | None) -> dict[str, Any]:
     import aiohttp
     from aiohttp import web
 
@@ -259,11 +312,7 @@ async def _drive(config: XlongConfig, template: Any, log_path: Path) -> dict[str
             timing["handler_s"] = time.perf_counter() - start
 
     app.middlewares.insert(0, timed)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, base_url = await _serve(app)
     rng = random.Random(config.seed)
     out: dict[str, Any] = {}
     try:
@@ -273,6 +322,8 @@ async def _drive(config: XlongConfig, template: Any, log_path: Path) -> dict[str
                 key = sessions.issue_key(f"x{index}", "xlong")
                 await _Agent(http, base_url, key, rng, timing, backend).run(shape)
             out["drive_s"] = time.perf_counter() - started
+            if model_dir is not None:
+                out["engine"] = await _drive_engine(config, template, model_dir, recorder, http, rng)
             contexts = {"1k": 1024, "128k": config.probe_context_tokens}
             agents = {name: _Agent(http, base_url, sessions.issue_key(f"probe-{name}", "probe"), rng, timing, backend)
                       for name in contexts}
@@ -362,14 +413,14 @@ def _p50_ms(samples: list[tuple[int, float, float]], which: int) -> float:
 
 def run_xlong_bench(config: XlongConfig = XlongConfig()) -> dict[str, Any]:
     from gyre.engines.chat_template import ChatTemplate
-    from gyre.engines.tokenizer import write_tokenizer_files
+    from gyre.engines.model_format import init_model_dir
 
     with tempfile.TemporaryDirectory(prefix="gyre-xlong-") as tmp:
         root = Path(tmp)
-        (root / "model").mkdir()
-        write_tokenizer_files(root / "model")
+        init_model_dir(root / "model", "tiny", seed=config.seed)  # the tokenizer, and the engine's weights
         template = ChatTemplate.from_model_dir(root / "model")
-        driven = asyncio.run(_drive(config, template, root / "incremental.glog"))
+        engine_model = root / "model" if config.engine_execution is not None else None
+        driven = asyncio.run(_drive(config, template, root / "incremental.glog", engine_model))
         records = driven["records"]
         whole_bus = _whole_records(records, root / "whole.glog")
         incremental = _in_fresh_process(root / "incremental.glog")
@@ -416,6 +467,7 @@ def run_xlong_bench(config: XlongConfig = XlongConfig()) -> dict[str, Any]:
         "samples_equal": incremental["samples_digest"] == whole["samples_digest"],
         "pending_calls": incremental["pending"],
         "drive_s": round(driven["drive_s"], 1),
+        "engine_execution": driven.get("engine"),
         "baseline_whole_prompt_records": {
             "bus_bytes_per_unique_token": round(whole_bus / unique, 2),
             "log_bytes_per_unique_token": round(whole_log_bytes / unique, 2),
@@ -448,8 +500,9 @@ def _handle(args: argparse.Namespace) -> int:
     configure_logging("warning")  # here, not in run_xlong_bench: a library call leaves the process's logging alone
     shapes = (ExecutionShape(args.calls, args.tool_tokens, context_limit_tokens=args.context_limit_tokens),
               ExecutionShape(50, 600))
+    engine = attrs.evolve(ENGINE_EXECUTION, calls=args.engine_calls) if args.engine_calls else None
     config = XlongConfig(executions=shapes, probe_calls=args.probe_calls, probe_context_tokens=args.probe_context,
-                         seed=args.seed)
+                         seed=args.seed, engine_execution=engine)
     result = run_xlong_bench(config)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -462,6 +515,9 @@ def _handle(args: argparse.Namespace) -> int:
               f"({base['log_bytes_per_unique_token']})")
         print(f"  proxy overhead p50 {result['proxy_overhead_p50_ms_at_1k']} ms at 1K, "
               f"{result['proxy_overhead_p50_ms_at_128k']} ms at 128K")
+        if result["engine_execution"]:
+            print(f"  embedded engine: {result['engine_execution']['calls']} calls in "
+                  f"{result['engine_execution']['drive_s']} s")
         print(f"  builder +{result['builder_peak_rss_mb']} MB, add {result['builder_add_s']} s, "
               f"process {result['processor_s']} s; samples equal: {result['samples_equal']}")
     return 0 if result["samples_equal"] and not result["pending_calls"] else 1
@@ -484,6 +540,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-calls", type=_positive, default=60, help="measured calls per probe (default 60)")
     p.add_argument("--probe-context", type=_positive, default=128 * 1024,
                    help="context of the long probe, tokens (default 131072)")
+    p.add_argument("--engine-calls", type=int, default=24,
+                   help="calls of the short execution over the embedded engine on the tiny model (0: none; default 24)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_handle)
 

@@ -1,4 +1,5 @@
-"""`gyre bench xlong` on a small workload: the real proxy, log and tree; incremental records against whole prompts."""
+"""`gyre bench xlong` on a small workload: the real proxy (over a scripted backend, and over the embedded engine for
+a short execution), log and tree; incremental records against whole prompts."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ from gyre.benchmarks.xlong import ExecutionShape, XlongConfig, run_xlong_bench
 def test_incremental_records_train_the_same_samples_for_a_fraction_of_the_bytes() -> None:
     shapes = (ExecutionShape(40, 400, context_limit_tokens=6000, sub_agent_every=8, sub_agent_calls=2,
                              sub_agent_tool_tokens=300), ExecutionShape(12, 200))
-    result = run_xlong_bench(XlongConfig(executions=shapes, probe_calls=3, probe_context_tokens=4000))
-    long, short = result["executions"]["x0"], result["executions"]["x1"]
-    assert (long["calls"], short["calls"]) == (40, 12) and result["calls"] == 52
+    engine = ExecutionShape(10, 120, context_limit_tokens=1200, sub_agent_every=4, sub_agent_calls=1,
+                            sub_agent_tool_tokens=60)
+    result = run_xlong_bench(XlongConfig(executions=shapes, probe_calls=3, probe_context_tokens=4000,
+                                         engine_execution=engine, engine_context_tokens=2048))
+    long, short, real = result["executions"]["x0"], result["executions"]["x1"], result["executions"]["engine-0"]
+    assert (long["calls"], short["calls"], real["calls"]) == (40, 12, 10) and result["calls"] == 62
+    # The short execution ran on the embedded engine (its sampled ids reused by the proxy), within its context.
+    assert result["engine_execution"]["calls"] == 10 and real["max_prompt_tokens"] < 2048
     assert long["summaries"] >= 2 and long["sub_agent_calls"] >= 4  # compressions and sub-agents happened
     assert result["samples_equal"] and result["pending_calls"] == 0 and result["samples"] > 0
     base = result["baseline_whole_prompt_records"]

@@ -498,7 +498,7 @@ def _realtime_invariants(work: Path, log_path: Path, kill_s: float | None, lande
     return row
 
 
-def run_realtime_case(case: str, *, steps: int = 6, timeout_s: float = 60.0) -> dict:
+def run_realtime_case(case: str, *, steps: int = 6, timeout_s: float = 120.0) -> dict:
     """One real-time case (REALTIME_CASES) under the local-process launcher; a run the kill ended is resumed."""
     from gyre.runtime.launch import LocalProcessLauncher, RunOptions
 
@@ -538,7 +538,10 @@ def run_realtime_case(case: str, *, steps: int = 6, timeout_s: float = 60.0) -> 
                            resumed_reason=again.reason, resumed_from_step=checkpoint.step_id)
         row.update(_realtime_invariants(work, log_path, kill_s, landed_before))
         row["wall_s"] = round(time.monotonic() - started, 1)
-        row["outcome"] = ("resumed" if row["resumed"] else "kept") if row["finished"] else "ended"
+        if row["finished"]:
+            row["outcome"] = "resumed" if row["resumed"] else "kept"
+        else:
+            row["outcome"] = "hung" if "time limit" in row.get("resumed_reason", row["reason"]) else "ended"
     return row
 
 

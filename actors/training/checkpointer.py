@@ -106,6 +106,9 @@ class Checkpointer(Actor):
         self.last_step_id = -1
         self.last_seconds = 0.0
         self.newest_step_ended = -1
+        self._one_at_a_time = asyncio.Lock()
+        """A stop's final checkpoint may come while the handler still gathers the same step's parts: they would
+        write into one staging folder, and the second would find it committed (renamed) under it."""
 
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:
@@ -139,6 +142,10 @@ class Checkpointer(Actor):
         await self._checkpoint(msg)
 
     async def _checkpoint(self, msg: CorePartsSaved) -> None:
+        async with self._one_at_a_time:
+            await self._checkpoint_now(msg)
+
+    async def _checkpoint_now(self, msg: CorePartsSaved) -> None:
         started = self.clock.now()
         step = msg.step_id
         if step <= self.last_step_id:

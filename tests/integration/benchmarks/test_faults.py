@@ -57,10 +57,10 @@ def test_the_sweep_covers_every_kind(capsys):
 def test_real_process_kills_a_satellite_restarts_and_the_cores_death_ends_the_run_for_a_resume():
     """Real deaths (os._exit) under the local-process launcher: kept few (two runs of a few seconds each)."""
     satellite = run_realtime_case("satellite-after-2nd-grant")
-    assert satellite["fired"] and satellite["outcome"] == "kept", satellite
+    assert satellite["fired"] and satellite["outcome"] == "kept", (satellite["reason"], satellite)
     assert all(satellite[column] == 0 for column in COLUMNS), satellite
     core = run_realtime_case("core-after-step-2")
-    assert core["reason"] == "process core exited with status 9", core
+    assert core["reason"] == "process core exited with status 9", (core["reason"], core)
     assert core["outcome"] == "resumed" and core["resumed_from_step"] >= 0, core
     assert all(core[column] == 0 for column in COLUMNS), core
 

@@ -48,8 +48,16 @@ class EmulatedAgentsConfig:
     rest wait, counted as CallsWaitingForCell. False: always place (sticky routing with no admission bound)."""
     max_concurrent: int = 0
     """Executions running at once, as the executor's `max_concurrent` bounds agent processes: the rest wait, in
-    the order their groups started, before their setup begins (a slot is held until the execution is scored).
-    0: no bound."""
+    the order their groups started, before their setup begins. A slot is held until the agent's last tool time ends
+    (the agent exits); a plan's `scoring_s` then runs outside the slot, as the executor hands a finished agent's
+    execution to the evaluator. 0: no bound."""
+
+
+@attrs.frozen
+class _Scored:
+    """The evaluator's time for a session is over (in-process timer)."""
+
+    session: Session
 
 
 @attrs.define
@@ -134,14 +142,21 @@ class EmulatedAgents(Actor):
     def on_sessions_out(self, msg: SessionsOut) -> None:
         self.placed[msg.cell] = max(0, self.placed.get(msg.cell, 0) - len(msg.finished) - len(msg.returned))
         for session in msg.finished:
-            self._finished(session)
+            self.running = max(0, self.running - 1)  # the agent exited: its slot frees, scoring runs outside it
+            if session.plan.scoring_s > 0:
+                self.send_later(session.plan.scoring_s, _Scored(session))
+            else:
+                self._finished(session)
         if msg.returned or (msg.finished and self.unplaced):
             self._place(list(self.unplaced) + list(msg.returned))
         if msg.finished:
             self._start_queued()
 
+    @handler(_Scored)
+    def on_scored(self, msg: _Scored) -> None:
+        self._finished(msg.session)
+
     def _finished(self, session: Session) -> None:
-        self.running = max(0, self.running - 1)
         group = self.groups.get(session.group_id)
         if group is None:
             self.log.warning("session_of_unknown_group", group=session.group_id)

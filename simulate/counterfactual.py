@@ -275,11 +275,16 @@ def _engine_config(start_blobs: dict[str, bytes], trust: CodeTrust | None, cells
 
 @attrs.frozen
 class CallOverhead:
-    """A workload whose every call starts `seconds` later (the calibrated per-call latency outside the engine):
-    added to the setup before the first call and to the tool time before each later one."""
+    """A workload whose every call starts later by the calibrated latency the fit found outside the shared decode:
+    `seconds` plus `prefill_s_per_token` x the tokens the call prefilled (as recorded; for a plan without them,
+    the prompt for the first call and the previous observation after), added to the setup before the first call and
+    to the tool time before each later one. The
+    fit prices a call's prefill into that call's own time only (calibrated.py), so the replay does too; the
+    emulated engine then prefills at no cost and its iterations are the fitted decode's."""
 
     workload: Any
     seconds: float
+    prefill_s_per_token: float = 0.0
 
     @property
     def name(self) -> str:
@@ -287,9 +292,13 @@ class CallOverhead:
 
     def plans(self, group_id: str, group_size: int, seed: int = 0) -> list[ExecutionPlan]:
         out = []
+        per_token = self.prefill_s_per_token
         for plan in self.workload.plans(group_id, group_size, seed):
-            tools = tuple(t + self.seconds if i < plan.turns - 1 else t for i, t in enumerate(plan.tool_s))
-            out.append(attrs.evolve(plan, setup_s=plan.setup_s + self.seconds, tool_s=tools))
+            prefilled = plan.prefilled_tokens or (plan.prompt_tokens, *plan.observation_tokens[:-1])
+            tools = tuple(t + self.seconds + per_token * prefilled[i + 1] if i < plan.turns - 1 else t
+                          for i, t in enumerate(plan.tool_s))
+            setup = plan.setup_s + self.seconds + per_token * prefilled[0]
+            out.append(attrs.evolve(plan, setup_s=setup, tool_s=tools))
         return out
 
 
@@ -340,12 +349,13 @@ def build_topology(run: RecordedRun, policy: Any, record: RunRecord, tick_s: flo
     topology.add(names["task_source"], TaskSource, attrs.evolve(
         run.task_source, stop_topology_when_done=False, resume_from=""), restart=stop)
     topology.add(names["executor"], EmulatedAgents, EmulatedAgentsConfig(
-        CallOverhead(run.workload, run.model.call_overhead_s), claimer=names["claimer"],
+        CallOverhead(run.workload, run.model.call_overhead_s, run.model.prefill_s_per_token), claimer=names["claimer"],
         task_source=names["task_source"], record=record, max_concurrent=run.max_concurrent), restart=stop)
     mean_context = statistics.mean(p.trajectory_tokens for g in run.workload.groups for p in g) / 2
+    engine_model = attrs.evolve(run.model, prefill_s_per_token=0.0)  # prefill is in each call's latency
     for cell in run.cells:
         topology.add(cell, EmulatedCell, EmulatedCellConfig(
-            model=run.model, initial_role=run.initial_roles[cell], is_core=cell == run.core,
+            model=engine_model, initial_role=run.initial_roles[cell], is_core=cell == run.core,
             mean_context_tokens=mean_context, tick_s=tick_s, claimer=names["claimer"], core=run.core,
             agents=names["executor"], stream_microsteps=True, last_step_id=run.task_source.first_step_id + run.steps - 1,
             record=record, boot_s=run.boot_s[cell],

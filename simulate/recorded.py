@@ -10,7 +10,9 @@ started (`ExecutionStarted`) and when it was scored (`ExecutionScored`). Each sc
 - per call, in order of start: the output tokens it generated; the tokens the context grew by before the next call
   (the next prompt minus this prompt and output, never below 0) as the observation; the time from this call's end
   to the next one's start as the tool time;
-- the last call's tool time: from its end to the execution's score (the agent's tail and the scorer);
+- the last call's tool time: from its end to the agent's exit (`AgentExited`), and the scorer's time from there to
+  the score as `scoring_s` (the executor frees the agent's slot at its exit); without an exit record, all of it
+  from the last call's end to the score;
 - the first call's prompt as the prompt;
 - the tokens its samples carried to training (`SamplesLanded`: every trajectory of its tree), when they landed.
 
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import attrs
 
+from gyre.messages.execution_reports import AgentExited
 from gyre.messages.executions import ExecutionStarted, IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionDropped, ExecutionScored, SamplesLanded
@@ -87,14 +90,16 @@ class _Execution:
     scored_s: float | None = None
     dropped: bool = False
     key_issued_s: float | None = None
+    exited_s: float | None = None
     trained_tokens: int = 0
     calls: dict[int, tuple[float, float, int, int]] = attrs.field(factory=dict)
-    """call_index -> (started_s, finished_s, prompt_tokens, output_tokens)."""
+    """call_index -> (started_s, finished_s, prompt_tokens, output_tokens, cached_tokens)."""
 
 
 def workload_from_log(path: str | Path, name: str | None = None) -> RecordedWorkload:
     """The recorded run's executions as a workload; RecordedWorkloadError when none can be replayed."""
     wanted = {ModelCallCompleted.__gyre_type__, ExecutionStarted.__gyre_type__, IssueKey.__gyre_type__,
+              AgentExited.__gyre_type__,
               ExecutionScored.__gyre_type__, ExecutionDropped.__gyre_type__, SamplesLanded.__gyre_type__}
     codec = Codec()
     executions: dict[str, _Execution] = {}
@@ -111,13 +116,17 @@ def workload_from_log(path: str | Path, name: str | None = None) -> RecordedWork
                     executions.setdefault(sample.execution_id, _Execution(msg.group_id)).trained_tokens += len(
                         sample.token_ids)
             continue
+        if isinstance(msg, AgentExited):  # no group id: the execution's own record, when it has one
+            if msg.execution_id in executions and executions[msg.execution_id].exited_s is None:
+                executions[msg.execution_id].exited_s = record.handled_s
+            continue
         execution = executions.get(msg.execution_id)
         if execution is None:
             execution = executions[msg.execution_id] = _Execution(msg.group_id)
         # A message delivered to several actors is logged once per delivery: keep the earliest time.
         if isinstance(msg, ModelCallCompleted):
             execution.calls.setdefault(msg.call_index, (msg.started_s, msg.finished_s, msg.prompt_tokens,
-                                                        len(msg.output_ids)))
+                                                        len(msg.output_ids), msg.cached_tokens))
         elif isinstance(msg, IssueKey):
             if execution.key_issued_s is None and msg.group_id not in order:
                 order.append(msg.group_id)
@@ -155,14 +164,21 @@ def plan_of(execution_id: str, execution: _Execution) -> ExecutionPlan:
     started_s = execution.started_s if execution.started_s is not None else execution.key_issued_s
     setup_s = max(0.0, first_started - started_s) if started_s is not None else 0.0
     outputs, observations, tools = [], [], []
-    for index, (started_s, finished_s, prompt_tokens, output_tokens) in enumerate(calls):
+    scoring_s = 0.0
+    prefilled = tuple(max(0, prompt_tokens - cached) for _, _, prompt_tokens, _, cached in calls)
+    for index, (started_s, finished_s, prompt_tokens, output_tokens, _) in enumerate(calls):
         outputs.append(max(1, output_tokens))
         if index + 1 < len(calls):
-            next_started, _, next_prompt, _ = calls[index + 1]
+            next_started, _, next_prompt, _, _ = calls[index + 1]
             observations.append(max(0, next_prompt - prompt_tokens - output_tokens))
             tools.append(max(0.0, next_started - finished_s))
         else:
             observations.append(0)
-            tools.append(max(0.0, execution.scored_s - finished_s))
+            exited_s = execution.exited_s
+            if exited_s is not None and finished_s <= exited_s <= execution.scored_s:
+                tools.append(exited_s - finished_s)
+                scoring_s = execution.scored_s - exited_s
+            else:
+                tools.append(max(0.0, execution.scored_s - finished_s))
     return ExecutionPlan(execution_id, setup_s, tuple(outputs), tuple(observations), tuple(tools),
-                         max(1, calls[0][2]), execution.trained_tokens)
+                         max(1, calls[0][2]), execution.trained_tokens, prefilled, scoring_s)

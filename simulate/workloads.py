@@ -113,6 +113,12 @@ class ExecutionPlan:
     trained_tokens: int = 0
     """Tokens its samples carry to training, when recorded (a recorded execution's trajectory tree: sub-agents and
     compressions make several samples); 0: `trajectory_tokens`."""
+    prefilled_tokens: tuple[int, ...] = ()
+    """Per call, the prompt tokens the recorded engine computed (prompt minus its prefix-cache hits), when recorded
+    (the control-plane replay prices each call's prefill from them)."""
+    scoring_s: float = 0.0
+    """Scorer time after the agent exited, outside the agent's slot (a recorded execution's); the presets put the
+    reward time in the last tool time instead."""
 
     @property
     def turns(self) -> int:

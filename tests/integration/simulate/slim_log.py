@@ -24,6 +24,7 @@ KEEP = {
     "gyre.training.StepApplied", "gyre.training.WeightsLoaded", "gyre.training.WeightsPublished",
     "gyre.cells.LoadReport", "gyre.executions.IssueKey", "gyre.executions.ExecutionStarted",
     "gyre.samples.ExecutionScored", "gyre.samples.ExecutionDropped", "gyre.samples.SamplesLanded",
+    "gyre.execution_reports.AgentExited",
 }
 
 

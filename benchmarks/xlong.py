@@ -17,7 +17,8 @@ the same run:
 - `proxy_overhead_p50_ms_at_1k` / `_at_128k`: the proxy's own time per call (its HTTP handler, body read and JSON
   parse included, minus the backend's time), over probe calls that add the same few tokens to a ~1K and to a
   ~128K-token conversation, taken in turn so that the machine's other load weighs on both alike; `call_p50_ms_*`
-  is what the client saw (its own JSON encoding included).
+  is what the client saw (its own JSON encoding included). `..._at_128k_many_messages`: the same at ~128K in ~1000
+  messages of ~250 tokens (per-message costs show there).
 - `prompt_ids_carried` against `prompt_tokens_sent`; `records_with_whole_prompt` (first calls of a conversation
   with a system part of its own: each execution's first, each sub-agent's) and `records_branching` (a fresh
   history after a compression, which shares the system part).
@@ -96,6 +97,9 @@ class XlongConfig:
     """Calls measured at ~1K and at ~128K context, in turn (after 5 unmeasured ones each)."""
     probe_tool_tokens: int = 64
     probe_context_tokens: int = 128 * 1024
+    probe_many_message_tokens: int = 250
+    """A third probe at ~128K grows its conversation in messages of this many tokens (~1000 messages, where the
+    other has ~40 of 8K): what costs per message shows there (0: no such probe)."""
     seed: int = 0
     engine_execution: ExecutionShape | None = ENGINE_EXECUTION
     """An execution driven over the embedded engine on the tiny model (None: none)."""
@@ -220,13 +224,15 @@ class _Agent:
                          {"role": "user", "content": _text(rng, shape.sub_agent_tool_tokens)}]
         return content
 
-    async def grow(self, context_tokens: int) -> list[dict[str, Any]]:
-        """A conversation grown to about `context_tokens` (unmeasured calls)."""
+    async def grow(self, context_tokens: int, message_tokens: int = 8000) -> list[dict[str, Any]]:
+        """A conversation grown to about `context_tokens` in user messages of up to `message_tokens` (unmeasured
+        calls)."""
         rng = self.rng
         messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a probe. " + _text(rng, 300)}]
         context = 0
         while context < context_tokens - 1500:
-            messages.append({"role": "user", "content": _text(rng, min(8000, context_tokens - 1000 - context))})
+            messages.append({"role": "user", "content": _text(rng, min(message_tokens,
+                                                                        context_tokens - 1000 - context))})
             content, context = await self.call(messages)
             messages.append({"role": "assistant", "content": content})
         return messages
@@ -239,11 +245,11 @@ class _Agent:
         return self.samples[-1]
 
 
-async def _probe(agents: dict[str, _Agent], contexts: dict[str, int], calls: int, tool_tokens: int
+async def _probe(agents: dict[str, _Agent], contexts: dict[str, tuple[int, int]], calls: int, tool_tokens: int
                  ) -> dict[str, list[tuple[int, float, float]]]:
     """Calls at each context in turn (1K, 128K, 1K, ...), so that whatever else the machine does weighs on both
     alike; the first 5 of each are not measured."""
-    conversations = {name: await agents[name].grow(contexts[name]) for name in agents}
+    conversations = {name: await agents[name].grow(*contexts[name]) for name in agents}
     measured: dict[str, list[tuple[int, float, float]]] = {name: [] for name in agents}
     for i in range(calls + 5):
         for name, agent in agents.items():
@@ -324,7 +330,9 @@ async def _drive(config: XlongConfig, template: Any, log_path: Path, model_dir: 
             out["drive_s"] = time.perf_counter() - started
             if model_dir is not None:
                 out["engine"] = await _drive_engine(config, template, model_dir, recorder, http, rng)
-            contexts = {"1k": 1024, "128k": config.probe_context_tokens}
+            contexts = {"1k": (1024, 8000), "128k": (config.probe_context_tokens, 8000)}
+            if config.probe_many_message_tokens:
+                contexts["128k_many"] = (config.probe_context_tokens, config.probe_many_message_tokens)
             agents = {name: _Agent(http, base_url, sessions.issue_key(f"probe-{name}", "probe"), rng, timing, backend)
                       for name in contexts}
             out["probes"] = await _probe(agents, contexts, config.probe_calls, config.probe_tool_tokens)
@@ -407,6 +415,15 @@ def _in_fresh_process(log_path: Path) -> dict[str, Any]:
         return pool.apply(_build_from_log, (str(log_path),))
 
 
+def _many_messages(probes: dict[str, list[tuple[int, float, float]]], at_1k: float) -> dict[str, Any]:
+    if "128k_many" not in probes:
+        return {}
+    at_many = _p50_ms(probes["128k_many"], 2)
+    return {"proxy_overhead_p50_ms_at_128k_many_messages": at_many,
+            "proxy_overhead_ratio_128k_many_messages_to_1k": round(at_many / at_1k, 2),
+            "probe_many_messages_prompt_tokens": probes["128k_many"][0][0]}
+
+
 def _p50_ms(samples: list[tuple[int, float, float]], which: int) -> float:
     return round(statistics.median(s[which] for s in samples) * 1e3, 3)
 
@@ -462,6 +479,7 @@ def run_xlong_bench(config: XlongConfig = XlongConfig()) -> dict[str, Any]:
         "call_p50_ms_at_1k": _p50_ms(probes["1k"], 1),
         "call_p50_ms_at_128k": _p50_ms(probes["128k"], 1),
         "probe_prompt_tokens": [probes["1k"][0][0], probes["128k"][0][0]],
+        **_many_messages(probes, at_1k),
         "samples": incremental["samples"],
         "sample_tokens": incremental["sample_tokens"],
         "samples_equal": incremental["samples_digest"] == whole["samples_digest"],
@@ -514,7 +532,9 @@ def _handle(args: argparse.Namespace) -> int:
               f"{base['bus_bytes_per_unique_token']}), log {result['log_bytes_per_unique_token']} "
               f"({base['log_bytes_per_unique_token']})")
         print(f"  proxy overhead p50 {result['proxy_overhead_p50_ms_at_1k']} ms at 1K, "
-              f"{result['proxy_overhead_p50_ms_at_128k']} ms at 128K")
+              f"{result['proxy_overhead_p50_ms_at_128k']} ms at 128K"
+              + (f", {result['proxy_overhead_p50_ms_at_128k_many_messages']} ms at 128K in ~1000 messages"
+                 if "proxy_overhead_p50_ms_at_128k_many_messages" in result else ""))
         if result["engine_execution"]:
             print(f"  embedded engine: {result['engine_execution']['calls']} calls in "
                   f"{result['engine_execution']['drive_s']} s")

@@ -12,6 +12,7 @@ def test_incremental_records_train_the_same_samples_for_a_fraction_of_the_bytes(
     engine = ExecutionShape(10, 120, context_limit_tokens=1200, sub_agent_every=4, sub_agent_calls=1,
                             sub_agent_tool_tokens=60)
     result = run_xlong_bench(XlongConfig(executions=shapes, probe_calls=3, probe_context_tokens=4000,
+                                         probe_many_message_tokens=200,
                                          engine_execution=engine, engine_context_tokens=2048))
     long, short, real = result["executions"]["x0"], result["executions"]["x1"], result["executions"]["engine-0"]
     assert (long["calls"], short["calls"], real["calls"]) == (40, 12, 10) and result["calls"] == 62
@@ -26,3 +27,5 @@ def test_incremental_records_train_the_same_samples_for_a_fraction_of_the_bytes(
     assert result["log_bytes_per_unique_token"] * 3 < base["log_bytes_per_unique_token"]
     assert result["bus_bytes_per_unique_token"] <= 16
     assert result["probe_prompt_tokens"][1] > result["probe_prompt_tokens"][0]
+    assert result["probe_many_messages_prompt_tokens"] > result["probe_prompt_tokens"][0]
+    assert result["proxy_overhead_p50_ms_at_128k_many_messages"] > 0

@@ -62,10 +62,12 @@ AGENT = textwrap.dedent('''
 
     def claim(path):
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
-        except (FileExistsError, OSError):
+            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except OSError:
             return False
+        os.write(handle, json.dumps([os.environ.get("GYRE_EXECUTION_ID", ""), time.time()]).encode())
+        os.close(handle)
+        return True
 
     for i in range(3):
         if i == 1 and marker and claim(marker):
@@ -78,11 +80,13 @@ AGENT = textwrap.dedent('''
 
 SCORER = textwrap.dedent('''
     """Reward 1 for a workspace with answer.txt; with --die-once MARKER the first scorer to create it dies."""
-    import json, os, sys
+    import json, os, sys, time
 
     if "--die-once" in sys.argv:
         try:
-            os.close(os.open(sys.argv[sys.argv.index("--die-once") + 1], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            handle = os.open(sys.argv[sys.argv.index("--die-once") + 1], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(handle, json.dumps(["", time.time()]).encode())
+            os.close(handle)
             os.kill(os.getpid(), 9)
         except FileExistsError:
             pass
@@ -197,6 +201,7 @@ def run_rollout_case(case: str, model_dir: str = "", *, groups: int = 2, timeout
         codec = Codec()
         calls_recorded = 0
         outcomes: dict[str, int] = {}
+        ended_s: dict[str, tuple[str, float]] = {}  # execution -> (its outcome's type, when it was handled)
         group_done: set[str] = set()
         landed = dropped_groups = 0
         proxy = json.loads((work / "proxy.json").read_text()) if (work / "proxy.json").exists() else None
@@ -207,6 +212,7 @@ def run_rollout_case(case: str, model_dir: str = "", *, groups: int = 2, timeout
             elif name in ("ExecutionScored", "ExecutionDropped") and receiver == "trajectory_builder":
                 execution = record.decode(codec).execution_id
                 outcomes[execution] = outcomes.get(execution, 0) + 1
+                ended_s.setdefault(execution, (name, record.handled_s))
             elif name == "GroupDone" and receiver == "driver":
                 msg = record.decode(codec)
                 group_done.add(msg.group_id)
@@ -235,5 +241,12 @@ def run_rollout_case(case: str, model_dir: str = "", *, groups: int = 2, timeout
             row["calls_sent"] = sent
             row["lost_calls"] = (proxy["in_flight"] + max(0, proxy["calls_completed"] - proxy["emit_failures"]
                                                           - calls_recorded) + max(0, sent - ended))
+        if (work / "killed").exists():
+            # Time to recover: from the death to the outcome of the execution it hit (the agent names its own; a
+            # scorer's is the execution dropped).
+            killed, kill_s = json.loads((work / "killed").read_text())
+            hit = [s for e, (n, s) in ended_s.items() if e == killed or (not killed and n == "ExecutionDropped")]
+            row["killed_execution"] = killed
+            row["recover_s"] = round(min(hit) - kill_s, 3) if hit else None
         row["outcome"] = "kept" if row["finished"] else "hung"
     return row

@@ -309,7 +309,8 @@ class ScriptedSatellite(Actor):
 
 def fault_topology(root: str, *, steps: int, seed: int, resume_from: str = "", crash_after_step: int = -1,
                    report: str = "", processes: bool = False, satellite: ScriptedSatelliteConfig | None = None,
-                   crash_by_exit: bool = False, trained_log: str = "", executor_report: str = "") -> Topology:
+                   crash_by_exit: bool = False, trained_log: str = "", executor_report: str = "",
+                   claimer_journal: bool = True) -> Topology:
     """The run of this benchmark (module docstring); checkpoints under `root`. `processes`: the core (and the
     satellite, if any) in processes of their own, the rest in "control", for a run under the local-process
     launcher."""
@@ -326,7 +327,8 @@ def fault_topology(root: str, *, steps: int, seed: int, resume_from: str = "", c
                                                           staleness=MaxVersionLag(STALENESS), cell_silence_limit_s=5.0,
                                                           liveness_check_s=1.0, resume_from=resume_from,
                                                           step_ready_resend_s=2.0,
-                                                          journal_path=str(Path(root) / "claimer.journal")),
+                                                          journal_path=str(Path(root) / "claimer.journal")
+                                                          if claimer_journal else ""),
                process=control)
     result.add("monitor", RunMonitor, RunMonitorConfig(report_dir=report or root, steps=steps, cells=("core",),
                                                        core_cell="core", progress=False, resume_from=resume_from),

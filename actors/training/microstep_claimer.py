@@ -58,7 +58,8 @@ landing numbers and the newest step boundary. A restarted claimer (`Actor.restar
 micro-step of the current step had been granted, the run goes on from there (the samples in flight are counted as
 dropped and announced in LandingsLost: their groups do not train); if some had been, their samples died with the
 old instance and the step cannot end exactly once, so the claimer ends the run with a message saying to resume it
-from its last checkpoint (the boundary it restored still serves that checkpoint).
+from its last checkpoint (the boundary it restored still serves that checkpoint). Without a journal a restarted
+claimer ends the run the same way (started empty, it would wait at step 0 for ever).
 """
 
 from __future__ import annotations
@@ -756,6 +757,15 @@ class MicroStepClaimer(Actor):
         journal = Path(self.config.journal_path) if self.config.journal_path else None
         if self.restarts and journal is not None and journal.exists():
             await self._restart_from(journal)
+            return
+        if self.restarts:
+            # Started empty, it would wait at step 0 while the core trains a later one: the run would hang.
+            self._ending = ("the micro-step claimer restarted without a journal (ClaimerConfig.journal_path): its "
+                            "ledger died with it; the run ends here: resume it from its last checkpoint (gyre run "
+                            "FILE --report DIR --resume)")
+            self.log.error("claimer_restarted_without_a_journal")
+            self.stop_topology(self._ending, 1)
+            self._after()
             return
         if self.config.resume_from:
             state, checkpoint = await self.offload(read_actor_state, self.config.resume_from, self.name)

@@ -75,3 +75,12 @@ def test_gyre_run_restarts_the_named_process_groups_and_refuses_unknown_ones(tmp
     assert gyre_cli(["run", faults.__file__, "--restart-processes", "sat1", *topology]) == 0
     assert "trained 6 steps" in capsys.readouterr().err
     assert (tmp_path / "satellite.killed").exists()  # it died once, holding its second claim, and came back
+
+
+def test_a_claimer_restarted_without_a_journal_ends_the_run_instead_of_hanging(tmp_path):
+    from gyre.benchmarks.faults import fault_topology
+    from gyre.runtime.testing import run_with_faults
+
+    topology = fault_topology(str(tmp_path / "checkpoints"), steps=6, seed=0, claimer_journal=False)
+    run = run_with_faults(topology, "kill claimer at 3 SamplesLanded", until_s=120.0)
+    assert run.exit_code == 1 and run.reason.startswith("the micro-step claimer restarted without a journal"), run

@@ -308,7 +308,13 @@ def gather_buckets(local: Mapping[str, torch.Tensor], spec: ModelSpec, bucket_by
     """Collective generator over the model-parallel group: every rank iterates it in step, passing its shard; the
     group's first rank in data-parallel replica 0 gets each bucket's full megatron tensors (CPU), every other rank an
     empty dict per bucket. One bucket (`bucket_plan`) is gathered at a time, so no rank ever holds more of the model
-    than its own shard plus one bucket: a publisher converts and sends each bucket, then drops it."""
+    than its own shard plus one bucket: a publisher converts and sends each bucket, then drops it.
+
+    How: once per iteration every rank tells the others which names it holds in which shard shape (one small object
+    gather); then, per bucket, each rank that holds part of it sends its pieces as one flat tensor to the publisher,
+    which receives exactly the bucket's bytes (point to point: gloo or NCCL, the tensors on the shard's device)."""
+    import math
+
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -320,24 +326,46 @@ def gather_buckets(local: Mapping[str, torch.Tensor], spec: ModelSpec, bucket_by
     group = None if single else parallel_state.get_model_parallel_group()
     replica0 = parallel_state.get_data_parallel_rank() == 0
     publisher = replica0 and (single or dist.get_rank() == dist.get_global_rank(group, 0))
+    held: dict[str, torch.Tensor] = {}
+    for name in (n for bucket in plan for n in bucket):
+        local_name = _local_name(name, spec, pp_rank, sizes.pipeline)
+        if local_name is not None:
+            held[name] = local[local_name].detach()
+    layout: list = []
+    if not single and replica0:  # another replica's group holds the same weights: nothing to gather there
+        layout = [None] * dist.get_world_size(group)
+        dist.all_gather_object(layout, ((tp_rank, pp_rank), {n: tuple(t.shape) for n, t in held.items()}),
+                               group=group)
     for bucket in plan:
-        mine = {}
-        for name in bucket:
-            local_name = _local_name(name, spec, pp_rank, sizes.pipeline)
-            if local_name is not None:
-                mine[name] = local[local_name].detach().cpu()
         if single:
-            yield {name: tensor.clone() for name, tensor in mine.items()} if replica0 else {}
+            yield {name: held[name].cpu().clone() for name in bucket} if replica0 else {}
             continue
-        if not replica0:  # another replica's group holds the same weights: nothing to gather there
+        if not replica0:
             yield {}
             continue
-        entries: list | None = [None] * dist.get_world_size(group) if publisher else None
-        dist.gather_object(((tp_rank, pp_rank), mine), entries, dst=dist.get_global_rank(group, 0), group=group)
+        mine = [held[name].reshape(-1) for name in bucket if name in held]
         if not publisher:
+            if mine:
+                dist.send(torch.cat(mine).contiguous(), dst=dist.get_global_rank(group, 0), group=group)
             yield {}
             continue
-        pieces = dict(entries)
+        pieces = {}
+        for member, (key, shapes) in enumerate(layout):
+            names = [name for name in bucket if name in shapes]
+            if not names:
+                continue
+            if member == 0:
+                data = torch.cat(mine)
+            else:
+                data = torch.empty(sum(math.prod(shapes[n]) for n in names), dtype=mine[0].dtype if mine else
+                                   torch.float32, device=next(iter(held.values())).device)
+                dist.recv(data, src=dist.get_global_rank(group, member), group=group)
+            data, offset, own = data.cpu(), 0, {}
+            for name in names:
+                numel = math.prod(shapes[name])
+                own[name] = data[offset : offset + numel].view(shapes[name])
+                offset += numel
+            pieces[key] = own
         full = {}
         for name in bucket:
             stage = next(p for p in range(sizes.pipeline) if _local_name(name, spec, p, sizes.pipeline) is not None)

@@ -567,6 +567,8 @@ def _frozen_copy(value: Any) -> Any:
 
 def _common_prefix(known: Sequence[Mapping[str, Any]], messages: Sequence[Mapping[str, Any]]) -> int:
     count, limit = 0, min(len(known), len(messages))
+    if list(known[:limit]) == list(messages[:limit]):  # the usual case (the agent appended), compared in C
+        return limit
     while count < limit and known[count] == messages[count]:
         count += 1
     return count

@@ -9,18 +9,20 @@
     gyre run examples/agent_rl.py --report report --tasks examples/tasks   # Harbor tasks, mini-swe-agent, sandboxed
 
 What happens:
-1. prepare (once, in the launcher): the warm start; `--warm-start DIR` takes one already built (any HF model
-   directory, its manifest checked when it has one: engines/model_manifest.py), else it is built here: a tiny
-   Qwen3-layout model is initialised; a short synthetic pretraining teaches
+1. prepare (once, in the launcher): the warm start. By default the one that ships in examples/warm_start (a
+   1.3M-parameter HF directory whose files are checked against its manifest's digests, with its held-out scores
+   cached beside it, so RL starts at once; its README says what built it). `--warm-start DIR` takes any other HF
+   model directory (its manifest checked when it has one: engines/model_manifest.py); `--warm-start rebuild` builds
+   one here: a tiny Qwen3-layout model is initialised; a short synthetic pretraining teaches
    it to copy spans and look values up, first adjacent, then past a line of unrelated items, into quoted strings
    and with calculator expressions among the items, each stage ending in a learning-rate decay
    (engines/pretrain.py: what a real base model brings and a random one lacks);
    the scripted expert's demonstrations warm-start it with one epoch of SFT on 900 tasks (a model that sometimes
    succeeds and whose failures RL can still fix; see --sft-tasks); each stage is cached under ~/.cache/gyre, keyed by
-   its inputs (the base model's bytes among them: copy pretraining is not bit-reproducible across CPUs, so each
-   machine builds its own warm start, and the RL gain depends on it: BENCHMARKS.md, session 10). The
-   warm-started model is scored on held-out tasks, sampled at the rollout temperature (the headline: the mean of
-   two attempts a task) and greedy.
+   its inputs (the base model's bytes among them: copy pretraining is not bit-reproducible across CPUs, so a
+   rebuild on another machine gives another warm start, and the RL gain depends on it: BENCHMARKS.md, session 10,
+   which is why one ships). The warm-started model is scored on held-out tasks (cached: the shipped one's scores
+   come with it), sampled at the rollout temperature (the headline: the mean of two attempts a task) and greedy.
 2. the topology: one core cell and two satellites (each its own process; the core holds weights and optimizer),
    the proxy, the KV migrator, the weight broker, the micro-step claimer, the scheduler with the chosen policy, the
    executor, the evaluator, the trajectory builder, the task source and the run monitor. GSPO with groups of 16
@@ -73,6 +75,10 @@ from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy 
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
 from gyre.policies.task_sampling import EpochOrder, SignalPerToken, SignalWeighted  # noqa: E402
 from gyre.runtime import Topology  # noqa: E402
+SHIPPED_WARM_START = HERE / "warm_start"
+"""The warm start that ships with the project (`--warm-start shipped`, the default): examples/warm_start/README.md
+says what built it; its manifest holds the files' digests, the command and commit, and its held-out scores."""
+
 # examples/toolbox: what agents and scorers are forked warm with
 from evaluate import AGENT_PRELOAD, SCORER_PRELOAD  # noqa: E402
 
@@ -155,12 +161,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the report's headline success rate, the policy RL trains, which greedy decoding can miss (a "
                         "run gained +1.3 points greedy and +14.0 sampled: BENCHMARKS.md, session 12). Each attempt "
                         "more costs a minute or more after RL; 0: score greedy only, and make it the headline")
-    parser.add_argument("--warm-start", default="rebuild", metavar="rebuild|DIR",
-                        help="the model RL starts from: `rebuild` (the default: copy pretraining and SFT here from the "
-                        "flags below, cached; 30-60 minutes on 2 cores the first time, and not the same bytes on "
-                        "another CPU), or a warm start already built, any HF model directory (its manifest.json, when "
-                        "it has one, is checked; held-out scores cached beside it are reused), so that runs on every "
-                        "machine start from the same bytes")
+    parser.add_argument("--warm-start", default="shipped", metavar="shipped|rebuild|DIR",
+                        help="the model RL starts from: `shipped` (the default: examples/warm_start, the warm start "
+                        "the README's figures are measured from, its digest checked against its manifest and its "
+                        "held-out scores cached beside it, so the run starts learning at once), `rebuild` (copy "
+                        "pretraining and SFT here from the flags below, cached: 30-60 minutes on 2 cores the first "
+                        "time, and not the same bytes on another CPU, so not the same RL gain), or any HF model "
+                        "directory (its manifest.json, when it has one, is checked)")
     parser.add_argument("--sft-tasks", type=int, default=900,
                         help="expert demonstrations for the warm start (one epoch). After the copy pretraining 900 "
                         "give a model that solves ~0.1 of the held-out tasks and skips the calculator, which RL "
@@ -260,9 +267,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    if getattr(args, name) != parser.get_default(name)]
         if shaping:
             parser.error(f"{', '.join(shaping)} shape the warm start that --warm-start rebuild builds; "
-                         f"{args.warm_start} is built already (drop them, or drop --warm-start)")
-        if not (Path(args.warm_start) / "config.json").is_file():
-            parser.error(f"--warm-start {args.warm_start}: not an HF model directory (no config.json), nor rebuild")
+                         f"the {args.warm_start} one is built already (drop them, or add --warm-start rebuild)")
+        if args.warm_start == "shipped":
+            args.warm_start = str(SHIPPED_WARM_START)
+            if not (SHIPPED_WARM_START / "config.json").is_file():
+                parser.error(f"the shipped warm start {SHIPPED_WARM_START} is missing (a partial checkout?): "
+                             f"restore it from git, or build one with --warm-start rebuild")
+        elif not (Path(args.warm_start) / "config.json").is_file():
+            parser.error(f"--warm-start {args.warm_start}: not an HF model directory (no config.json), nor "
+                         f"shipped or rebuild")
     if args.tasks:
         args.skip_eval = True  # the held-out evaluation scores toolbox tasks; `gyre eval` scores a task set
         try:
@@ -373,15 +386,17 @@ def _copy_pretrain_stage(base: Path, cache: Path, what: str, config) -> Path:
     return out
 
 
-def built_warm_start(source: Path, cache: Path) -> Path:
+def built_warm_start(source: Path, cache: Path, *, require_manifest: bool = False) -> Path:
     """A built warm start (any HF directory) as the cache folder the run reads and writes its held-out scores in:
     copied once into `cache`/warm-<digest>, with the score files that came with it. A directory with a manifest is
-    checked against it first (ManifestError naming a file that differs)."""
+    checked against it first (ManifestError naming a file that differs); `require_manifest` (the shipped warm
+    start) refuses one without."""
     import shutil
 
     from gyre.engines.model_manifest import MANIFEST_FILE, file_digests, model_digest, verify
 
-    files = verify(source)["files"] if (source / MANIFEST_FILE).is_file() else file_digests(source)
+    checked = require_manifest or (source / MANIFEST_FILE).is_file()
+    files = verify(source)["files"] if checked else file_digests(source)
     target = cache / f"warm-{model_digest(files)[:16]}"
     if not (target / "model.safetensors").is_file():
         staging = cache / f".{target.name}.partial"
@@ -406,8 +421,13 @@ def prepare(argv: list[str]) -> None:
     cache = Path(args.cache) / "agent_rl"
     if args.warm_start != "rebuild":
         cache.mkdir(parents=True, exist_ok=True)
-        _score_and_record(args, report, built_warm_start(Path(args.warm_start).resolve(), cache), started)
+        source = Path(args.warm_start).resolve()
+        _score_and_record(args, report, built_warm_start(
+            source, cache, require_manifest=source == SHIPPED_WARM_START.resolve()), started)
         return
+    print("agent_rl: --warm-start rebuild: copy pretraining and SFT on this machine, each stage cached under "
+          f"{cache}; from an empty cache 30-60 minutes on 2 cores, and the warm start (so the RL gain) may differ "
+          "from the shipped one on another CPU", file=sys.stderr)
     base = cache / "base-tiny"
     if not (base / "model.safetensors").is_file():
         init_model_dir(base, "tiny", seed=args.seed)

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["--steps", "6", "--group-size", "4", "--groups-per-step", "1", "--copy-steps", "2", "--copy-gap-steps", "2",
+ARGS = ["--steps", "6", "--group-size", "4", "--groups-per-step", "1", "--warm-start", "rebuild", "--copy-steps", "2",
+        "--copy-gap-steps", "2",
         "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20", "--skip-eval", "--checkpoint-every", "3",
         "--min-reward-spread", "0"]
 

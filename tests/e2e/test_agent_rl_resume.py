@@ -1,7 +1,7 @@
 """The main job survives `kill -9` of the whole run (issue 28): `--steps 4` with a full checkpoint after every step,
 every process of the run killed at once after step 2 (ids 0 and 1), then `gyre run ... --resume`.
 
-Small as the smoke test (groups of 4, one group per step, a tiny warm start, no held-out evaluation). Checked:
+Small as the smoke test (groups of 4, one group per step, a tiny rebuilt warm start, no held-out evaluation). Checked:
 - the resumed run starts from step 1's checkpoint (or a later one, if the run got further before the kill): the
   core's restored weights and AdamW moments have the digest the manifest recorded when they were saved;
 - every step id 0-3 appears once in run.json, in order, with versions 1-4: steps 3 and 4 ran once each, and the
@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["--steps", "4", "--group-size", "4", "--groups-per-step", "1", "--copy-steps", "2", "--copy-gap-steps", "2",
+# The warm start is rebuilt (tiny stages): CI's one run of the rebuild path (copy pretraining, SFT, their cache).
+ARGS = ["--steps", "4", "--group-size", "4", "--groups-per-step", "1", "--warm-start", "rebuild",
+        "--copy-steps", "2", "--copy-gap-steps", "2",
         "--sft-tasks", "20", "--sft-epochs", "1", "--train-tasks", "20", "--skip-eval", "--checkpoint-every", "1",
         "--min-reward-spread", "0"]
 

@@ -4,7 +4,7 @@ Learning is not expected at this size (its replies are noise); the run must end 
 built from mini-swe-agent's unlabelled calls (inferred trajectory chains) and scored by the tasks' verifiers.
 
 Small on purpose so CI can afford it: groups of 2, one group a step, two cells, mini-swe-agent held to two steps of
-16 tokens by its own configuration, a warm start of 2 + 2 copy steps and 20 demonstrations, no held-out evaluation.
+16 tokens by its own configuration, the shipped warm start (examples/warm_start), no held-out evaluation.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_main_job_trains_mini_swe_agent_on_the_shipped_tasks(tmp_path: Path) -> 
         "--report", str(report), "--tasks", str(ROOT / "examples" / "tasks"), "--agent", "mini-swe-agent",
         "--agent-option", "agent.step_limit=2", "--agent-option", "model.model_kwargs.max_tokens=16",
         "--steps", "2", "--group-size", "2", "--groups-per-step", "1", "--cells", "2",
-        "--copy-steps", "2", "--copy-gap-steps", "2", "--sft-tasks", "20", "--train-tasks", "20",
+        "--train-tasks", "20",
         # Noise scores 0 everywhere: keep groups of equal rewards, or the two steps never fill.
         "--min-reward-spread", "0",
     ]

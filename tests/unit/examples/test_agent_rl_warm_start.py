@@ -50,11 +50,31 @@ def test_a_warm_start_that_differs_from_its_manifest_is_refused(agent_rl, built:
 
 
 def test_flags_that_shape_a_rebuilt_warm_start_are_refused_with_a_built_one(agent_rl, built: Path, capsys) -> None:
-    assert agent_rl.parse_args([]).warm_start == "rebuild"
+    assert agent_rl.parse_args([]).warm_start == str(agent_rl.SHIPPED_WARM_START)  # the shipped one by default
+    assert agent_rl.parse_args(["--warm-start", "rebuild", "--copy-steps", "2"]).copy_steps == 2
     assert agent_rl.parse_args(["--warm-start", str(built)]).warm_start == str(built)
     with pytest.raises(SystemExit):
         agent_rl.parse_args(["--warm-start", str(built), "--copy-steps", "2", "--sft-tasks", "20"])
     assert "--sft-tasks, --copy-steps shape the warm start" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        agent_rl.parse_args(["--sft-tasks", "20"])  # the shipped one is built already too
+    assert "add --warm-start rebuild" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         agent_rl.parse_args(["--warm-start", str(built / "nowhere")])
     assert "not an HF model directory" in capsys.readouterr().err
+
+
+def test_a_missing_shipped_warm_start_is_a_clear_error(agent_rl, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(agent_rl, "SHIPPED_WARM_START", tmp_path / "warm_start")
+    with pytest.raises(SystemExit):
+        agent_rl.parse_args([])
+    err = capsys.readouterr().err
+    assert "the shipped warm start" in err and "is missing" in err and "--warm-start rebuild" in err
+
+
+def test_the_shipped_warm_start_must_have_its_manifest(agent_rl, tiny_model_dir: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "warm"
+    shutil.copytree(tiny_model_dir, bare)
+    with pytest.raises(ManifestError, match="has no manifest.json"):
+        agent_rl.built_warm_start(bare, tmp_path, require_manifest=True)
+    assert agent_rl.built_warm_start(bare, tmp_path).name.startswith("warm-")  # another directory needs none

@@ -67,11 +67,11 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
     workload = WORKLOADS[args.workload]
     if args.workload_from:
         from gyre.runtime.errors import GyreError
-        from gyre.simulate.recorded import RecordedWorkloadError, workload_from_log
+        from gyre.simulate.recorded import workload_from_log
 
         try:
             workload = workload_from_log(args.workload_from)
-        except (OSError, GyreError, RecordedWorkloadError) as error:  # unreadable, corrupt, or nothing to replay
+        except (OSError, GyreError) as error:  # unreadable, corrupt, or nothing to replay
             raise SystemExit(f"gyre simulate: --workload-from {args.workload_from}: {error}") from None
     try:
         return Setup(workload=workload, hardware=args.hardware, cells=args.cells,

@@ -42,12 +42,13 @@ from gyre.messages.executions import ExecutionStarted, IssueKey
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionDropped, ExecutionScored, SamplesLanded
 from gyre.runtime import Codec, read_log
+from gyre.runtime.errors import GyreError
 from gyre.simulate.workloads import ExecutionPlan
 
 __all__ = ["RecordedWorkload", "RecordedWorkloadError", "workload_from_log"]
 
 
-class RecordedWorkloadError(ValueError):
+class RecordedWorkloadError(GyreError, ValueError):
     """A log that holds no execution the emulation can replay."""
 
 

@@ -4,9 +4,9 @@
 
 Keeps the message types the replay reads (simulate/counterfactual.py, simulate/recorded.py), every record as it was
 (time, envelope, counts, times), but with token ids zeroed and per-token arrays the replay never reads emptied
-(log-probs, versions, masks), and granted micro-steps without their samples (their tokens are in MicroStepDone):
-a 1.7 MB log becomes ~200 KB and replays to the same figures (test_control_plane_replay.py checks that on the log
-it was made from, when given one).
+(log-probs, versions, masks), granted micro-steps without their samples (their tokens are in MicroStepDone), and
+a cell's LoadReport only when its role or capacity changes (the replay reads the largest capacity): a 1.7 MB log
+becomes ~100 KB and replays to the same figures.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ KEEP = {
     "gyre.training.StepApplied", "gyre.training.WeightsLoaded", "gyre.training.WeightsPublished",
     "gyre.cells.LoadReport", "gyre.executions.IssueKey", "gyre.executions.ExecutionStarted",
     "gyre.samples.ExecutionScored", "gyre.samples.ExecutionDropped", "gyre.samples.SamplesLanded",
-    "gyre.execution_reports.AgentExited",
+    "gyre.execution_reports.AgentExited", "gyre.cells.SwitchRole",
 }
 
 
@@ -45,9 +45,16 @@ def _slim(msg):
 def slim_log(source: str, target: str) -> int:
     codec = Codec()
     writer = EventLogWriter(target)
+    reported: set[tuple[str, str, int]] = set()
     for record in read_log(source, codec):
         if record.type_name not in KEEP:
             continue
+        if record.type_name == "gyre.cells.LoadReport":
+            msg = record.decode(codec)
+            key = (msg.cell, msg.role, msg.capacity_requests)
+            if key in reported:
+                continue
+            reported.add(key)
         if record.type_name in ("gyre.runtime.ActorStarted",):
             writer.append(record.handled_s, record.header, record.body)
             continue

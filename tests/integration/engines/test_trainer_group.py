@@ -123,6 +123,7 @@ def check_published_and_checkpoint(got: dict, want: dict) -> None:
     assert max_diff(publication["file"], whole) == 0.0  # the snapshot's version, though a step came in between
     assert publication["sizes"] == buckets["sizes"] and len(publication["sizes"]) == publication["num_buckets"]
     assert sum(publication["sizes"]) == publication["total_bytes"] == total
+    assert max_diff(got["loaded"]["weights"], whole) == 0.0 and got["loaded"]["version"] == 11  # loaded by shard
 
 
 def test_tensor_parallel_group_trains_like_one_process(records, reference):

@@ -122,6 +122,9 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
         out["publication"] = {"version": publication.version, "file": load_file(target),
                               "sizes": [sum(t.numel() * t.element_size() for t in b.values()) for b in publication],
                               "num_buckets": publication.num_buckets, "total_bytes": publication.total_bytes}
+        # New weights by name: each rank gets only its shard of them.
+        group.load_hf_state_dict(out["weights"], version=11)
+        out["loaded"] = {"weights": group.hf_state_dict(), "version": group.version}
     finally:
         group.close()
     return out

@@ -46,19 +46,23 @@ MAX_CONTEXT_TOKENS = 1024
 
 AGENT = textwrap.dedent('''
     """Three chat calls; with --die-once MARKER the first agent to create MARKER dies during its second call."""
-    import json, os, sys, threading, time, urllib.request
+    import http.client, json, os, sys, time, urllib.parse
 
-    base, key = os.environ["OPENAI_BASE_URL"].rstrip("/"), os.environ["OPENAI_API_KEY"]
+    base, key = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"]), os.environ["OPENAI_API_KEY"]
     marker = sys.argv[sys.argv.index("--die-once") + 1] if "--die-once" in sys.argv else ""
 
-    def call(i):
+    def send(i):
         body = {"model": "gyre", "max_tokens": 48, "temperature": 1.0,
                 "messages": [{"role": "user", "content": f"say something, round {i}"}]}
-        request = urllib.request.Request(base + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Authorization": "Bearer " + key,
-                                                  "Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status
+        connection = http.client.HTTPConnection(base.hostname, base.port, timeout=120)
+        connection.request("POST", base.path.rstrip("/") + "/chat/completions", json.dumps(body),
+                           {"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+        return connection  # the whole request is written: the proxy has it
+
+    def call(i):
+        response = send(i).getresponse()
+        response.read()
+        return response.status
 
     def claim(path):
         try:
@@ -71,8 +75,8 @@ AGENT = textwrap.dedent('''
 
     for i in range(3):
         if i == 1 and marker and claim(marker):
-            threading.Thread(target=call, args=(i,), daemon=True).start()
-            time.sleep(0.05)
+            send(i)
+            time.sleep(0.05)  # the engine generates its answer
             os.kill(os.getpid(), 9)
         print("call", i, call(i), flush=True)
     open("answer.txt", "w").write("done")

@@ -533,7 +533,7 @@ def _handle(args: argparse.Namespace) -> int:
               f"({base['log_bytes_per_unique_token']})")
         print(f"  proxy overhead p50 {result['proxy_overhead_p50_ms_at_1k']} ms at 1K, "
               f"{result['proxy_overhead_p50_ms_at_128k']} ms at 128K"
-              + (f", {result['proxy_overhead_p50_ms_at_128k_many_messages']} ms at 128K in ~1000 messages"
+              + (f", {result['proxy_overhead_p50_ms_at_128k_many_messages']} ms at 128K in messages of ~250 tokens"
                  if "proxy_overhead_p50_ms_at_128k_many_messages" in result else ""))
         if result["engine_execution"]:
             print(f"  embedded engine: {result['engine_execution']['calls']} calls in "

@@ -27,6 +27,7 @@ from typing import Any, Hashable
 
 import attrs
 
+from gyre.actors.errors import ActorError
 from gyre.actors.serving._api_common import _SURROGATE_ESCAPE, JsonLimits, check_json, loads_bounded
 from gyre.runtime.errors import ConfigError
 from gyre.runtime.validators import count
@@ -103,8 +104,8 @@ def keep_converted(body: Any, key: str, converted: list[Any]) -> None:
         body.derived[key] = list(converted)
 
 
-class _NotPlain(Exception):
-    """The body is not of the shape the walk handles: decode it whole."""
+class _NotPlain(ActorError):
+    """The body is not of the shape the walk handles: decode it whole (never leaves this module)."""
 
 
 @attrs.define(eq=False)

@@ -152,12 +152,17 @@ def test_a_worker_that_cannot_start_fails_the_start_naming_it(records):
 
 @pytest.mark.slow
 def test_pipeline_and_data_parallel_groups_train_like_one_process(models, reference, tmp_path):
-    got = run_driver(models, tmp_path / "records.pt", "pp2", "dp2", "tied_tp2", "moe_dp2")
+    got = run_driver(models, tmp_path / "records.pt", "pp2", "dp2")
     for layout in ("pp2", "dp2"):
         check_matches_one_process(got[layout], reference)
         check_published_and_checkpoint(got[layout], reference)
     assert got["pp2"]["checkpoint"]["parts"] == ["core.tp0.pp0.pt", "core.tp0.pp1.pt"]
     assert got["dp2"]["checkpoint"]["parts"] == ["core.tp0.pp0.pt"]  # replicas share one shard; replica 0 writes it
+
+
+@pytest.mark.slow
+def test_tied_and_moe_groups_train_like_one_process(models, tmp_path):
+    got = run_driver(models, tmp_path / "records.pt", "tied_tp2", "moe_dp2")
     for layout, model in (("tied_tp2", "tied"), ("moe_dp2", "moe")):  # the two other layouts of issue 26
         want = one_process(models[model])
         check_matches_one_process(got[layout], want, PRESET_OF[model])

@@ -39,8 +39,9 @@ def register(subparsers: Any) -> None:
                         help="with --policy async: train cells, a count (core first) or names (default: the "
                         "recorded split, or the core alone)")
     parser.add_argument("--json", action="store_true", help="with --control-plane: print one JSON object")
-    parser.add_argument("--tick-s", type=float, default=0.05,
-                        help="with --control-plane: the emulated cells' tick (the resolution of a session's end)")
+    parser.add_argument("--tick-s", type=float, default=None,
+                        help="with --control-plane: the emulated cells' tick, the resolution of a session's end "
+                        "(default: 1/200 of the recorded s/step, within 0.01-2 s)")
     parser.set_defaults(func=_handle)
 
 
@@ -56,7 +57,7 @@ def _handle(args: argparse.Namespace) -> int:
     if args.actor is not None:
         print("gyre replay: --actor and --control-plane are two different replays: choose one", file=sys.stderr)
         return 2
-    if args.tick_s <= 0:
+    if args.tick_s is not None and args.tick_s <= 0:
         print("gyre replay: --tick-s must be > 0", file=sys.stderr)
         return 2
     import structlog

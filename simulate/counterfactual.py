@@ -363,10 +363,19 @@ def build_topology(run: RecordedRun, policy: Any, record: RunRecord, tick_s: flo
     return topology
 
 
-def replay_control_plane(run: RecordedRun, policy_name: str | None, split: str = "", tick_s: float = 0.05,
+def default_tick_s(run: RecordedRun) -> float:
+    """The emulated cells' tick: 1/200 of the recorded seconds per step after the first (the resolution of a
+    session's end), within 0.01-2 s, so a long run's re-run stays a few thousand ticks a step."""
+    times = list(run.step_times_s)
+    per_step = _after_first(times) or times[-1]
+    return min(2.0, max(0.01, per_step / 200))
+
+
+def replay_control_plane(run: RecordedRun, policy_name: str | None, split: str = "", tick_s: float | None = None,
                          until_s: float | None = None) -> dict[str, Any]:
     """Re-run `run`'s control plane with the policy asked; the re-run's figures beside the recorded ones."""
     label, policy = policy_for(run, policy_name, split)
+    tick_s = tick_s if tick_s is not None else default_tick_s(run)
     record = RunRecord()
     started = time.perf_counter()
     horizon = until_s if until_s is not None else max(3600.0, 20 * run.step_times_s[-1])
@@ -403,5 +412,6 @@ def calibration_summary(run: RecordedRun) -> dict[str, Any]:
         "groups_per_step": claimer.groups_per_step, "group_size": claimer.group_size,
         "staleness": repr(claimer.staleness), "microstep_token_budget": claimer.microstep_token_budget,
         "groups_in_flight": run.task_source.groups_in_flight, "agents_at_once": run.max_concurrent,
+        "first_execution_s": round(run.first_group_s, 3), "tick_s": default_tick_s(run),
         "steps": run.steps, "model": fields, "fit_from": model.fit, "workload": run.workload.summary(),
     }

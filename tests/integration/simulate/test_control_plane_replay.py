@@ -6,8 +6,11 @@ The log (data/agent_rl_4steps.glog) is a real run, recorded on the 2-core VM wit
         --train-tasks 40 --warm-start rebuild --copy-steps 2 --copy-gap-steps 2 --sft-tasks 20 --min-reward-spread 0
 
 and slimmed by slim_log.py (token ids zeroed, types the replay does not read left out). The issue's check: re-run
-under its own policy, it reproduces its step times within 15%. GYRE_CONTROL_PLANE_LOG=PATH runs the same checks on
-another recorded main-job log (BENCHMARKS.md, issue 30: an 8-step run)."""
+under its own policy, it reproduces its step times within 15%; so does data/agent_rl_async_3steps.glog (the same
+flags with --steps 3 --group-size 4 --groups-per-step 1 --policy async --async-train-cells core). The colocate one
+(data/agent_rl_colocate_3steps.glog) is left out of that check: its step times are within 1%, but its two steps
+after the first re-run 22% slower (BENCHMARKS.md). GYRE_CONTROL_PLANE_LOG=PATH runs the check on another recorded
+main-job log (BENCHMARKS.md, issue 30: 8-step runs)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from gyre.runtime.event_log import EventLogWriter
 from gyre.simulate.counterfactual import CounterfactualError, policy_for, read_recorded_run, replay_control_plane
 
 FIXTURE = Path(__file__).parent / "data" / "agent_rl_4steps.glog"
-LOGS = [FIXTURE] + ([Path(os.environ["GYRE_CONTROL_PLANE_LOG"])] if os.environ.get("GYRE_CONTROL_PLANE_LOG") else [])
+LOGS = [FIXTURE, FIXTURE.parent / "agent_rl_async_3steps.glog"] + ([Path(os.environ["GYRE_CONTROL_PLANE_LOG"])] if os.environ.get("GYRE_CONTROL_PLANE_LOG") else [])
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,14 @@ def test_its_own_policy_reproduces_its_step_times_within_15_percent(log: Path) -
     # Without the cells' start-up, which the first step holds: the steady state's seconds per step.
     assert result["seconds_per_step_after_first"] == pytest.approx(recorded["seconds_per_step_after_first"], rel=0.15)
     assert result["vs_recorded"] == pytest.approx(1.0, abs=0.15)
+
+
+def test_one_log_gives_one_answer(run) -> None:
+    first, second = (replay_control_plane(run, None) for _ in range(2))
+    assert first["step_times_s"] == second["step_times_s"] and first["switches"] == second["switches"]
+    # A finer tick than the default moves the answer little (sessions end at most one tick late).
+    fine = replay_control_plane(run, None, tick_s=0.01)
+    assert fine["run_s"] == pytest.approx(first["run_s"], rel=0.05)
 
 
 def test_other_policies_run_the_same_recorded_executions(run) -> None:

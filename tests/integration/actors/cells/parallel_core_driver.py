@@ -1,14 +1,14 @@
-"""A core cell whose trainer spans processes, for test_parallel_core.py: `python3 parallel_core_driver.py MODEL OUT`.
+"""A core cell whose trainer spans processes, for test_parallel_core.py:
+`python3 parallel_core_driver.py MODEL OUT SAVE_DIR CHECKPOINT_ROOT tp2|dp2`.
 
 `run(model_dir, tensor, save_dir, checkpoint_root)` builds the topology of test_skipped_step.py (a scripted executor
 landing each group at the micro-step claimer, the task source, the broker, one core cell in the train role) with
 the core's trainer at tensor-parallel size `tensor`, waits for STEPS applied steps, switches the core to rollout
 (its engine starts on the trainer's newest weights, which a trainer group publishes from its shards) and stops the
 run (the core saves its weights to `save_dir`, and every step's sharded checkpoint part goes under
-`checkpoint_root`). The pytest process runs it at tensor 1; this file's main runs it at tensor 2 in a fresh process
+`checkpoint_root`). The pytest process runs it at tensor 1; this file's main runs it at tensor 2 (or data 2) in a fresh process
 (a trainer group's rank 0 needs a process whose first torch.distributed group is the group's), then `resume`s a
-fresh TP=2 core from the last step's sharded checkpoint, and runs a core of two data-parallel replicas (DP=2),
-saving the records.
+fresh TP=2 core from the last step's sharded checkpoint, saving the records.
 """
 
 from __future__ import annotations
@@ -139,8 +139,11 @@ def resume(model_dir: str, tensor: int, checkpoint_root: str, step_id: int) -> d
 
 
 def main() -> None:
-    model_dir, out, save_dir, checkpoint_root = sys.argv[1:5]
+    model_dir, out, save_dir, checkpoint_root, layout = sys.argv[1:6]
     torch.set_num_threads(1)
+    if layout == "dp2":  # two data-parallel replicas: TrainerHost.compute deals each chunk's rows to them
+        torch.save(run(model_dir, 1, save_dir, checkpoint_root, data=2), out)
+        return
     records = run(model_dir, 2, save_dir, checkpoint_root)
     from gyre.runtime.checkpoint import read_core_record, staging_dir
 
@@ -150,8 +153,6 @@ def main() -> None:
         records["staged"][step] = (sorted(p.name for p in folder.glob("core.tp*.pt")),
                                    read_core_record(folder).part_names)
     records["resumed"] = resume(model_dir, 2, checkpoint_root, STEPS - 1)
-    # Two data-parallel replicas: TrainerHost.compute deals each chunk's rows to them.
-    records["dp2"] = run(model_dir, 1, save_dir + "-dp2", checkpoint_root + "-dp2", data=2)
     torch.save(records, out)
 
 

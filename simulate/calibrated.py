@@ -10,9 +10,10 @@ by pure functions, a `CalibratedCellModel` with the interface an emulated cell a
   (`time_averaged_concurrency`); the call's duration is fit by non-negative least squares (`fit_nonnegative`) as
   `call_overhead_s + output x (decode_base_s + decode_per_sequence_s x n) + prefilled x prefill_s_per_token`,
   prefilled = prompt - cached tokens. So one decode iteration of n sequences takes `decode_base_s +
-  decode_per_sequence_s x n` (each sequence gets one token an iteration, as in engine.py), and the per-call
-  overhead (HTTP, tokenising, first-token latency) is a fixed latency the replay adds before every call
-  (counterfactual.py), outside the engine. Context length is not a term (the recorded CPU cells' contexts are
+  decode_per_sequence_s x n` (each sequence gets one token an iteration, as in engine.py); the per-call overhead
+  (HTTP, tokenising, first-token latency) and a call's prefill are in that call's own time only, so the replay adds
+  them as latency before each call (counterfactual.CallOverhead) and runs the engine with prefill at no cost (the
+  model's own `mixed_iteration_s` still prices prefill per token, for other uses). Context length is not a term (the recorded CPU cells' contexts are
   short; a log of long contexts would want one).
 - training: a micro-step's time, the cell's `ClaimGranted` reply (handled at the cell) to its `MicroStepDone`
   (the first delivery), against `MicroStepDone.num_tokens`: `train_fixed_s + train_s_per_token x tokens`.

@@ -2,7 +2,7 @@
 recorded run's control plane re-run in virtual time with a policy swapped in, on the run's own executions, over
 emulated cells calibrated from the same log.
 
-What comes from the log (`read_recorded_run`, one pass):
+What comes from the log (`read_recorded_run`, one pass, and recorded.py's for the executions):
 - the control plane itself: the scheduler's, micro-step claimer's and task source's configs as the run started them
   (`ActorStarted`), so the same real actors run with the same settings (groups per step, group size, staleness,
   micro-step budget, groups in flight, task sampling, group ids); only the scheduler's policy is swapped;
@@ -15,10 +15,17 @@ What comes from the log (`read_recorded_run`, one pass):
 
 What stays emulated (cells.py, agents.py): the time things take, from the calibrated model. What is decided (who
 trains, which micro-step, which step a sample joins, when a step is fixed, which group starts next) is the real
-actors' business, as in `gyre simulate`. Differences the emulation has from the run it re-plays: a call's time
-depends only on how many calls share its cell (not context), an execution holds its agent slot until it is
-scored (the executor frees it when the agent exits), and the trajectory builder's work takes no time.
-Every emulated cell streams micro-steps (claims before a step is fixed), as the real cells do.
+actors' business, as in `gyre simulate`. How the calibration is applied: an execution holds its agent slot until
+the agent exits and its scoring runs outside the slot (as the executor does); each call starts after the fitted
+per-call latency plus its own prefill (its recorded prefilled tokens at the fitted rate; `CallOverhead`), and the
+emulated engine's iterations are the fitted decode's, shared by the calls on the cell. Differences the emulation
+has from the run it re-plays: a call's decode time depends only on how many calls share its cell (not context nor
+what else runs on the machine at that moment), the trajectory builder's work takes no time, and a cell role
+switch direction the run never made takes the cells' boot time into that role (calibrated.py). Every emulated cell
+streams micro-steps (claims before a step is fixed), as the real cells do.
+
+Checked (tests/integration/simulate/test_control_plane_replay.py, BENCHMARKS.md): recorded main-job runs under
+elastic, async and colocate re-run under their own policy within 3% of their time and 15% of every step's.
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--control-plane", action="store_true",
                         help="re-run the recorded run's control plane in virtual time (simulate/counterfactual.py)")
     parser.add_argument("--policy", choices=POLICIES, default=None,
-                        help="with --control-plane: the policy swapped in (default: the recorded one's kind)")
+                        help="with --control-plane: the policy swapped in, with the recorded settings when the run used "
+                        "that kind (default: the recorded policy itself)")
     parser.add_argument("--split", default="", metavar="K|CELLS",
                         help="with --policy async: train cells, a count (core first) or names (default: the "
                         "recorded split, or the core alone)")

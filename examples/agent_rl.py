@@ -6,6 +6,7 @@
     gyre run examples/agent_rl.py --report report --cell-cpu-cores 0.4  # each cell capped: a device of its own
     gyre run examples/agent_rl.py --report report --checkpoint-every 2  # full checkpoints every 2 steps
     gyre run examples/agent_rl.py --report report --resume              # after a crash: continue from the newest
+    gyre run examples/agent_rl.py --report report --restart-processes sat1,sat2  # a dead satellite restarts in place
     gyre run examples/agent_rl.py --report report --tasks examples/tasks   # Harbor tasks, mini-swe-agent, sandboxed
 
 What happens:
@@ -74,7 +75,7 @@ from gyre.messages.executions import TaskSpec  # noqa: E402
 from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy  # noqa: E402
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
 from gyre.policies.task_sampling import EpochOrder, SignalPerToken, SignalWeighted  # noqa: E402
-from gyre.runtime import Topology  # noqa: E402
+from gyre.runtime import RestartPolicy, Topology  # noqa: E402
 SHIPPED_WARM_START = HERE / "warm_start"
 """The warm start that ships with the project (`--warm-start shipped`, the default): examples/warm_start/README.md
 says what built it; its manifest holds the files' digests, the command and commit, and its held-out scores."""
@@ -576,11 +577,15 @@ def topology(argv: list[str]) -> Topology:
             if args.weight_average_decay > 0:
                 saves["average_save_dir"] = str(report / "final_model_average")
         cell_trainer = attrs.evolve(trainer, average_decay=args.weight_average_decay) if name == "core" else trainer
+        # The core's weights and optimizer live only in it: its failure ends the run (resume from the last full
+        # checkpoint). A satellite holds nothing the run needs: `gyre run ... --restart-processes sat1,sat2` starts
+        # a dead one's process again and the run goes on (its claimed micro-steps are handed out again).
+        restart = RestartPolicy("stop_topology") if name == "core" else RestartPolicy("restart")
         result.add(name, Cell, CellConfig(model_dir=model_dir, is_core=(name == "core"), engine=engine,
                                           engine_kind=args.engine_kind, engine_server=engine_server,
                                           trainer=cell_trainer, prepare_trainer_at_start=True, resume_from=resume,
                                           clip_low=args.clip_low, clip_high=args.clip_high,
-                                          transfer_protocol=args.transfer_protocol, **saves))
+                                          transfer_protocol=args.transfer_protocol, **saves), restart=restart)
         if args.cell_cpu_cores > 0:
             result.limit_cpu(name, args.cell_cpu_cores)
         if args.cell_resources:
@@ -592,7 +597,9 @@ def topology(argv: list[str]) -> Topology:
     result.add("weight_broker", WeightBroker, WeightBrokerConfig(), process="control")
     result.add("claimer", MicroStepClaimer, ClaimerConfig(
         groups_per_step=args.groups_per_step, group_size=args.group_size, microstep_token_budget=8192,
-        staleness=MaxVersionLag(args.staleness), resume_from=resume), process="control")
+        staleness=MaxVersionLag(args.staleness), resume_from=resume,
+        # A claimer restarted after a crash continues from its journal (actors/training/microstep_claimer.py).
+        journal_path=str(report / "claimer.journal")), process="control")
     result.add("scheduler", Scheduler, SchedulerConfig(policy=_policy(args), expected_cells=args.cell_names),
                process="control")
     # A task set (--tasks) runs its agents and verifiers in the bubblewrap sandbox (the workspace at the task's
@@ -615,7 +622,9 @@ def topology(argv: list[str]) -> Topology:
         tasks=_task_specs(args), group_size=args.group_size, groups_in_flight=args.groups_per_step * 2,
         groups_per_step=args.groups_per_step, max_groups_ahead_of_training=args.groups_per_step * (args.staleness + 1),
         seed=args.seed, stop_topology_when_done=False,
-        sampling=TASK_SAMPLING[args.task_sampling](), resume_from=resume), process="control")
+        sampling=TASK_SAMPLING[args.task_sampling](), resume_from=resume,
+        # A group whose GroupDone never comes (a message lost) is given up after 30 minutes; a group here takes 1-5.
+        group_deadline_s=1800.0), process="control")
     monitor = RunMonitorConfig(report_dir=args.report, steps=args.steps, cells=args.cell_names,
                                core_cell=args.cell_names[0], resume_from=resume)
     result.add("monitor", RunMonitor, monitor, process="control")

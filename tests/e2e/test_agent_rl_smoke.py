@@ -58,15 +58,17 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
 
     applied = [r.decode(Codec()) for r in read_log(report / "events.glog") if r.type_name.endswith(".StepApplied")]
     assert sorted({(m.step_id, m.version) for m in applied}) == [(0, 1), (1, 2)]
-    # Where each cell's time went, read off the same log: every cell's roles cover the steady window, and the core,
-    # which trains every step, held a micro-step for part of its train time.
+    # Where each cell's time went, read off the same log: every cell's roles cover the steady window, and some cell
+    # held a micro-step for part of its train time in it. (Not necessarily the core: it applies every step, but the
+    # micro-steps between the first applied step and the last can all go to a satellite.)
     from gyre.benchmarks.studies.cell_utilization import utilization
 
     cells = utilization(report / "events.glog")["cells"]
     assert sorted(cells) == ["core", "sat1", "sat2"]
     for row in cells.values():
         assert row["rollout_share"] + row["train_share"] + row["switching_share"] == pytest.approx(1.0, abs=0.02)
-    assert 0.0 < cells["core"]["train_busy_share"] <= 1.0
+    busy = [row["train_busy_share"] for row in cells.values() if row["train_busy_share"] is not None]
+    assert busy and all(0.0 <= share <= 1.0 for share in busy) and max(busy) > 0.0, cells
     # Where the rollout tokens went: the landed groups' executions are among those counted, with their kinds.
     from gyre.benchmarks.studies.rollout_cost import rollout_cost
 

@@ -97,6 +97,10 @@ class EngineServerConfig:
     aborts and the proxy re-prefills)."""
     startup_timeout_s: float = attrs.field(default=300.0, validator=positive)
     """How long the server may take to answer /health (a large model on a GPU loads for minutes)."""
+    start_attempts: int = attrs.field(default=3, validator=positive)
+    """Launches of a server whose port the cell picked, when it exits before it is healthy: each again on a new
+    port (a port picked free can be taken by another process before the server binds it). A server that does not
+    answer in `startup_timeout_s`, or whose port was given, is launched once."""
     health_poll_s: float = attrs.field(default=0.1, validator=positive)
     """Pause between /health probes while it starts."""
     stop_timeout_s: float = attrs.field(default=10.0, validator=positive)
@@ -127,7 +131,8 @@ class EngineServerConfig:
 
 def free_port(host: str) -> int:
     """A port free on `host` now (the OS picks it). Another process may take it before the server binds: the start
-    then fails with the server's own message."""
+    then fails with the server's own message, and the cell launches it again on another port
+    (EngineServerConfig.start_attempts)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -41,6 +41,7 @@ import attrs
 import structlog
 import torch
 
+from gyre.actors.errors import ActorError
 from gyre.actors.cells.engine_process import (
     SERVER,
     EngineProcess,
@@ -71,6 +72,14 @@ from gyre.runtime.run_secrets import run_token
 __all__ = ["ServerRolloutHost", "WeightsDir"]
 
 log = structlog.get_logger(__name__)
+
+
+class _ExitedEarly(ActorError):
+    """A launched server ended before it was healthy and another launch may follow (never leaves this module)."""
+
+    def __init__(self, exit_code: int | None, lines) -> None:
+        super().__init__(f"exited with code {exit_code}")
+        self.exit_code, self.lines = exit_code, tuple(lines)
 
 RELEASE_ATTEMPTS = 200
 """Abort-then-release rounds while draining (20 ms apart: 4 s): late calls keep landing only until the proxy has
@@ -248,15 +257,24 @@ class ServerRolloutHost(PullStaging):
     async def _connect(self) -> None:
         config = self.server_config
         if self.kind == SERVER:
-            if not self.port:
-                self.port = free_port(self.host)
-            self.base_url = f"http://{self.host}:{self.port}"
-            command = server_command(config, self.model_dir, self.host, self.port, self.engine_config,
-                                     self.transfer_protocol, self.rdma_devices)
-            self.process = EngineProcess.for_key(command, run_token(API_KEY_PURPOSE), config)
-            await self.process.launch()
-            self.client = SGLangClient(self.base_url, config=ClientConfig(pause_body=config.pause_body))
-            await self._wait_healthy()
+            picked = not self.port
+            attempts = config.start_attempts if picked else 1
+            for attempt in range(1, attempts + 1):
+                if picked:
+                    self.port = free_port(self.host)
+                self.base_url = f"http://{self.host}:{self.port}"
+                command = server_command(config, self.model_dir, self.host, self.port, self.engine_config,
+                                         self.transfer_protocol, self.rdma_devices)
+                self.process = EngineProcess.for_key(command, run_token(API_KEY_PURPOSE), config)
+                await self.process.launch()
+                self.client = SGLangClient(self.base_url, config=ClientConfig(pause_body=config.pause_body))
+                try:
+                    await self._wait_healthy(last_attempt=attempt == attempts)
+                    break
+                except _ExitedEarly as early:
+                    log.warning("engine_server_start_retried", url=self.base_url, exit_code=early.exit_code,
+                                attempt=attempt, attempts=attempts, last_output="\n".join(early.lines[-5:]))
+                    await self.client.close()
         else:
             self.base_url = config.url.rstrip("/")
             self.client = SGLangClient(self.base_url, config=ClientConfig(
@@ -283,8 +301,9 @@ class ServerRolloutHost(PullStaging):
         if self.process is not None:
             self._spawn(self._watch(self.process), "engine_server.watch")
 
-    async def _wait_healthy(self) -> None:
-        """Until /health answers 200; EngineServerFailed if the process ends first or it takes too long."""
+    async def _wait_healthy(self, last_attempt: bool = True) -> None:
+        """Until /health answers 200; EngineServerFailed if the process ends first or it takes too long (_ExitedEarly,
+        unreported, when it ended first and another launch may follow)."""
         assert self.process is not None and self.client is not None
         config = self.server_config
         loop = asyncio.get_running_loop()
@@ -293,6 +312,8 @@ class ServerRolloutHost(PullStaging):
         try:
             while not await self.client.health():
                 if exited.done():
+                    if not last_attempt:
+                        raise _ExitedEarly(exited.result(), self.process.last_output())
                     raise self._failure(f"the engine server exited with code {exited.result()} before it was "
                                         f"healthy", exited.result())
                 if loop.time() >= deadline:

@@ -154,6 +154,38 @@ def test_a_server_that_dies_is_reported_and_the_cell_restarts_with_a_new_one(tin
     assert new_pid != old_pid and len(out["output_ids"]) == 2
 
 
+FAIL_FIRST = ("import os, sys\n"
+              "marker = sys.argv[1]\n"
+              "if not os.path.exists(marker):\n"
+              "    open(marker, 'w').close()\n"
+              "    print('port taken (the first launch fails, as when another process took the port)', flush=True)\n"
+              "    sys.exit(98)\n"
+              "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def test_a_server_that_exits_at_its_first_launch_is_launched_again_on_a_new_port(tiny_model_dir, tmp_path):
+    """A port picked free can be taken before the server binds it: the cell launches it again (start_attempts)."""
+    server = EngineServerConfig(command=(
+        "{python}", "-c", FAIL_FIRST, str(tmp_path / "launched-once"),
+        "{python}", "-m", "gyre.engines.engine_server", "--model-dir", "{model_dir}", "--host", "{host}",
+        "--port", "{port}", "--num-threads", "1", "--num-blocks", "64", "--max-context", "256",
+        "--max-prefill", "256", "--exit-with-parent"))
+
+    async def driver(h):
+        recorder = h.actor("recorder")
+        await h.wait_until(lambda: recorder.of(RoleChanged), timeout_s=120, what="cell up")
+        url = recorder.of(RoleChanged)[-1].engine_url
+        async with SGLangClient(url) as client:
+            out = await client.generate([5, 6, 7], {"max_new_tokens": 2, "temperature": 0.0})
+        return recorder.of(EngineServerFailed), out
+
+    run = run_actors(one_cell(str(tiny_model_dir), server), driver, transport="zmq", timeout_s=200)
+    assert run.stop_reason is None, run.stop_reason
+    failures, out = run.value
+    assert failures == [] and len(out["output_ids"]) == 2  # nothing reported: the second launch served
+    assert (tmp_path / "launched-once").is_file()
+
+
 def test_a_server_of_another_model_is_refused(tiny_model_dir, tmp_path):
     other = init_model_dir(tmp_path / "small", preset="small", seed=0)
     server = EngineServerConfig(command=(

@@ -97,6 +97,11 @@ class _Execution:
     """call_index -> (started_s, finished_s, prompt_tokens, output_tokens, cached_tokens)."""
 
 
+def _earliest(current: float | None, time_s: float) -> float:
+    """The earlier of a kept time and a new one (a virtual-time log starts at 0.0, so None, not 0, means unset)."""
+    return time_s if current is None else min(current, time_s)
+
+
 def workload_from_log(path: str | Path, name: str | None = None) -> RecordedWorkload:
     """The recorded run's executions as a workload; RecordedWorkloadError when none can be replayed."""
     wanted = {ModelCallCompleted.__gyre_type__, ExecutionStarted.__gyre_type__, IssueKey.__gyre_type__,
@@ -131,14 +136,14 @@ def workload_from_log(path: str | Path, name: str | None = None) -> RecordedWork
         elif isinstance(msg, IssueKey):
             if execution.key_issued_s is None and msg.group_id not in order:
                 order.append(msg.group_id)
-            execution.key_issued_s = min(record.handled_s, execution.key_issued_s or record.handled_s)
+            execution.key_issued_s = _earliest(execution.key_issued_s, record.handled_s)
         elif isinstance(msg, ExecutionStarted):
             if execution.started_s is None and execution.key_issued_s is None:
                 if msg.group_id not in order:
                     order.append(msg.group_id)
-            execution.started_s = min(record.handled_s, execution.started_s or record.handled_s)
+            execution.started_s = _earliest(execution.started_s, record.handled_s)
         elif isinstance(msg, ExecutionScored):
-            execution.scored_s = min(record.handled_s, execution.scored_s or record.handled_s)
+            execution.scored_s = _earliest(execution.scored_s, record.handled_s)
         else:
             execution.dropped = True
     left_out: dict[str, int] = {}

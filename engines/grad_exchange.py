@@ -21,6 +21,12 @@ makes its peers' waits fail (gloo reports the closed connection) rather than han
 
 The round also carries each member's list of the micro-steps in its buffer through the store (`publish_held`,
 `read_held`): the core counts exactly what the sum contains, even micro-steps whose report is still on the bus.
+
+Lanes: cells whose trainers span several processes (engines/trainer_group.py) share one training layout, so global
+rank g of every cell holds the same shard. A round then runs one ring per *lane* g, among the cells' ranks g, each
+lane over a process group of its own (`lane` in `ReductionMember.group`, the store prefix `.../lane<g>`), all lanes
+at once in their own processes: the core's rank g receives its shard's S_g bytes, each satellite's rank g sends S_g,
+and a cell moves the sum over its ranks, whatever the number of cells. A one-process cell is lane 0 only.
 """
 
 from __future__ import annotations
@@ -189,8 +195,9 @@ class ReductionMember:
         self._store = store
         """The core passes its RendezvousServer's store; a satellite connects on its first round."""
         self._store_address: tuple[str, int] | None = None
-        self._group: Any = None
-        self._group_key: tuple | None = None
+        self._groups: dict[int, tuple[tuple, Any]] = {}
+        """Lane -> (its group's key, the group): one per lane this process reduces (a one-process cell has lane 0;
+        a member that joins with zeros for a trainer it no longer has holds every lane)."""
         self.groups_formed = 0
         self.last_join_s = 0.0
         """Seconds the last group formation took (0 when the round reused the group)."""
@@ -206,17 +213,19 @@ class ReductionMember:
             self._store_address = (host, port)
         return self._store
 
-    def group(self, host: str, port: int, group_id: int, rank: int, size: int) -> Any:
-        """The process group `group_id` (rank of size), formed now unless this member holds it already. Forming
-        waits until every member joined (bounded by the timeout)."""
+    def group(self, host: str, port: int, group_id: int, rank: int, size: int, lane: int = 0) -> Any:
+        """The process group `group_id` of `lane` (rank of size), formed now unless this member holds it already.
+        Forming waits until every member joined (bounded by the timeout)."""
         import torch.distributed as dist
 
         key = (host, port, group_id, rank, size)
-        if self._group is not None and self._group_key == key:
+        held = self._groups.get(lane)
+        if held is not None and held[0] == key:
             self.last_join_s = 0.0
-            return self._group
-        self.drop()
-        store = dist.PrefixStore(f"{_KEY}/group{group_id}", self.store(host, port))
+            return held[1]
+        self.drop(lane)
+        prefix = f"{_KEY}/group{group_id}" + (f"/lane{lane}" if lane else "")
+        store = dist.PrefixStore(prefix, self.store(host, port))
         started = time.perf_counter()
         try:
             if self.backend == "nccl":
@@ -227,17 +236,18 @@ class ReductionMember:
             raise GradientExchangeError(f"group {group_id} (rank {rank} of {size}) did not form: {error}") from error
         self.last_join_s = time.perf_counter() - started
         self.groups_formed += 1
-        self._group, self._group_key = group, key
+        self._groups[lane] = (key, group)
         return group
 
-    def reduce(self, host: str, port: int, group_id: int, rank: int, size: int, flat: torch.Tensor) -> ReductionBytes:
-        """Form or reuse the group and run `reduce_to_core`; on any failure the group is dropped (the next round
-        forms a fresh one) and GradientExchangeError raised."""
-        group = self.group(host, port, group_id, rank, size)
+    def reduce(self, host: str, port: int, group_id: int, rank: int, size: int, flat: torch.Tensor,
+               lane: int = 0) -> ReductionBytes:
+        """Form or reuse the group of `lane` and run `reduce_to_core`; on any failure the lane's group is dropped
+        (the next round forms a fresh one) and GradientExchangeError raised."""
+        group = self.group(host, port, group_id, rank, size, lane)
         try:
             return reduce_to_core(group, rank, size, flat, self.backend)
         except GradientExchangeError:
-            self.drop()
+            self.drop(lane)
             raise
 
     def publish_held(self, host: str, port: int, round_id: int, rank: int, payload: bytes) -> None:
@@ -260,6 +270,9 @@ class ReductionMember:
         self._store.delete_key(key)
         return bytes(payload)
 
-    def drop(self) -> None:
-        """Forget the current group (its connections close when the last reference goes)."""
-        self._group, self._group_key = None, None
+    def drop(self, lane: int | None = None) -> None:
+        """Forget the group of `lane` (None: of every lane); its connections close when the last reference goes."""
+        if lane is None:
+            self._groups.clear()
+        else:
+            self._groups.pop(lane, None)

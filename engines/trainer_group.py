@@ -17,7 +17,9 @@ data-parallel replicas each get their share through `forward_backward_shares`, o
 step; rank 0 receives each bucket, converts it to HF names and hands it on before the next is gathered, so no rank
 holds more than its shard plus one bucket), `save_part` / `load_part` (sharded checkpoints: each rank writes and
 restores its own file `core.tp<T>.pp<P>.pt` in the checkpoint folder, through runtime.checkpoint's atomic writes and
-checksums; data-parallel replica 0 writes, every replica reads), `set_version` and `shutdown`.
+checksums; data-parallel replica 0 writes, every replica reads), `reduce_lane` / `add_lane_sum` / `drop_lanes`
+(gradient rounds between cells of one layout, lane by lane: rank g reduces its shard with rank g of the other cells
+over a group of its own, engines/grad_exchange.py; `reduce_lanes`), `set_version` and `shutdown`.
 
 Failures. Every wait is bounded: the start (`group_start_timeout_s`: spawn, megatron's import, the rendezvous, the
 build) and each command (`group_timeout_s`, also the process group's collective timeout). A worker that dies or fails
@@ -28,7 +30,7 @@ builds a new one); `close` stops the workers (shutdown, then kill) and leaves th
 
 The surface is MegatronTrainer's where the cell uses it (version, param_buffer, param_layout, forward_backward,
 optimizer_step, zero_grads, hf_state_dict, iter_hf_buckets, save_hf, logprobs, load_hf_state_dict), so the cell code
-does not branch; flat whole-model gradients (`grad_buffer`, `add_flat_grads`: the satellites' reduction rounds) and
+does not branch; flat whole-model gradients (`grad_buffer`, `add_flat_grads`: a round's lanes take their place) and
 whole-state checkpoints (`checkpoint_state`) have no meaning for a sharded trainer and raise TrainerError, the
 sharded checkpoint being `save_sharded_checkpoint` / `load_sharded_checkpoint`. A process hosts at most one group
 (megatron's parallel state is per process), and it must be the process's first torch.distributed group.
@@ -57,6 +59,7 @@ import torch
 
 from gyre.engines import parallel
 from gyre.engines.errors import EngineError, TrainerError
+from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember
 from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
 from gyre.engines.trainer import LossFn, MegatronTrainer, TrainerConfig, checkpoint_state_digest
 from gyre.engines.weight_buckets import HFBuckets
@@ -189,6 +192,50 @@ def _set_version(trainer: MegatronTrainer, version: int) -> None:
     trainer.version = version
 
 
+_LANE: dict[str, Any] = {}
+"""This process's side of the gradient rounds' lanes (engines/grad_exchange.py): its ReductionMember ("member",
+a worker's own; rank 0 uses its cell's) and, on a core, the scratch its lane's sum lands in ("reduced")."""
+
+
+def _lane_member(device: str, timeout_s: float) -> ReductionMember:
+    member = _LANE.get("member")
+    if member is None or member.device != device or member.timeout_s != timeout_s:
+        member = _LANE["member"] = ReductionMember(device, timeout_s)
+    return member
+
+
+def _core_scratch(trainer: MegatronTrainer) -> torch.Tensor:
+    grads = trainer.grad_buffer()
+    reduced = _LANE.get("reduced")
+    if reduced is None or reduced.shape != grads.shape or reduced.device != grads.device:
+        reduced = _LANE["reduced"] = torch.zeros_like(grads)
+    return reduced
+
+
+def reduce_lane(trainer: MegatronTrainer, member: ReductionMember, lane: int, round_args: tuple) -> ReductionBytes:
+    """This rank's lane of a reduction round (`round_args`: store host, port, group id, the cell's rank in the
+    round, the round's size). The core's rank (cell rank 0) sums the satellites' shards into its scratch (added to
+    its gradients by `add_lane_sum` once the round checks out); a satellite's rank sends its gradients and zeroes
+    them whatever the outcome. Raises GradientExchangeError."""
+    host, port, group_id, rank, size = round_args
+    if rank == 0:
+        return member.reduce(host, port, group_id, 0, size, _core_scratch(trainer), lane)
+    try:
+        return member.reduce(host, port, group_id, rank, size, trainer.grad_buffer(), lane)
+    finally:
+        trainer.zero_grads()
+
+
+def _reduce_lane_worker(trainer: MegatronTrainer, lane: int, round_args: tuple, device: str,
+                        timeout_s: float) -> ReductionBytes:
+    return reduce_lane(trainer, _lane_member(device, timeout_s), lane, round_args)
+
+
+def add_lane_sum(trainer: MegatronTrainer) -> None:
+    """Core: this rank's lane sum of the last round into its gradients."""
+    trainer.add_flat_grads(_core_scratch(trainer))
+
+
 def _ranks(trainer: MegatronTrainer) -> dict:
     from megatron.core import parallel_state
 
@@ -210,6 +257,9 @@ COMMANDS = {
     "set_version": _set_version,
     "snapshot": _snapshot,
     "snapshot_buckets": _snapshot_buckets,
+    "reduce_lane": _reduce_lane_worker,
+    "add_lane_sum": add_lane_sum,
+    "drop_lanes": lambda trainer: _LANE["member"].drop() if "member" in _LANE else None,
 }
 
 
@@ -486,12 +536,54 @@ class TrainerGroup:
         return mine
 
     def grad_buffer(self) -> torch.Tensor:
-        raise TrainerError("a trainer group has no whole-model gradient buffer: satellites' reduction rounds need a "
-                           "world-size-1 core for now")
+        raise TrainerError("a trainer group has no whole-model gradient buffer: its gradients are reduced lane by "
+                           "lane, each rank's shard with the same rank of the other cells (reduce_lanes)")
 
     def add_flat_grads(self, flat: torch.Tensor, scale: float = 1.0) -> None:
-        raise TrainerError("a trainer group takes no whole-model flat gradients: satellites' reduction rounds need a "
-                           "world-size-1 core for now")
+        raise TrainerError("a trainer group takes no whole-model flat gradients: a round's sum lands on each rank "
+                           "as its shard (reduce_lanes, then add_lane_sums)")
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """(tensor, pipeline, data) sizes: the training layout every cell of a round shares."""
+        return (self.sizes.tensor, self.sizes.pipeline, self.sizes.data)
+
+    @property
+    def lane_numels(self) -> tuple[int, ...]:
+        """Elements of each global rank's flat gradient buffer (lane g of a round reduces rank g's)."""
+        return tuple(int(rank["num_params"]) for rank in self.ranks)
+
+    def reduce_lanes(self, member: ReductionMember, host: str, port: int, group_id: int, rank: int,
+                     size: int) -> list[ReductionBytes]:
+        """This cell's side of a reduction round, every lane at once: global rank g reduces its shard's gradients
+        over lane g's group with rank g of the round's other cells (`rank` is this cell's rank in the round: 0 for
+        the core, whose ranks receive the sums into their scratch; a satellite's ranks send theirs and zero them).
+        Rank 0 uses `member` (the cell's: the core's holds the rendezvous store), each worker its own. Returns the
+        bytes each lane moved (global rank order). Raises GradientExchangeError when a lane fails (every lane's
+        group is then dropped); TrainerGroupError when a worker died."""
+        round_args = (host, port, group_id, rank, size)
+        args = [(lane, round_args, member.device, member.timeout_s) for lane in range(1, self.world_size)]
+        try:
+            mine, others = self._run("reduce_lane", args, lambda: reduce_lane(self._trainer, member, 0, round_args))
+        except GradientExchangeError:
+            self.drop_lanes(member)
+            raise
+        except TrainerGroupCommandError as error:  # another lane failed: its peers saw the same round fail
+            self.drop_lanes(member)
+            raise GradientExchangeError(f"a lane of round group {group_id} failed: {error}") from error
+        return [mine] + others
+
+    def add_lane_sums(self) -> None:
+        """Core: the last round's sum into the step's gradients, each rank its lane's."""
+        self._run("add_lane_sum", self._same_for_all(), lambda: add_lane_sum(self._trainer))
+
+    def drop_lanes(self, member: ReductionMember) -> None:
+        """Forget every lane's round group (after a failure: the next round forms fresh ones)."""
+        member.drop()
+        try:
+            self._run("drop_lanes", self._same_for_all(), lambda: None)
+        except TrainerGroupCommandError:
+            pass
 
     def load_flat_params(self, flat: torch.Tensor, version: int | None = None) -> None:
         raise TrainerError("a trainer group loads weights by name (load_hf_state_dict), not as a flat buffer")

@@ -124,8 +124,11 @@ class TrainerHost:
         self.member = (ReductionMember(trainer.device.type, reduce_timeout_s, store=self.rendezvous.store)
                        if self.rendezvous else None)
         """Core: its side of every round (a satellite's member lives with its claim loop, across trainers)."""
-        self.reduced = torch.zeros_like(self.params) if is_core else None
-        """Core: the satellites' sum from the last round (added to the trainer only once the round checks out)."""
+        self.sharded = isinstance(trainer, TrainerGroup)
+        """A trainer of several processes: its rounds run lane by lane, each rank its own shard (reduce_lanes)."""
+        self.reduced = torch.zeros_like(self.params) if is_core and not self.sharded else None
+        """Core of one process: the satellites' sum from the last round (added to the trainer only once the round
+        checks out); a sharded core's ranks each keep their lane's sum."""
 
     @classmethod
     def build(
@@ -145,6 +148,17 @@ class TrainerHost:
     @property
     def numel(self) -> int:
         return self.params.numel()
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """The training layout (tensor, pipeline, data): every cell of a round must share it."""
+        sizes = self.trainer.sizes
+        return (sizes.tensor, sizes.pipeline, sizes.data)
+
+    @property
+    def lane_numels(self) -> tuple[int, ...]:
+        """Elements of each rank's gradient buffer, global rank order: what lane g of a round reduces."""
+        return self.trainer.lane_numels if isinstance(self.trainer, TrainerGroup) else (self.numel,)
 
     # ---- compute ------------------------------------------------------------------------------------------
 
@@ -180,21 +194,34 @@ class TrainerHost:
     def reduce_as_core(self, round_id: int, group_id: int, size: int) -> tuple[ReductionBytes, list[bytes]]:
         """Core: run its side of a round (the satellites' sum into `reduced`) and read every member's held list.
         Raises GradientExchangeError."""
-        assert self.member is not None and self.rendezvous is not None and self.reduced is not None, \
-            "only the core leads a round"
-        moved = self.member.reduce(self.address, self.rendezvous.port, group_id, 0, size, self.reduced)
+        assert self.member is not None and self.rendezvous is not None, "only the core leads a round"
+        if isinstance(self.trainer, TrainerGroup):
+            moved = sum_bytes(self.trainer.reduce_lanes(self.member, self.address, self.rendezvous.port, group_id,
+                                                        0, size))
+        else:
+            assert self.reduced is not None
+            moved = self.member.reduce(self.address, self.rendezvous.port, group_id, 0, size, self.reduced)
         return moved, [self.member.read_held(round_id, rank) for rank in range(1, size)]
 
     def add_reduced(self) -> None:
         """Core: the last round's sum into the step's gradients (under the compute lock)."""
+        if isinstance(self.trainer, TrainerGroup):
+            self.trainer.add_lane_sums()
+            return
         assert self.reduced is not None
         self.trainer.add_flat_grads(self.reduced)
 
     def reduce_as_member(self, member: ReductionMember, join: JoinReduction, payload: bytes) -> ReductionBytes:
-        """Satellite: leave the held list, reduce the trainer's gradients into the core, and zero them whatever the
-        outcome (the core counts them or hands them back). Raises GradientExchangeError."""
+        """Satellite: leave the held list, reduce the trainer's gradients into the core (a sharded trainer: every
+        rank its shard, over its lane), and zero them whatever the outcome (the core counts them or hands them
+        back). Raises GradientExchangeError, GradientBufferError (another layout or model than the core's)."""
         try:
-            return join_round(member, join, payload, self.trainer.grad_buffer())
+            check_layout(join, self.layout, self.lane_numels)
+            if not isinstance(self.trainer, TrainerGroup):
+                return join_round(member, join, payload, self.trainer.grad_buffer())
+            member.publish_held(join.store_host, join.store_port, join.round_id, join.rank, payload)
+            return sum_bytes(self.trainer.reduce_lanes(member, join.store_host, join.store_port, join.group_id,
+                                                       join.rank, join.size))
         finally:
             self.trainer.zero_grads()
 
@@ -244,13 +271,46 @@ def _sample_loss(logprobs: torch.Tensor, *, batch: PackedBatch, num_executions: 
     return loss_from_samples(logprobs, batch, num_executions=num_executions, clip_low=clip_low, clip_high=clip_high)
 
 
+def sum_bytes(lanes: Sequence[ReductionBytes]) -> ReductionBytes:
+    """What a cell moved in a round: the sum over its lanes (ranks)."""
+    return ReductionBytes(sum(lane.sent for lane in lanes), sum(lane.received for lane in lanes))
+
+
+def _layout_name(layout: Sequence[int]) -> str:
+    return "tp{}.pp{}.dp{}".format(*layout)
+
+
+def check_layout(join: JoinReduction, layout: tuple[int, int, int], lane_numels: Sequence[int]) -> None:
+    """A member's trainer must have the core's training layout and, lane by lane, its buffer sizes: shard g of every
+    cell reduces with shard g of the others. Raises GradientBufferError naming the difference."""
+    if tuple(join.layout) != tuple(layout):
+        raise GradientBufferError(
+            f"round {join.round_id}: the core trains {_layout_name(join.layout)}, this cell {_layout_name(layout)}; "
+            "the cells of a step share one training layout (every satellite's TrainerConfig tensor/pipeline/data "
+            "sizes must be the core's)")
+    want = tuple(join.lane_numels) or (join.numel,)
+    if tuple(lane_numels) != want:
+        raise GradientBufferError(f"round {join.round_id} reduces lanes of {list(want)} elements; this trainer's "
+                                  f"are {list(lane_numels)} (another model)")
+
+
 def join_round(member: ReductionMember, join: JoinReduction, payload: bytes, grads: torch.Tensor) -> ReductionBytes:
-    """A member's side of a round: its held list into the store, then its gradients into the core."""
+    """A one-process member's side of a round: its held list into the store, then its gradients into the core."""
     if grads.numel() != join.numel:
         raise GradientBufferError(f"round {join.round_id} reduces {join.numel} elements; this buffer has "
                                   f"{grads.numel()} (another model)")
     member.publish_held(join.store_host, join.store_port, join.round_id, join.rank, payload)
     return member.reduce(join.store_host, join.store_port, join.group_id, join.rank, join.size, grads)
+
+
+def join_round_with_zeros(member: ReductionMember, join: JoinReduction, payload: bytes) -> ReductionBytes:
+    """A member without a trainer any more (it left training): zeros on every lane, one after the other from this
+    process (the core's ranks wait on their lanes independently), so the round never waits for it."""
+    numels = tuple(join.lane_numels) or (join.numel,)
+    member.publish_held(join.store_host, join.store_port, join.round_id, join.rank, payload)
+    return sum_bytes([member.reduce(join.store_host, join.store_port, join.group_id, join.rank, join.size,
+                                    torch.zeros(numel, dtype=torch.float32, device=member.device), lane)
+                      for lane, numel in enumerate(numels)])
 
 
 def encode_held(entries: Sequence[GradientsHeld]) -> bytes:
@@ -530,7 +590,7 @@ class CoreSteps:
             round_id, size = self.round_id, len(members) + 1
             for rank, cell in enumerate(members, 1):
                 await self.send(cell, JoinReduction(round_id, self.group_id, rank, size, host.address,
-                                                    host.rendezvous.port, host.numel))
+                                                    host.rendezvous.port, host.numel, host.layout, host.lane_numels))
             loop = asyncio.get_running_loop()
             lists: list[list[MicroStepDone]] = []
             try:
@@ -754,9 +814,8 @@ class ClaimLoop:
             payload = encode_held(entries)
             try:
                 if host is None:
-                    moved = await loop.run_in_executor(self.reduction_thread, join_round, self.member, msg, payload,
-                                                       torch.zeros(msg.numel, dtype=torch.float32,
-                                                                   device=self.settings.reduce_device))
+                    moved = await loop.run_in_executor(self.reduction_thread, join_round_with_zeros, self.member,
+                                                       msg, payload)
                 else:
                     moved = await loop.run_in_executor(self.reduction_thread, host.reduce_as_member, self.member,
                                                        msg, payload)

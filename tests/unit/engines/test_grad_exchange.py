@@ -82,6 +82,51 @@ def test_a_group_is_reused_while_the_membership_stays_and_formed_again_for_a_new
     assert members[1].last_join_s > 0
 
 
+def test_lanes_reduce_each_shard_with_the_same_rank_of_the_other_cells(server):
+    """Three cells of two ranks each (a shared training layout): lane g sums rank g's shard of every cell, on a group
+    of its own, all lanes at once; the core's rank g receives its shard's bytes only. The third cell has no trainer
+    any more: one member brings zeros on both lanes, one lane after the other (`join_round_with_zeros`)."""
+    numels = (NUMEL, NUMEL // 2)  # two shards of different sizes (a pipeline's stages)
+    generator = torch.Generator().manual_seed(5)
+    shards = [[torch.randn(n, generator=generator) for n in numels] for _ in range(2)]  # satellites 1 and 2
+    cores = [ReductionMember(timeout_s=10.0, store=server.store)] + [ReductionMember(timeout_s=10.0)]
+    ranks = [ReductionMember(timeout_s=10.0) for _ in numels]  # satellite 1: one member per rank (process)
+    leaver = ReductionMember(timeout_s=10.0)  # satellite 2: gone from training, one process for both lanes
+    sums = [torch.full((n,), float("nan")) for n in numels]
+    sent = [shard.clone() for shard in shards[0]]
+    results: dict = {}
+
+    def work(key, member, rank, buffer, lane) -> None:
+        try:
+            results[key] = member.reduce(server.host, server.port, 4, rank, 3, buffer, lane)
+        except Exception as error:  # noqa: BLE001 - the test inspects it
+            results[key] = error
+
+    def zeros() -> None:
+        # What join_round_with_zeros does, with the leaver's zeros replaced by its shards: both lanes from one member.
+        for lane, shard in enumerate(shards[1]):
+            work(("leaver", lane), leaver, 2, shard.clone(), lane)
+
+    threads = [threading.Thread(target=work, args=(("core", g), cores[g], 0, sums[g], g)) for g in range(2)]
+    threads += [threading.Thread(target=work, args=(("sat", g), ranks[g], 1, sent[g], g)) for g in range(2)]
+    threads.append(threading.Thread(target=zeros))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a lane never finished"
+    assert all(isinstance(r, ReductionBytes) for r in results.values()), results
+    for g, n in enumerate(numels):
+        assert torch.allclose(sums[g], shards[0][g] + shards[1][g], atol=1e-6)
+        assert results[("core", g)] == ReductionBytes(0, 4 * n)  # rank g receives its own shard, once
+        assert results[("sat", g)].sent == results[("leaver", g)].sent == 4 * n
+    assert sorted(leaver._groups) == [0, 1] and leaver.groups_formed == 2  # one group per lane
+    leaver.drop(1)
+    assert sorted(leaver._groups) == [0]
+    leaver.drop()
+    assert not leaver._groups
+
+
 def test_held_lists_travel_through_the_store_and_are_removed_once_read(server):
     core, satellite = members_for(server, 2)
     satellite.publish_held(server.host, server.port, 7, 1, b'[[0, 3, 12, 0.5]]')

@@ -528,6 +528,12 @@ def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
     assert torch.equal(core.trainer.grads_to_flat(), expected)
     with pytest.raises(GradientBufferError, match="another model"):
         join_round(member, attrs.evolve(join, numel=core.numel + 1), b"[]", satellite.trainer.grad_buffer())
+    # A core of another training layout (tensor-parallel: two lanes): a one-process satellite refuses to join.
+    assert (core.layout, core.lane_numels) == ((1, 1, 1), (core.numel,))
+    with pytest.raises(GradientBufferError, match="the core trains tp2.pp1.dp1, this cell tp1.pp1.dp1"):
+        satellite.reduce_as_member(member, attrs.evolve(join, layout=(2, 1, 1), lane_numels=(5, 5)), b"[]")
+    with pytest.raises(GradientBufferError, match="another model"):
+        satellite.reduce_as_member(member, attrs.evolve(join, lane_numels=(core.numel + 1,)), b"[]")
     for bad in (b"{", b"{}", b'[[0, 1, 2]]', b'[["0", 1, 2, 0.5]]'):
         with pytest.raises(GradientBufferError, match="held list"):
             decode_held("sat", bad)

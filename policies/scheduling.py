@@ -19,6 +19,19 @@ config, and can be swapped (or re-run on a recorded view) without touching any a
   applied it, then every cell rolls out again. Its switches into training do not migrate sessions (there is no
   rollout cell left to take them): the agents' calls wait at the proxy while the step trains.
 
+Counted in seconds (`ElasticPolicy(work_per_switch=K)`, K > 0; `gyre simulate` runs it as "elastic", the main job
+keeps the defaults). The session-counting rules flap where live sessions always exceed capacity (a staleness bound
+that keeps two steps of executions in flight): "come back when demand exceeds capacity" then always holds. These
+rules weigh the cost of a move instead, in seconds the scheduler measures (the mean time of recent micro-steps from
+the claims it sees start and end, `BacklogView.microstep_s`; a switch's round trip from the cells' RoleChanged,
+`SchedulerView.switch_round_trip_s`): a satellite leaves rollout only while the waiting micro-steps, shared among
+the train cells and it, give it at least K round trips of work, and only while the rollout cells that stay cover
+the unfinished executions of the step being filled (the published rule: the tail of a step may lose cells, its bulk
+may not; sessions of later steps do not count). A train cell goes back once it has idled as long as a round trip
+costs (the ski-rental rule: waiting longer than a switch costs is the worst case twice over), never because demand
+exceeds capacity. The core lends itself to rollout after a round trip without training work, and returns when the
+step is fixed or when the work waiting for it is worth its round trip.
+
 Capacity and demand are counted in sessions: a cell's capacity is the concurrent generations it reports
 (`capacity_requests`) and demand is the live sessions on rollout cells (each live session may issue a call at any
 moment, so counting sessions rather than running requests is the conservative choice).
@@ -58,6 +71,9 @@ class CellView:
     """Target role while switching; "" otherwise."""
     claims: int = 0
     """Micro-steps the cell holds."""
+    idle_since_s: float | None = None
+    """A train cell holding no micro-step: since when (its entry into training or its last micro-step's end);
+    None otherwise."""
 
 
 @attrs.frozen
@@ -78,6 +94,16 @@ class BacklogView:
     """Executions a step takes."""
     dry_since_s: float | None = None
     """Since when nothing has been claimable (None while something is)."""
+    executions_in_step: int = 0
+    """Executions assigned to the step so far (its unfinished ones: executions_per_step minus these)."""
+    microstep_s: float | None = None
+    """Seconds a micro-step takes on a train cell, measured by the scheduler from the claims it sees start and end
+    (the mean of the recent ones); None until one has been measured."""
+
+    @property
+    def unfinished_executions(self) -> int:
+        """Executions the step still waits for (0 once it is fixed)."""
+        return 0 if self.step_fixed else max(0, self.executions_per_step - self.executions_in_step)
 
     @property
     def steps_waiting(self) -> int:
@@ -97,6 +123,9 @@ class SchedulerView:
     """Training work."""
     calls_waiting_for_cell: int = 0
     """Agent calls the proxy holds because no rollout cell accepts them: rollout demand no cell reports."""
+    switch_round_trip_s: float | None = None
+    """Seconds of a switch into training plus one back, measured from the cells' RoleChanged (the recent mean of
+    each direction); None until both directions have been seen."""
 
     def cell(self, name: str) -> CellView:
         for cell in self.cells:
@@ -137,7 +166,8 @@ def _switch(cell: CellView, role: str, reason: str, migrate_sessions: bool = Tru
 
 @attrs.frozen
 class ElasticPolicy:
-    """Satellites move to training when work waits and rollout capacity allows, and back when it does not."""
+    """Satellites move to training when work waits and rollout capacity allows, and back when it does not (the
+    module docstring: in sessions by default, in seconds with `work_per_switch` > 0)."""
 
     min_dwell_s: float = 30.0
     """A cell stays at least this long in a role before it is switched again (no flapping)."""
@@ -162,15 +192,27 @@ class ElasticPolicy:
     cell rolls out and rollout work is back (nothing waits behind the training step any more, or a call waits at
     the proxy), a satellite returns to rollout, dwell time or not."""
 
+    work_per_switch: float = 0.0
+    """0: the rules above (capacity and demand counted in sessions). > 0: the cost-aware rules (class docstring,
+    "Counted in seconds"): a satellite leaves rollout only while the waiting training work, in measured seconds,
+    would give it at least `work_per_switch` times the measured switch round trip, and only while the rollout cells
+    that stay cover the step's unfinished executions; a train cell goes back only after idling a round trip."""
+    assumed_round_trip_s: float = 12.0
+    """The cost-aware rules' switch round trip until the scheduler has measured one (the seed's 8.52 s + 3.46 s)."""
+
     def __attrs_post_init__(self) -> None:
         if self.min_dwell_s < 0 or self.dry_grace_s < 0:
             raise SchedulingConfigError("min_dwell_s and dry_grace_s must be >= 0")
+        if self.work_per_switch < 0 or self.assumed_round_trip_s <= 0:
+            raise SchedulingConfigError("work_per_switch must be >= 0 and assumed_round_trip_s > 0")
         if not 0 < self.capacity_headroom <= 1:
             raise SchedulingConfigError(f"capacity_headroom must be in (0, 1], got {self.capacity_headroom}")
         if self.grow_min_waiting < 1 or self.max_switches_per_decision < 1 or self.min_rollout_cells < 0:
             raise SchedulingConfigError("grow_min_waiting and max_switches_per_decision must be >= 1")
 
     def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
+        if self.work_per_switch > 0:
+            return self._decide_by_work(view)
         decisions: list[SwitchRole] = []
         backlog = view.backlog
         training_active = (backlog.claimable_microsteps > 0 or backlog.claimed_microsteps > 0 or backlog.step_fixed
@@ -239,6 +281,83 @@ class ElasticPolicy:
                     break
         return tuple(decisions[: self.max_switches_per_decision])
 
+
+    # ---- counted in seconds (work_per_switch > 0) ------------------------------------------------------------------
+    def _decide_by_work(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
+        """The cost-aware rules (class docstring, "Counted in seconds")."""
+        decisions: list[SwitchRole] = []
+        backlog = view.backlog
+        now = view.time_s
+        round_trip = view.switch_round_trip_s if view.switch_round_trip_s is not None else self.assumed_round_trip_s
+        worth_s = self.work_per_switch * round_trip  # work a move must bring to pay for its round trip
+        idle_limit_s = max(self.dry_grace_s, round_trip)  # ski rental: idle as long as a round trip costs, then go
+        microstep_s = backlog.microstep_s
+        trainers = [c for c in view.cells if c.role == TRAIN or (c.role == SWITCHING and c.switching_to == TRAIN)]
+        takers = sum(1 for c in trainers if c.role == SWITCHING or c.claims == 0)
+        surplus = backlog.claimable_microsteps - takers
+        training_active = (backlog.claimable_microsteps > 0 or backlog.claimed_microsteps > 0 or backlog.step_fixed
+                           or any(c.claims > 0 for c in view.cells))
+
+        def idle_long(c: CellView) -> bool:
+            return (c.role == TRAIN and c.claims == 0 and _settled(c, view, self.min_dwell_s)
+                    and c.idle_since_s is not None and now - c.idle_since_s >= idle_limit_s)
+
+        for cell in (c for c in view.cells if c.is_core):
+            if cell.role == ROLLOUT:
+                waiting_s = surplus * microstep_s if microstep_s is not None else None
+                if not self.core_rolls_out_when_dry or backlog.step_fixed or (
+                        surplus >= 1 and (waiting_s is None or waiting_s >= worth_s)):
+                    decisions.append(_switch(cell, TRAIN, "the core applies the optimizer step" if backlog.step_fixed
+                                             else f"{surplus} micro-steps wait for a train cell"))
+            elif (self.core_rolls_out_when_dry and not training_active and idle_long(cell)
+                  and backlog.dry_since_s is not None and now - backlog.dry_since_s >= idle_limit_s):
+                decisions.append(_switch(cell, ROLLOUT, f"no training work for {now - backlog.dry_since_s:.0f} s: the "
+                                         "core lends itself to rollout"))
+        demand, capacity = _rollout_supply(view)
+        rolling_out = [c for c in view.cells
+                       if c.role == ROLLOUT or (c.role == SWITCHING and c.switching_to == ROLLOUT)]
+        satellites_training = [c for c in view.cells if not c.is_core and c.role == TRAIN]
+        rollout_work_back = view.calls_waiting_for_cell > 0 or backlog.steps_waiting == 0
+        if not rolling_out and rollout_work_back and satellites_training and not any(
+                d.role == ROLLOUT for d in decisions):
+            cell = min(satellites_training, key=lambda c: (c.claims, c.name))
+            why = (f"{view.calls_waiting_for_cell} calls wait for a rollout cell" if view.calls_waiting_for_cell
+                   else "no cell rolls out and the next step's rollouts can start")
+            decisions.append(_switch(cell, ROLLOUT, why))
+            return tuple(decisions[: self.max_switches_per_decision])
+        idle = sorted((c for c in satellites_training if idle_long(c)), key=lambda c: (c.idle_since_s, c.name))
+        if idle and backlog.claimable_microsteps == 0:
+            cell = idle[0]
+            decisions.append(_switch(cell, ROLLOUT, f"idle in training for {now - cell.idle_since_s:.0f} s, longer "
+                                     f"than a switch round trip ({round_trip:.1f} s)"))
+            return tuple(decisions[: self.max_switches_per_decision])
+        if microstep_s is None or surplus < self.grow_min_waiting:
+            return tuple(decisions[: self.max_switches_per_decision])
+        coming = sum(1 for d in decisions if d.role == TRAIN)  # the core, called back just now
+        share_s = backlog.claimable_microsteps * microstep_s / (len(trainers) + coming + 1)
+        rollout_cells = [c for c in view.cells if c.role == ROLLOUT and not c.is_core]
+        rollout_idle = (
+            self.idle_rollout_trains and demand == 0 and view.calls_waiting_for_cell == 0
+            and backlog.steps_waiting >= 1
+            and all(c.running_requests == 0 and c.waiting_requests == 0 for c in rolling_out)
+        )
+        if share_s < worth_s and not rollout_idle:
+            return tuple(decisions[: self.max_switches_per_decision])
+        unfinished = backlog.unfinished_executions
+        settled = sorted((c for c in rollout_cells if _settled(c, view, self.min_dwell_s)),
+                         key=lambda c: (c.live_sessions, c.name))
+        for cell in settled:
+            if len(rollout_cells) - 1 < self.min_rollout_cells and not rollout_idle:
+                break
+            staying = capacity - cell.capacity_requests
+            if rollout_idle or unfinished <= self.capacity_headroom * staying:
+                others = any(c.name != cell.name for c in rolling_out)
+                why = (f"{backlog.claimable_microsteps} micro-steps ({share_s:.0f} s a train cell) wait, worth a "
+                       f"{round_trip:.1f} s round trip; the step's {unfinished} unfinished executions fit in "
+                       f"{staying}" if others else "the rollout is idle: a whole step waits behind the one in training")
+                decisions.append(_switch(cell, TRAIN, why, migrate_sessions=others))
+                break
+        return tuple(decisions[: self.max_switches_per_decision])
 
 @attrs.frozen
 class AsyncPolicy:

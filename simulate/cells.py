@@ -58,6 +58,10 @@ class SessionsOut:
 class CellTick:
     """The cell's own timer: advance the engine, report load."""
 
+    token: int = 0
+    """The tick chain it belongs to: a cell with no session ticks only at its report interval, and an admission
+    starts a new chain at `tick_s` (the old chain's ticks are then ignored)."""
+
 
 @attrs.frozen
 class _SwitchDone:
@@ -150,6 +154,8 @@ class EmulatedCell(Actor):
         self.applied_step = -1
         self.last_report_s = -1e9
         self.record: RunRecord | None = cfg.record
+        self.tick_token = 0
+        self.fast_ticks = False
         if cfg.boot_s > 0:
             self.target_role = cfg.initial_role  # not serving nor training until it has booted
             self._note_role(SWITCHING)
@@ -168,7 +174,7 @@ class EmulatedCell(Actor):
         self._note_role(self.role)
         self.publish(RoleChanged(self.name, self.role, "", "", self.version, cfg.boot_s, 0, cfg.is_core))
         self._report(force=True)
-        self.send_later(cfg.tick_s, CellTick())
+        self._schedule_tick()
         if self.role == TRAIN:
             self._claim_soon(0.0)
 
@@ -196,9 +202,25 @@ class EmulatedCell(Actor):
 
     @handler(CellTick)
     def on_tick(self, msg: CellTick) -> None:
+        if msg.token != self.tick_token:
+            return  # a chain replaced by a faster one
         self._advance()
-        self._report()
-        self.send_later(self.config.tick_s, CellTick())
+        self._report(force=not self.fast_ticks)  # a slow chain ticks at the report interval
+        self._schedule_tick()
+
+    def _schedule_tick(self) -> None:
+        """Next tick: at `tick_s` while the engine holds sessions (their ends are seen at that resolution), else at
+        the report interval: a cell with no session has nothing to advance (a training cell, an empty rollout cell),
+        and ticking it every `tick_s` was most of a long run's events."""
+        self.fast_ticks = bool(self.engine.sessions)
+        delay = self.config.tick_s if self.fast_ticks else max(self.config.tick_s, self.config.report_every_s)
+        self.send_later(delay, CellTick(self.tick_token))
+
+    def _fast_ticks_now(self) -> None:
+        if not self.fast_ticks and self.engine.sessions:
+            self.tick_token += 1
+            self.fast_ticks = True
+            self.send_later(self.config.tick_s, CellTick(self.tick_token))
 
     def _advance(self) -> None:
         now = self.clock.now()
@@ -219,6 +241,7 @@ class EmulatedCell(Actor):
             return
         self.engine.admit(msg.sessions)
         self._report(force=True)
+        self._fast_ticks_now()
 
     # ---- role switches --------------------------------------------------------------------------------------------
     @handler(SwitchRole)

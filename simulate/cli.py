@@ -47,12 +47,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admit-up-to-capacity", action="store_true",
                    help="the emulated proxy places a session only on a cell with free capacity; the rest wait")
+    p.add_argument("--elastic-work-per-switch", type=float, default=2.0,
+                   help="the elastic run's ElasticPolicy(work_per_switch=...): a satellite leaves rollout only for "
+                   "waiting training work worth this many measured switch round trips (0: the session-counting "
+                   "rules, as elastic-sessions runs them)")
     p.add_argument("--only", action="append", default=[],
                    help="run only policies whose name starts with this (elastic, colocate, async[, async-streaming[)")
     p.set_defaults(func=_handle)
 
 
 def setup_from_args(args: argparse.Namespace) -> Setup:
+    if args.elastic_work_per_switch < 0:
+        raise SystemExit("gyre simulate: --elastic-work-per-switch must be >= 0")
     for name in ("cells", "gpus_per_cell", "groups", "group_size", "steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"gyre simulate: --{name.replace('_', '-')} must be >= 1")
@@ -77,7 +83,8 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         return Setup(workload=workload, hardware=args.hardware, cells=args.cells,
                      gpus_per_cell=args.gpus_per_cell, model=ModelProfile(**model_kwargs), groups=args.groups,
                      group_size=args.group_size, staleness=args.staleness, steps=args.steps, seed=args.seed,
-                     admit_up_to_capacity=args.admit_up_to_capacity)
+                     admit_up_to_capacity=args.admit_up_to_capacity,
+                     elastic_work_per_switch=args.elastic_work_per_switch)
     except ValueError as error:
         raise SystemExit(f"gyre simulate: {error}") from None
 

@@ -81,6 +81,21 @@ class Engine:
         self.output_tokens = 0
         self.prefill_tokens = 0.0
         self.calls = 0
+        # CellModel.mixed_iteration_s, unfolded into constants: the event loop evaluates it at every event, and the
+        # attrs properties behind it (bandwidth, prefill rate) were a third of a run's time.
+        # Other models (simulate/calibrated.py) are asked through mixed_iteration_s itself.
+        self._unfolded = isinstance(model, CellModel)
+        if not self._unfolded:
+            return
+        bandwidth = model.gpus * model.gpu.hbm_bytes_per_s * model.decode_bandwidth_fraction
+        self._bandwidth = bandwidth
+        self._weight_bytes = model.model.weight_bytes
+        self._kv_bytes_per_token = model.model.kv_bytes_per_token
+        self._flops_per_sequence = 2 * model.model.active_params
+        self._decode_flops = model.gpus * model.gpu.bf16_flops * 0.5
+        self._overhead_s = model.iteration_overhead_s
+        self._prefill_tokens_per_s = model.prefill_tokens_per_s
+        self._chunk_tokens = model.chunked_prefill_tokens
 
     # ---- what the cell reports ------------------------------------------------------------------------------------
     @property
@@ -142,7 +157,14 @@ class Engine:
     def advance(self, to_s: float) -> list[Session]:
         """Run every session up to `to_s`; the finished ones (reward included) are returned and forgotten."""
         finished: list[Session] = []
-        model = self.model
+        model, unfolded = self.model, self._unfolded
+        if unfolded:
+            chunk_tokens, bandwidth, overhead_s = self._chunk_tokens, self._bandwidth, self._overhead_s
+            weight_bytes, kv_bytes = self._weight_bytes, self._kv_bytes_per_token
+            flops_per_sequence, decode_flops = self._flops_per_sequence, self._decode_flops
+            prefill_rate = self._prefill_tokens_per_s
+        else:
+            chunk_tokens = model.chunked_prefill_tokens
         while True:
             now = self.now_s
             paused = now < self.paused_until_s
@@ -153,9 +175,20 @@ class Engine:
                 next_s = min(next_s, self.paused_until_s)
             elif n_p or n_d:
                 pending = self._prefill_target_sum - n_p * self._prefill_service
-                iteration_s = model.mixed_iteration_s(n_d, self._decode_context, pending if n_p else 0.0)
+                # = model.mixed_iteration_s(n_d, self._decode_context, pending if n_p else 0.0), unfolded
+                chunk = (pending if pending < chunk_tokens else chunk_tokens) if n_p else 0.0
+                if not unfolded:
+                    iteration_s = model.mixed_iteration_s(n_d, self._decode_context, pending if n_p else 0.0)
+                elif n_d:
+                    memory_s = (weight_bytes + self._decode_context * kv_bytes) / bandwidth
+                    compute_s = n_d * flops_per_sequence / decode_flops
+                    iteration_s = (memory_s if memory_s > compute_s else compute_s) + overhead_s
+                else:
+                    iteration_s = overhead_s + chunk / prefill_rate
+                if unfolded and n_d:
+                    iteration_s += chunk / prefill_rate
                 if n_p:
-                    rate_p = min(pending, model.chunked_prefill_tokens) / iteration_s / n_p
+                    rate_p = chunk / iteration_s / n_p
                     if rate_p > 0:
                         next_s = min(next_s, now + (self._prefill[0][0] - self._prefill_service) / rate_p)
                 if n_d:

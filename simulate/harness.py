@@ -62,6 +62,9 @@ class Setup:
     """A micro-step's token budget per GPU of a cell (a cell's data-parallel ranks each take ~32k tokens)."""
     admit_up_to_capacity: bool = False
     """The emulated agents' admission bound (agents.py)."""
+    elastic_work_per_switch: float = 2.0
+    """The "elastic" run's ElasticPolicy.work_per_switch (its cost-aware rules); "elastic-sessions" runs the
+    policy's defaults (capacity and demand in sessions), as the main job does."""
     until_s: float = 30 * 86400.0
     """Virtual-time guard: a run that has not finished by then is reported unfinished."""
 
@@ -106,8 +109,10 @@ def policy_variants(setup: Setup) -> list[tuple[str, Any, bool, dict[str, str]]]
     """(name, policy, streaming, initial roles) for elastic, colocate and async at every split, with and without
     streaming micro-steps."""
     names = setup.cell_names
+    elastic_roles = {n: TRAIN if i == 0 else ROLLOUT for i, n in enumerate(names)}
     variants: list[tuple[str, Any, bool, dict[str, str]]] = [
-        ("elastic", ElasticPolicy(), True, {n: TRAIN if i == 0 else ROLLOUT for i, n in enumerate(names)}),
+        ("elastic", ElasticPolicy(work_per_switch=setup.elastic_work_per_switch), True, elastic_roles),
+        ("elastic-sessions", ElasticPolicy(), True, elastic_roles),
         ("colocate", ColocatePolicy(), True, {n: ROLLOUT for n in names}),
     ]
     for train in range(1, setup.cells):

@@ -14,6 +14,7 @@ policy, which may not decide about it. A switch that no RoleChanged confirms wit
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import attrs
@@ -37,6 +38,10 @@ from gyre.policies.scheduling import (
     check_decisions,
 )
 from gyre.runtime import Actor, UnknownAddress, handler
+
+
+MEASURED_WINDOW = 16
+"""Recent micro-steps and switches (per direction) whose mean the view reports."""
 
 
 class SchedulerConfigError(ActorError, ValueError):
@@ -98,6 +103,13 @@ class Scheduler(Actor):
         self.backlog = BacklogView()
         self.calls_waiting_for_cell = 0
         self.claims_by_cell: dict[str, int] = {}
+        # What the cost-aware policy reads (ElasticPolicy.work_per_switch): measured here, never configured.
+        self.claim_started_s: dict[str, float] = {}  # cell -> when its current claim began
+        self.claim_ended_s: dict[str, float] = {}  # cell -> when it last held no claim after holding one
+        self.done_seen = (0, 0)  # (step id, done micro-steps) of the last TrainingBacklog
+        self.microstep_seconds: collections.deque[float] = collections.deque(maxlen=MEASURED_WINDOW)
+        self.switch_seconds: dict[str, collections.deque[float]] = {
+            TRAIN: collections.deque(maxlen=MEASURED_WINDOW), ROLLOUT: collections.deque(maxlen=MEASURED_WINDOW)}
         self.counts = {"evaluations": 0, "switches_sent": 0, "to_train": 0, "to_rollout": 0, "switch_timeouts": 0}
         if self.config.tick_s is not None:
             self.send_later(self.config.tick_s, SchedulerTick())
@@ -121,6 +133,8 @@ class Scheduler(Actor):
         cell.is_core = msg.is_core
         if cell.role != msg.role or cell.switching_to or msg.previous_role == "":
             cell.role_since_s = self.clock.now()
+        if msg.previous_role in (ROLLOUT, TRAIN) and msg.role != msg.previous_role and msg.switch_s > 0:
+            self.switch_seconds[msg.role].append(msg.switch_s)
         cell.role = msg.role
         cell.switching_to = ""
         self._evaluate()
@@ -150,9 +164,33 @@ class Scheduler(Actor):
             pending_executions=msg.pending_executions,
             executions_per_step=msg.executions_per_step,
             dry_since_s=dry_since,
+            executions_in_step=msg.executions_in_step,
+            microstep_s=_mean(self.microstep_seconds),
         )
+        self._measure_claims(msg)
         self.claims_by_cell = dict(msg.claims_by_cell)
         self._evaluate()
+
+    def _measure_claims(self, msg: TrainingBacklog) -> None:
+        """Micro-step seconds from claims seen to start and end: a cell whose claims drop while the step's done count
+        rises by as many finished one (a drop without a done is a release, not measured)."""
+        now = msg.time_s
+        before = self.claims_by_cell
+        step, done = self.done_seen
+        finished = msg.done_microsteps - done if msg.step_id == step else 0
+        dropped = sorted(c for c, n in before.items() if msg.claims_by_cell.get(c, 0) < n)
+        if finished >= len(dropped) > 0:
+            for cell in dropped:
+                if cell in self.claim_started_s:
+                    self.microstep_seconds.append(now - self.claim_started_s[cell])
+        for cell in dropped:
+            self.claim_started_s.pop(cell, None)
+            if msg.claims_by_cell.get(cell, 0) == 0:
+                self.claim_ended_s[cell] = now
+        for cell, n in msg.claims_by_cell.items():
+            if n > 0 and (before.get(cell, 0) == 0 or cell in dropped):
+                self.claim_started_s[cell] = now
+        self.done_seen = (msg.step_id, msg.done_microsteps)
 
     @handler(StepReady)
     def on_step_ready(self, msg: StepReady) -> None:
@@ -167,6 +205,9 @@ class Scheduler(Actor):
             self.backlog = attrs.evolve(
                 self.backlog, step_id=msg.step_id + 1, step_fixed=False, claimable_microsteps=0, claimed_microsteps=0
             )
+            for cell in self.claims_by_cell:  # their last micro-steps ended with the step
+                self.claim_ended_s[cell] = self.clock.now()
+                self.claim_started_s.pop(cell, None)
             self.claims_by_cell = {}
         self._evaluate()
 
@@ -188,6 +229,10 @@ class Scheduler(Actor):
                     state.silent = True
                 continue
             load = state.load
+            claims = self.claims_by_cell.get(name, 0)
+            idle_since = None
+            if state.role == TRAIN and not state.switching_to and claims == 0:
+                idle_since = max(state.role_since_s, self.claim_ended_s.get(name, state.role_since_s))
             cells.append(CellView(
                 name=name,
                 role=SWITCHING if state.switching_to else state.role,
@@ -198,10 +243,13 @@ class Scheduler(Actor):
                 capacity_requests=load.capacity_requests if load else 0,
                 role_since_s=state.switch_sent_s if state.switching_to else state.role_since_s,
                 switching_to=state.switching_to,
-                claims=self.claims_by_cell.get(name, 0),
+                claims=claims,
+                idle_since_s=idle_since,
             ))
+        to_train, to_rollout = _mean(self.switch_seconds[TRAIN]), _mean(self.switch_seconds[ROLLOUT])
         return SchedulerView(time_s=now, cells=tuple(cells), backlog=self.backlog,
-                             calls_waiting_for_cell=self.calls_waiting_for_cell)
+                             calls_waiting_for_cell=self.calls_waiting_for_cell,
+                             switch_round_trip_s=to_train + to_rollout if to_train and to_rollout else None)
 
     # ---- deciding -------------------------------------------------------------------------------------------------
     def _evaluate(self) -> None:
@@ -254,3 +302,6 @@ class Scheduler(Actor):
             cells={name: (SWITCHING if s.switching_to else s.role) for name, s in sorted(self.cells.items())},
         )
 
+
+def _mean(values: collections.deque[float]) -> float | None:
+    return sum(values) / len(values) if values else None

@@ -21,14 +21,15 @@ from gyre.policies.scheduling import (
 )
 
 
-def cell(name, role="rollout", core=False, sessions=0, cap=4, since=0.0, claims=0, to="") -> CellView:
+def cell(name, role="rollout", core=False, sessions=0, cap=4, since=0.0, claims=0, to="", idle=None) -> CellView:
     return CellView(name=name, role=role, is_core=core, live_sessions=sessions, running_requests=min(sessions, cap),
                     waiting_requests=max(0, sessions - cap), capacity_requests=cap, role_since_s=since,
-                    switching_to=to, claims=claims)
+                    switching_to=to, claims=claims, idle_since_s=idle)
 
 
-def view(*cells, t=100.0, **backlog) -> SchedulerView:
-    return SchedulerView(time_s=t, cells=tuple(sorted(cells, key=lambda c: c.name)), backlog=BacklogView(**backlog))
+def view(*cells, t=100.0, round_trip=None, **backlog) -> SchedulerView:
+    return SchedulerView(time_s=t, cells=tuple(sorted(cells, key=lambda c: c.name)), backlog=BacklogView(**backlog),
+                         switch_round_trip_s=round_trip)
 
 
 def moves(decisions) -> list[tuple[str, str]]:
@@ -150,9 +151,78 @@ def test_elastic_brings_a_satellite_back_at_once_when_no_cell_rolls_out_and_roll
     assert ELASTIC.decide(view(*on_the_way, claimable_microsteps=2, executions_per_step=8)) == ()
 
 
+# ---- elastic, counted in seconds (work_per_switch > 0) ---------------------------------------------------------------
+BY_WORK = ElasticPolicy(min_dwell_s=30.0, capacity_headroom=0.9, dry_grace_s=10.0, work_per_switch=2.0)
+CORE_BUSY = cell("core", "train", core=True, claims=1)
+
+
+def test_by_work_a_satellite_leaves_only_for_work_worth_its_round_trip():
+    # round trip 12 s, so a move must bring 2 x 12 = 24 s; one train cell (the core) today, two after the move.
+    rollout = (cell("s1", sessions=10, cap=100), cell("s2", sessions=5, cap=100))
+    fixed = dict(step_fixed=True, executions_per_step=100, executions_in_step=100, microstep_s=16.0, round_trip=12.0)
+    # 4 micro-steps x 16 s / 2 cells = 32 s >= 24 s: the one with fewer sessions goes
+    decisions = BY_WORK.decide(view(CORE_BUSY, *rollout, claimable_microsteps=4, **fixed))
+    assert moves(decisions) == [("s2", "train")]
+    assert "32 s a train cell" in decisions[0].reason and "12.0 s round trip" in decisions[0].reason
+    # 2 x 16 / 2 = 16 s < 24 s: not worth it (the session-counting rules would move a cell for one micro-step)
+    assert BY_WORK.decide(view(CORE_BUSY, *rollout, claimable_microsteps=2, **fixed)) == ()
+    assert moves(ELASTIC.decide(view(CORE_BUSY, *rollout, claimable_microsteps=2, **fixed))) == [("s2", "train")]
+    # a slower round trip (measured 20 s: 40 s needed) keeps it, 4 x 16 / 2 = 32 s < 40 s
+    assert BY_WORK.decide(view(CORE_BUSY, *rollout, claimable_microsteps=4, **{**fixed, "round_trip": 20.0})) == ()
+    # not measured yet: the assumed 12 s round trip stands in; no micro-step time measured: nobody moves
+    assert moves(BY_WORK.decide(view(CORE_BUSY, *rollout, claimable_microsteps=4, **{**fixed, "round_trip": None}))
+                 ) == [("s2", "train")]
+    assert BY_WORK.decide(view(CORE_BUSY, *rollout, claimable_microsteps=40, **{**fixed, "microstep_s": None})) == ()
+
+
+def test_by_work_a_satellite_leaves_only_while_the_rest_covers_the_steps_unfinished_executions():
+    rollout = (cell("s1", sessions=10, cap=100), cell("s2", sessions=5, cap=100))
+    work = dict(claimable_microsteps=4, executions_per_step=100, microstep_s=16.0, round_trip=12.0)
+    # 100 unfinished executions; the cell that stays holds 100 sessions: 100 > 0.9 x 100
+    assert BY_WORK.decide(view(CORE_BUSY, *rollout, executions_in_step=0, **work)) == ()
+    # 20 in, 80 unfinished <= 90: it may go (live sessions of later steps do not count, 10 + 5 here or 2,000)
+    assert moves(BY_WORK.decide(view(CORE_BUSY, *rollout, executions_in_step=20, **work))) == [("s2", "train")]
+    many = (cell("s1", sessions=1000, cap=100), cell("s2", sessions=1000, cap=100))
+    assert moves(BY_WORK.decide(view(CORE_BUSY, *many, executions_in_step=20, **work))) == [("s1", "train")]
+
+
+def test_by_work_a_train_cell_goes_back_after_idling_one_round_trip():
+    rollout = cell("s1", sessions=10, cap=100)
+    measured = dict(microstep_s=16.0, dry_since_s=50.0, round_trip=12.0)
+    # idle since 88: 12 s >= max(dry grace 10, round trip 12)
+    idle = cell("s2", "train", since=0.0, idle=88.0)
+    decisions = BY_WORK.decide(view(CORE_BUSY, rollout, idle, **measured))
+    assert moves(decisions) == [("s2", "rollout")] and "idle in training for 12 s" in decisions[0].reason
+    # idle since 90: 10 s < 12 s, it stays; holding a claim, it stays however long ago it was last idle
+    assert BY_WORK.decide(view(CORE_BUSY, rollout, cell("s2", "train", since=0.0, idle=90.0), **measured)) == ()
+    assert BY_WORK.decide(view(CORE_BUSY, rollout, cell("s2", "train", since=0.0, claims=1), **measured)) == ()
+    # a micro-step no one takes would be its work: it stays
+    assert BY_WORK.decide(view(CORE_BUSY, rollout, idle, claimable_microsteps=1, **measured)) == ()
+    # the demand-over-capacity rule does not pull a busy trainer back (1,000 sessions on 100 slots)
+    crowded = cell("s1", sessions=1000, cap=100)
+    assert BY_WORK.decide(view(CORE_BUSY, crowded, cell("s2", "train", since=0.0, claims=1), **measured)) == ()
+    assert moves(ELASTIC.decide(view(CORE_BUSY, crowded, cell("s2", "train", since=0.0, claims=1),
+                                     claimable_microsteps=0))) == [("s2", "rollout")]
+
+
+def test_by_work_the_core_lends_itself_after_a_round_trip_dry_and_returns_for_work_worth_it():
+    rollout = cell("s1", sessions=10, cap=100)
+    core_idle = cell("core", "train", core=True, since=0.0, idle=80.0)
+    assert moves(BY_WORK.decide(view(core_idle, rollout, dry_since_s=85.0, round_trip=12.0))) == [("core", "rollout")]
+    # dry only 10 s (< 12 s round trip): it stays
+    assert BY_WORK.decide(view(core_idle, rollout, dry_since_s=90.0, round_trip=12.0)) == ()
+    core_out = cell("core", "rollout", core=True, sessions=3, cap=100)
+    # one micro-step waits (16 s < 24 s) and no one takes it: the core waits for more
+    assert BY_WORK.decide(view(core_out, rollout, claimable_microsteps=1, microstep_s=16.0, round_trip=12.0)) == ()
+    assert moves(BY_WORK.decide(view(core_out, rollout, claimable_microsteps=2, microstep_s=16.0, round_trip=12.0))
+                 ) == [("core", "train")]
+    # a fixed step needs the core's optimizer step: it returns at once
+    assert moves(BY_WORK.decide(view(core_out, rollout, step_fixed=True))) == [("core", "train")]
+
+
 @pytest.mark.parametrize("field, value", [
     ("capacity_headroom", 0.0), ("capacity_headroom", 1.5), ("min_dwell_s", -1.0), ("grow_min_waiting", 0),
-    ("max_switches_per_decision", 0),
+    ("max_switches_per_decision", 0), ("work_per_switch", -1.0), ("assumed_round_trip_s", 0.0),
 ])
 def test_elastic_rejects_bad_settings(field, value):
     with pytest.raises(SchedulingConfigError):
@@ -227,15 +297,21 @@ def random_views(seed: int, count: int = 300) -> tuple[SchedulerView, ...]:
             *cells, t=100.0, step_id=rng.randint(0, 5), step_fixed=rng.random() < 0.5,
             claimable_microsteps=rng.randint(0, 6), claimed_microsteps=rng.randint(0, 3),
             pending_executions=rng.randint(0, 20), executions_per_step=8,
-            dry_since_s=rng.choice([None, rng.uniform(0, 100)]),
+            dry_since_s=rng.choice([None, rng.uniform(0, 100)]), executions_in_step=rng.randint(0, 8),
+            microstep_s=rng.choice([None, rng.uniform(1, 40)]), round_trip=rng.choice([None, rng.uniform(1, 30)]),
         ))
+        if rng.random() < 0.5:  # idle trainers, as the scheduler marks them
+            views[-1] = attrs.evolve(views[-1], cells=tuple(
+                attrs.evolve(c, idle_since_s=rng.uniform(c.role_since_s, 100)) if c.role == "train" and not c.claims
+                else c for c in views[-1].cells))
     return tuple(views)
 
 
 @pytest.mark.parametrize("policy", [
     ElasticPolicy(), ElasticPolicy(min_dwell_s=0.0, dry_grace_s=0.0, max_switches_per_decision=3),
-    AsyncPolicy(train_cells=("core", "s1", "s2")), ColocatePolicy(),
-], ids=["elastic", "elastic-eager", "async", "colocate"])
+    AsyncPolicy(train_cells=("core", "s1", "s2")), ColocatePolicy(), ElasticPolicy(work_per_switch=2.0),
+    ElasticPolicy(work_per_switch=0.5, min_dwell_s=0.0, dry_grace_s=0.0, max_switches_per_decision=3),
+], ids=["elastic", "elastic-eager", "async", "colocate", "elastic-by-work", "elastic-by-work-eager"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_every_shipped_policy_passes_the_contract(policy, seed):
     check_scheduling_policy(policy, random_views(seed))

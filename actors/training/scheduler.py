@@ -154,6 +154,7 @@ class Scheduler(Actor):
 
     @handler(TrainingBacklog)
     def on_backlog(self, msg: TrainingBacklog) -> None:
+        self._measure_claims(msg)
         dry = msg.claimable_microsteps == 0
         dry_since = (self.backlog.dry_since_s if self.backlog.dry_since_s is not None else msg.time_s) if dry else None
         self.backlog = BacklogView(
@@ -167,7 +168,6 @@ class Scheduler(Actor):
             executions_in_step=msg.executions_in_step,
             microstep_s=_mean(self.microstep_seconds),
         )
-        self._measure_claims(msg)
         self.claims_by_cell = dict(msg.claims_by_cell)
         self._evaluate()
 

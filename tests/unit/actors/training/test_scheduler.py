@@ -919,3 +919,71 @@ if __name__ == "__main__":
             totals[name].append(rate)
         print(f"workload {workload_seed}: " + ", ".join(f"{k} {v * 1000:.2f}" for k, v in rates.items()))
     print("mean steps per 1000 virtual s: " + ", ".join(f"{k} {sum(v) / len(v) * 1000:.2f}" for k, v in totals.items()))
+
+
+# ---- what the scheduler measures for the cost-aware policy (ElasticPolicy.work_per_switch) ------------------------
+@attrs.frozen
+class RemembersViews:
+    """Decides nothing; keeps every view it was shown (runs without an event log, so the list is never encoded)."""
+
+    views: list = attrs.field(factory=list, eq=False, repr=False)
+
+    def decide(self, view):
+        self.views.append(view)
+        return ()
+
+
+class MeasureDriver(Actor):
+    """core's micro-step runs 5 -> 21 s (done: measured 16 s); s1's claim 30 -> 40 s ends without a done (released:
+    not measured); s2 switches into training in 8 s and back in 4 s (a 12 s round trip)."""
+
+    def _backlog(self, claims: dict[str, int], done: int) -> None:
+        self.publish(TrainingBacklog(0, 0, False, 0, sum(claims.values()), done, 0, 40, 64, 0, claims,
+                                     self.clock.now()))
+
+    async def on_start(self) -> None:
+        for name in ("core", "s1", "s2", "s3"):
+            self.publish(RoleChanged(name, TRAIN if name in ("core", "s1") else ROLLOUT, "", "", 0, 0.0, 0,
+                                     name == "core"))
+        for when in (5.0, 21.0, 30.0, 40.0, 50.0, 60.0, 70.0):
+            self.send_later(when, DriverTick(int(when)))
+
+    @handler(DriverTick)
+    def on_tick(self, msg: DriverTick) -> None:
+        if msg.number == 5:
+            self._backlog({"core": 1}, 0)
+        elif msg.number == 21:
+            self._backlog({}, 1)
+        elif msg.number == 30:
+            self._backlog({"s1": 1}, 1)
+        elif msg.number == 40:
+            self._backlog({}, 1)
+        elif msg.number == 50:
+            self.publish(RoleChanged("s2", TRAIN, ROLLOUT, "", 0, 8.0, 0, False))
+        elif msg.number == 60:
+            self.publish(RoleChanged("s2", ROLLOUT, TRAIN, "", 0, 4.0, 0, False))
+        else:
+            self.stop_topology("done")
+
+
+def test_the_scheduler_measures_microstep_seconds_round_trips_and_idle_trainers():
+    policy = RemembersViews()
+    topo = Topology("measure", seed=0)
+    topo.add("scheduler", Scheduler, SchedulerConfig(policy=policy, tick_s=None, cell_silence_limit_s=None,
+                                                     expected_cells=("core", "s1", "s2", "s3")))
+    for name in ("core", "s1", "s2", "s3"):
+        topo.add(name, Quiet)
+    topo.add("driver", MeasureDriver)
+    assert VirtualLauncher().run(topo, RunOptions(until_s=100.0)).exit_code == 0
+    by_time = {round(v.time_s): v for v in policy.views}
+    assert by_time[5].backlog.microstep_s is None and by_time[5].cell("core").idle_since_s is None  # it holds one
+    after = by_time[21]
+    assert after.backlog.microstep_s == pytest.approx(16.0)
+    assert after.backlog.executions_in_step == 40 and after.backlog.unfinished_executions == 24
+    assert after.cell("core").idle_since_s == pytest.approx(21.0)
+    assert after.cell("s1").idle_since_s == pytest.approx(0.0)  # in training since its start, never claimed
+    assert by_time[40].backlog.microstep_s == pytest.approx(16.0)  # s1's release is not a micro-step's time
+    assert by_time[40].cell("s1").idle_since_s == pytest.approx(40.0)
+    assert by_time[40].cell("s2").idle_since_s is None  # rolling out
+    assert by_time[50].switch_round_trip_s is None  # one direction seen so far
+    assert by_time[60].switch_round_trip_s == pytest.approx(12.0)

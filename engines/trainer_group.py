@@ -19,7 +19,9 @@ holds more than its shard plus one bucket), `save_part` / `load_part` (sharded c
 restores its own file `core.tp<T>.pp<P>.pt` in the checkpoint folder, through runtime.checkpoint's atomic writes and
 checksums; data-parallel replica 0 writes, every replica reads), `reduce_lane` / `add_lane_sum` / `drop_lanes`
 (gradient rounds between cells of one layout, lane by lane: rank g reduces its shard with rank g of the other cells
-over a group of its own, engines/grad_exchange.py; `reduce_lanes`), `set_version` and `shutdown`.
+over a group of its own, engines/grad_exchange.py; `reduce_lanes`), `shard_source` / `pull_shard` (each worker's
+own transfer agent with its shard registered; another cell of the same layout pulls shard g into its rank g:
+`shard_sources`, `pull_shards`), `set_version` and `shutdown`.
 
 Failures. Every wait is bounded: the start (`group_start_timeout_s`: spawn, megatron's import, the rendezvous, the
 build) and each command (`group_timeout_s`, also the process group's collective timeout). A worker that dies or fails
@@ -192,6 +194,40 @@ def _set_version(trainer: MegatronTrainer, version: int) -> None:
     trainer.version = version
 
 
+_SHARD_AGENT: dict[str, Any] = {}
+"""A worker's own transfer agent ("agent"), its parameter shard registered: peers pull that shard from it, and
+it pulls its shard of a core's weights into it (rank 0 uses its cell's agent)."""
+
+
+def _shard_source(trainer: MegatronTrainer, hostname: str, protocol: str) -> tuple[str, int, int]:
+    """This worker's shard as a pull source (peer, address, bytes), its agent started on first use."""
+    from gyre.engines.transfer import TransferAgent, TransferConfig
+
+    agent = _SHARD_AGENT.get("agent")
+    params = trainer.param_buffer()
+    if agent is None:
+        agent = _SHARD_AGENT["agent"] = TransferAgent(TransferConfig(hostname=hostname, protocol=protocol))
+        agent.register_tensor(params)
+    return agent.peer, int(params.data_ptr()), params.numel() * params.element_size()
+
+
+def pull_shard(trainer: MegatronTrainer, agent: Any, shard: tuple[str, int, int]) -> int:
+    """Copy one rank's shard of a peer cell's weights (peer, address, bytes) into this rank's parameters."""
+    peer, addr, nbytes = shard
+    params = trainer.param_buffer()
+    if nbytes != params.numel() * params.element_size():
+        raise TrainerError(f"the shard at {peer} holds {nbytes} bytes, this rank's {params.numel() * 4}: another "
+                           "layout or model")
+    return agent.pull_tensor(peer, addr, params)
+
+
+def _pull_shard_worker(trainer: MegatronTrainer, shard: tuple[str, int, int]) -> int:
+    agent = _SHARD_AGENT.get("agent")
+    if agent is None:
+        raise TrainerError("this rank has no transfer agent (shard_sources was never called)")
+    return pull_shard(trainer, agent, shard)
+
+
 _LANE: dict[str, Any] = {}
 """This process's side of the gradient rounds' lanes (engines/grad_exchange.py): its ReductionMember ("member",
 a worker's own; rank 0 uses its cell's) and, on a core, the scratch its lane's sum lands in ("reduced")."""
@@ -257,6 +293,8 @@ COMMANDS = {
     "set_version": _set_version,
     "snapshot": _snapshot,
     "snapshot_buckets": _snapshot_buckets,
+    "shard_source": _shard_source,
+    "pull_shard": _pull_shard_worker,
     "reduce_lane": _reduce_lane_worker,
     "add_lane_sum": add_lane_sum,
     "drop_lanes": lambda trainer: _LANE["member"].drop() if "member" in _LANE else None,
@@ -552,6 +590,27 @@ class TrainerGroup:
     def lane_numels(self) -> tuple[int, ...]:
         """Elements of each global rank's flat gradient buffer (lane g of a round reduces rank g's)."""
         return tuple(int(rank["num_params"]) for rank in self.ranks)
+
+    def shard_sources(self, agent: Any) -> list[tuple[str, int, int]]:
+        """Every rank's parameter shard as a pull source (peer, address, bytes), global rank order: rank 0's
+        through `agent` (the cell's, where its shard is registered already), each worker's through its own agent
+        (started now, on the same host and protocol, its shard registered). Peers pull rank g's shard into their
+        rank g (`pull_shards`)."""
+        params = self._trainer.param_buffer()
+        mine = (agent.peer, int(params.data_ptr()), params.numel() * params.element_size())
+        _, others = self._run("shard_source", self._same_for_all(agent.config.hostname, agent.config.protocol),
+                              lambda: None)
+        return [mine] + others
+
+    def pull_shards(self, agent: Any, shards: Sequence[tuple[str, int, int]]) -> int:
+        """Each rank pulls its shard of another cell's weights (`shards`: that cell's `shard_sources`, same layout)
+        into its parameters, all at once; rank 0 through `agent`. Returns the bytes moved. Raises TrainerError for a
+        shard of another size, TrainerGroupCommandError when a worker's pull failed."""
+        if len(shards) != self.world_size:
+            raise TrainerError(f"{len(shards)} weight shards for a trainer of {self.world_size} ranks")
+        mine, others = self._run("pull_shard", [(tuple(shard),) for shard in shards[1:]],
+                                 lambda: pull_shard(self._trainer, agent, tuple(shards[0])))
+        return mine + sum(others)
 
     def reduce_lanes(self, member: ReductionMember, host: str, port: int, group_id: int, rank: int,
                      size: int) -> list[ReductionBytes]:

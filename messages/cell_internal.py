@@ -17,7 +17,7 @@ from __future__ import annotations
 from gyre.messages._define import message
 
 
-@message("gyre.cell_internal.WeightSource")
+@message("gyre.cell_internal.WeightSource", version=2)
 class WeightSource:
     """Core -> weight broker (tell, at start); broker -> cell (reply to WeightsQuery): where to pull weights from."""
 
@@ -39,6 +39,12 @@ class WeightSource:
     """Shape of each parameter."""
     param_offsets: tuple[int, ...]
     """First element of each parameter in the buffer."""
+    shards: tuple[tuple[str, int, int], ...] = ()
+    """A core whose trainer spans processes: every global rank's parameter shard (Mooncake peer, address, bytes),
+    rank 0 first (the buffer above is rank 0's shard and the layout its own); a satellite of the same layout pulls
+    shard g into its rank g. () for a one-process core."""
+    layout: tuple[int, int, int] = (1, 1, 1)
+    """The core's training layout (tensor, pipeline, data sizes)."""
 
 
 @message("gyre.cell_internal.WeightsQuery")

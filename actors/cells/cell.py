@@ -121,7 +121,9 @@ class CellConfig:
     engine_server: EngineServerConfig = EngineServerConfig()
     """Kinds "server" and "url": the command line (preset, extra arguments) or URL, start and stop limits."""
     trainer: TrainerConfig = TrainerConfig()
-    """The trainer's optimizer settings."""
+    """The trainer's optimizer settings and training layout (tensor/pipeline/data sizes: above 1, a TrainerGroup of
+    several processes). The cells of a step share one layout: a satellite's must be the core's (its rounds and
+    weight pulls go shard by shard, and refuse another layout)."""
     claimer: str = "claimer"
     """Actor name of the micro-step claimer."""
     migrator: str = "kv_migrator"
@@ -207,9 +209,6 @@ class CellConfig:
             raise ConfigError(f"rdma_devices {self.rdma_devices!r} needs transfer_protocol 'rdma'")
         if self.engine_kind == URL and not self.engine_server.url:
             raise ConfigError("engine_kind 'url' needs engine_server.url (the server's base URL)")
-        if self.trainer.parallel.world_size > 1 and not self.is_core:
-            raise ConfigError("only the core cell's trainer may span several processes (TrainerConfig tensor/pipeline/"
-                              "data_parallel > 1); a satellite's trainer is one process")
         if self.average_save_dir and self.trainer.average_decay <= 0:
             raise ConfigError("average_save_dir needs a trainer that keeps a weight average (trainer.average_decay > 0)")
 

@@ -55,7 +55,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import attrs
 import torch
 
-from gyre.actors.cells.weight_pull import pull_weights, source_from_layout
+from gyre.actors.cells.weight_pull import pull_weight_shards, pull_weights, source_from_layout
 from gyre.actors.errors import ActorError
 from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember, RendezvousServer
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
@@ -125,7 +125,10 @@ class TrainerHost:
                        if self.rendezvous else None)
         """Core: its side of every round (a satellite's member lives with its claim loop, across trainers)."""
         self.sharded = isinstance(trainer, TrainerGroup)
-        """A trainer of several processes: its rounds run lane by lane, each rank its own shard (reduce_lanes)."""
+        """A trainer of several processes: its rounds run lane by lane, each rank its own shard (reduce_lanes), and
+        its weights move shard by shard (every rank registered with an agent of its own: `shards`)."""
+        self.shards = trainer.shard_sources(agent) if isinstance(trainer, TrainerGroup) else []
+        """Every rank's parameter shard as a pull source (peer, address, bytes), global rank order."""
         self.reduced = torch.zeros_like(self.params) if is_core and not self.sharded else None
         """Core of one process: the satellites' sum from the last round (added to the trainer only once the round
         checks out); a sharded core's ranks each keep their lane's sum."""
@@ -242,13 +245,18 @@ class TrainerHost:
     def source(self, cell: str) -> WeightSource:
         """Core: where peers pull these weights from."""
         return source_from_layout(cell, self.version, self.agent.peer, self.params, self.fence,
-                                  self.trainer.param_layout())
+                                  self.trainer.param_layout(), self.shards, self.layout)
 
     def pull(self, source: WeightSource) -> int:
-        """Satellite: pull `source` straight into the live parameter buffer. The version reads -1 until the pull
-        succeeds, so a failed or torn pull never passes for a real version. Raises StaleWeights, TransferError."""
+        """Satellite: pull `source` straight into the live parameter buffer (a trainer of several processes: every
+        rank its shard from the core's rank of the same place). The version reads -1 until the pull succeeds, so a
+        failed or torn pull never passes for a real version. Raises StaleWeights, TransferError, WeightLayoutError."""
         self.trainer.version = -1
-        moved = pull_weights(self.agent, source, self.params, self.fence_scratch)
+        if isinstance(self.trainer, TrainerGroup):
+            moved = pull_weight_shards(self.agent, source, self.trainer, self.layout, self.lane_numels,
+                                       self.fence_scratch)
+        else:
+            moved = pull_weights(self.agent, source, self.params, self.fence_scratch)
         self.trainer.version = source.version
         return moved
 

@@ -37,6 +37,7 @@ __all__ = [
     "WeightPuller",
     "WeightsUnavailable",
     "flat_to_hf",
+    "pull_weight_shards",
     "pull_weights",
     "read_fence",
     "source_from_layout",
@@ -65,9 +66,11 @@ class WeightLayoutError(ActorError, ValueError):
 
 
 def source_from_layout(
-    cell: str, version: int, peer: str, params: torch.Tensor, fence: torch.Tensor, layout: Sequence[Any]
+    cell: str, version: int, peer: str, params: torch.Tensor, fence: torch.Tensor, layout: Sequence[Any],
+    shards: Sequence[tuple[str, int, int]] = (), training_layout: tuple[int, int, int] = (1, 1, 1),
 ) -> WeightSource:
-    """The WeightSource of a trainer's flat buffer `params` (layout: the trainer's ParamSlot records)."""
+    """The WeightSource of a trainer's flat buffer `params` (layout: the trainer's ParamSlot records); a trainer of
+    several processes adds every rank's shard (`TrainerGroup.shard_sources`) and its training layout."""
     return WeightSource(
         cell=cell,
         version=version,
@@ -78,6 +81,8 @@ def source_from_layout(
         param_names=tuple(slot.name for slot in layout),
         param_shapes=tuple(tuple(int(d) for d in slot.shape) for slot in layout),
         param_offsets=tuple(int(slot.offset) for slot in layout),
+        shards=tuple((str(peer_), int(addr), int(nbytes)) for peer_, addr, nbytes in shards),
+        layout=tuple(int(size) for size in training_layout),
     )
 
 
@@ -94,6 +99,11 @@ def pull_weights(agent: Any, source: WeightSource, into: torch.Tensor, scratch: 
     after the copy (the bytes in `into` are then not that version), TransferError when Mooncake fails,
     WeightLayoutError when `into` is not the source's size.
     """
+    if len(source.shards) > 1:
+        raise WeightLayoutError(
+            f"the core's weights are sharded over {len(source.shards)} ranks ({_layout_name(source.layout)}): a "
+            "one-process trainer or staging buffer cannot pull them whole (the cells of a step share one training "
+            "layout: a satellite of the core's layout pulls each shard, pull_weight_shards)")
     nbytes = into.numel() * into.element_size()
     if nbytes != source.nbytes:
         raise WeightLayoutError(f"pull target holds {nbytes} bytes, the weight source {source.nbytes}")
@@ -101,6 +111,35 @@ def pull_weights(agent: Any, source: WeightSource, into: torch.Tensor, scratch: 
     if found != source.version:
         raise StaleWeights(source.version, found)
     moved = agent.pull_tensor(source.peer, source.addr, into)
+    found = read_fence(agent, source, scratch)
+    if found != source.version:
+        raise StaleWeights(source.version, found)
+    return moved
+
+
+def _layout_name(layout: Sequence[int]) -> str:
+    return "tp{}.pp{}.dp{}".format(*layout)
+
+
+def pull_weight_shards(agent: Any, source: WeightSource, trainer: Any, layout: tuple[int, int, int],
+                       lane_numels: Sequence[int], scratch: torch.Tensor) -> int:
+    """A trainer of several processes (`trainer`: a TrainerGroup) pulls the core's weights of `source.version`, every
+    rank its own shard from the core's rank of the same place (`TrainerGroup.pull_shards`, all ranks at once), between
+    two reads of the core's fence as `pull_weights` does. Blocking. Raises WeightLayoutError when the core trains
+    another layout or its shards have other sizes, StaleWeights, TransferError (or the trainer group's error for a
+    rank whose pull failed)."""
+    if tuple(source.layout) != tuple(layout) or len(source.shards) != len(lane_numels):
+        raise WeightLayoutError(
+            f"the core trains {_layout_name(source.layout)} ({len(source.shards) or 1} shards), this trainer "
+            f"{_layout_name(layout)}: the cells of a step share one training layout")
+    for rank, ((_, _, nbytes), numel) in enumerate(zip(source.shards, lane_numels)):
+        if nbytes != numel * 4:
+            raise WeightLayoutError(f"the core's shard {rank} holds {nbytes} bytes, this trainer's {numel * 4} "
+                                    "(another model)")
+    found = read_fence(agent, source, scratch)
+    if found != source.version:
+        raise StaleWeights(source.version, found)
+    moved = trainer.pull_shards(agent, source.shards)
     found = read_fence(agent, source, scratch)
     if found != source.version:
         raise StaleWeights(source.version, found)

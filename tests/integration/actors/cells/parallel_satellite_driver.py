@@ -9,12 +9,15 @@ the reference's; it computes its micro-step from the same initial weights): the 
 0, the satellite micro-step 1, a reduction round (the calls CoreSteps and ClaimLoop make: reduce_as_core,
 reduce_as_member with the JoinReduction the core sends, add_reduced) brings the satellite's shards in lane by lane,
 and the core applies the step. Then the core sends the satellite the JoinReduction of a one-process core: it
-refuses with GradientBufferError before any byte moves. Records (torch.save): each run's loss, gradient norm and HF weights,
-the round's bytes, the lanes' sizes and the refusal.
+refuses with GradientBufferError before any byte moves; and the satellite catches up on the new weights as a cell
+does (TrainerHost.pull of the core's WeightSource: every rank pulls its shard from the core's rank of the same place
+between two reads of the core's fence; a stale version is refused). Records (torch.save): each run's loss, gradient
+norm and HF weights, the round's bytes, the lanes' sizes, the refusal and the pulls.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -22,6 +25,7 @@ import sys
 import attrs
 import torch
 
+from gyre.messages.cell_internal import WeightSource
 from gyre.messages.gradient_rounds import GradientsHeld, JoinReduction
 from gyre.messages.samples import TrainingSample
 
@@ -99,9 +103,21 @@ def hear(satellite: subprocess.Popen) -> dict:
     raise RuntimeError(f"the satellite exited with code {satellite.wait()} before it answered")
 
 
-def tell(satellite: subprocess.Popen, join: JoinReduction) -> None:
-    satellite.stdin.write(json.dumps(attrs.asdict(join)) + "\n")
+def tell(satellite: subprocess.Popen, msg: JoinReduction | WeightSource) -> None:
+    satellite.stdin.write(json.dumps([type(msg).__name__, attrs.asdict(msg)]) + "\n")
     satellite.stdin.flush()
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def weights_digest(trainer_host) -> str:
+    weights = trainer_host.trainer.hf_state_dict()
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode() + weights[name].numpy().tobytes())
+    return digest.hexdigest()
 
 
 def start_satellite(model_dir: str, layout: str) -> subprocess.Popen:
@@ -128,6 +144,14 @@ def with_satellite(model_dir: str, layout: str, satellite: subprocess.Popen) -> 
         refused = hear(satellite)
         metrics.append({"loss": counted[0].loss})
         out = applied(core, metrics, core.apply_step())
+        # The satellite catches up as a cell does (TrainerHost.pull of the core's WeightSource): every rank its shard.
+        source = core.source("core")
+        tell(satellite, attrs.evolve(source, version=0))  # the core moved on: never passes for version 0
+        stale = hear(satellite)
+        tell(satellite, source)
+        pulled = hear(satellite)
+        out.update(stale=stale, pulled=pulled, core_digest=weights_digest(core), shards=list(source.shards),
+                   source_layout=list(source.layout))
         out.update(refused=refused, joined=joined, core_received=moved.received, core_sent=moved.sent,
                    counted=[(d.step_id, d.microstep_index, d.num_tokens) for d in counted],
                    lane_numels=list(core.lane_numels), layout=list(core.layout))
@@ -142,6 +166,7 @@ def with_satellite(model_dir: str, layout: str, satellite: subprocess.Popen) -> 
 def satellite_main(model_dir: str, layout: str) -> None:
     """The satellite cell's side: compute micro-step 1 into its trainer, then join every round it is sent."""
     from gyre.actors.cells.train_role import GradientBufferError, encode_held
+    from gyre.actors.cells.weight_pull import StaleWeights
     from gyre.engines.grad_exchange import ReductionMember
 
     torch.set_num_threads(1)
@@ -152,8 +177,17 @@ def satellite_main(model_dir: str, layout: str) -> None:
         held = [GradientsHeld("satellite", 0, 1, int(metrics["num_tokens"]), float(metrics["loss"]), 0)]
         print(MARK + json.dumps({"held": len(held)}), flush=True)
         for line in sys.stdin:
-            fields = json.loads(line)
-            join = JoinReduction(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+            kind, fields = json.loads(line)
+            if kind == "WeightSource":
+                try:
+                    moved = sat.pull(WeightSource(**{k: _tuples(v) for k, v in fields.items()}))
+                except StaleWeights as error:
+                    print(MARK + json.dumps({"error": str(error), "version": sat.version}), flush=True)
+                    continue
+                print(MARK + json.dumps({"moved": moved, "version": sat.version, "digest": weights_digest(sat)}),
+                      flush=True)
+                continue
+            join = JoinReduction(**{k: _tuples(v) for k, v in fields.items()})
             try:
                 moved = sat.reduce_as_member(member, join, encode_held(held))
             except GradientBufferError as error:

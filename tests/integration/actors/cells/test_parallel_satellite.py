@@ -6,7 +6,9 @@ satellite of the same layout in another process computing one of the two micro-s
 reduction round lane by lane (engines/grad_exchange.py, TrainerGroup.reduce_lanes: each core rank receives only its
 own shard's bytes). Checked: the joined step's loss, gradient norm and weights equal the core alone's within 1e-5
 (fp32) and a one-process trainer's on the same step; the core counted the satellite's micro-step; each side moved
-exactly its shards' bytes (no rank receives the whole model); a satellite of another layout refuses the round.
+exactly its shards' bytes (no rank receives the whole model); a satellite of another layout refuses the round; the
+satellite then pulls the new weights shard by shard (each rank from the core's rank of the same place) and holds
+exactly the core's, and a stale version is refused.
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ def check(records: dict, one_process: dict, layout: tuple[int, int, int]) -> Non
     if layout[0] > 1:  # tensor-parallel: each rank moves only its shard, never the whole model
         assert max(lanes) < one_process["numel"]
     assert "share one training layout" in joined["refused"]["error"]
+    # Weights back to the satellite, shard by shard: exactly the core's new weights, at its version.
+    assert tuple(joined["source_layout"]) == layout and [s[2] for s in joined["shards"]] == [4 * n for n in lanes]
+    assert "fence shows 1" in joined["stale"]["error"] and joined["stale"]["version"] == -1
+    assert joined["pulled"]["version"] == 1 and joined["pulled"]["moved"] == shard_bytes
+    assert joined["pulled"]["digest"] == joined["core_digest"]
 
 
 @pytest.mark.slow

@@ -556,6 +556,12 @@ def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
     assert satellite.version == -1
     satellite.pull(source)
     assert satellite.version == 1
+    # A core whose weights are sharded (TP=2): a one-process trainer cannot pull them whole, and says why.
+    sharded = attrs.evolve(source, shards=((source.peer, source.addr, 8), (source.peer, source.addr, 8)),
+                           layout=(2, 1, 1))
+    with pytest.raises(WeightLayoutError, match="sharded over 2 ranks \\(tp2.pp1.dp1\\)"):
+        satellite.pull(sharded)
+    assert source.shards == () and source.layout == (1, 1, 1)  # a one-process core's source
 
 
 def test_a_round_whose_member_never_joins_counts_nothing_and_its_micro_steps_go_back(tiny_model_dir, agents):

@@ -225,3 +225,28 @@ def test_the_topology_has_the_cells_asked_for_with_their_resources(agent_rl, tmp
     default = agent_rl.topology(["--report", str(tmp_path)])
     assert [s.name for s in default.specs if s.actor_cls.__name__ == "Cell"] == ["core", "sat1", "sat2"]
     assert default.resources_by_process == {}
+
+
+def test_the_score_before_rl_is_the_cached_one_with_the_most_attempts_a_task(agent_rl, tmp_path) -> None:
+    import json
+
+    name = "eval-sampled-pooled-224-0-t0.7-k2.json"
+    assert agent_rl.most_attempts_cached(tmp_path, name, 2) is None  # nothing cached: the run scores it
+    k2 = {"temperature": 0.7, "samples": 2, "success_rate": 0.094, "mean_reward": 0.26, "success_by_kind": {}}
+    k16 = dict(k2, samples=16, success_rate=0.075)
+    (tmp_path / name).write_text(json.dumps(k2))
+    assert agent_rl.most_attempts_cached(tmp_path, name, 2) == k2
+    (tmp_path / "eval-sampled-pooled-224-0-t0.7-k16.json").write_text(json.dumps(k16))
+    (tmp_path / "eval-sampled-pooled-224-0-t1.0-k32.json").write_text(json.dumps(dict(k2, samples=32)))  # not 0.7
+    (tmp_path / "eval-sampled-pooled-96-0-t0.7-k32.json").write_text(json.dumps(dict(k2, samples=32)))  # not 224
+    assert agent_rl.most_attempts_cached(tmp_path, name, 2) == k16
+    assert agent_rl.most_attempts_cached(tmp_path, name.replace("-k2", "-k32"), 32) is None  # fewer than asked
+    (tmp_path / "eval-sampled-pooled-224-0-t0.7-k8.json").write_text(json.dumps(dict(k2, samples=4)))
+    with pytest.raises(ValueError, match="k8.json: its name says 8 attempts a task, its content 4"):
+        agent_rl.most_attempts_cached(tmp_path, name, 2)
+
+    # The summary says how many attempts each side had.
+    greedy = {"success_rate": 0.1, "mean_reward": 0.3, "success_by_kind": {}}
+    scores = agent_rl.headline_scores(greedy, greedy, k16, dict(k2, success_rate=0.19))
+    assert scores["extra"]["success_measure"] == "sampled at temperature 0.7, mean of 2 attempts a task (16 before RL)"
+    assert (scores["extra"]["sampled_per_task"], scores["extra"]["sampled_per_task_before"]) == (2, 16)

@@ -41,6 +41,13 @@ def test_a_built_warm_start_is_checked_and_copied_once_with_its_scores(agent_rl,
     assert json.loads((first / "eval-224-0.json").read_text())["success_rate"] == 0.25  # reused, not re-scored
     assert agent_rl.built_warm_start(built, cache) == first  # the same bytes: the same folder, no second copy
     assert [p.name for p in cache.iterdir()] == [first.name]
+    # A score shipped later (more attempts a task) reaches a cache made before it; one the run wrote stays its own.
+    (first / "eval-224-0.json").write_text(json.dumps({"success_rate": 0.5, "mean_reward": 0.6}))
+    (built / "eval-sampled-pooled-224-0-t0.7-k16.json").write_text(json.dumps({"samples": 16, "success_rate": 0.1}))
+    assert agent_rl.built_warm_start(built, cache) == first
+    assert json.loads((first / "eval-sampled-pooled-224-0-t0.7-k16.json").read_text())["samples"] == 16
+    assert json.loads((first / "eval-224-0.json").read_text())["success_rate"] == 0.5
+    assert sorted(p.name for p in first.iterdir() if p.name.startswith(".")) == []
 
 
 def test_a_warm_start_that_differs_from_its_manifest_is_refused(agent_rl, built: Path, tmp_path: Path) -> None:

@@ -154,8 +154,11 @@ def check_context_fits(model_dir: str | Path, max_context_tokens: int) -> None:
 def runner_options(config: ProxyHttpConfig) -> dict[str, Any]:
     """aiohttp AppRunner / run_app options the bounds need: aiohttp closes a connection that has no complete request
     head when its keep-alive time runs out (counted from connecting, then from each answer), which makes
-    keepalive_timeout the header read timeout."""
-    return {"keepalive_timeout": config.header_read_timeout_s}
+    keepalive_timeout the header read timeout. After answering a call whose body it did not read to the end (408,
+    413), aiohttp goes on reading and discarding that body for `lingering_time` (its default 10 s), so that a client
+    still sending gets the answer rather than a reset; that wait is bounded by the same header read timeout: a
+    client has that long to send its next bytes, whatever they are."""
+    return {"keepalive_timeout": config.header_read_timeout_s, "lingering_time": config.header_read_timeout_s}
 
 
 @attrs.frozen

@@ -130,6 +130,9 @@ class CellStatistics:
     """How the last update reached the engine: "memory" (embedded), "disk" (update_weights_from_disk); "" = none."""
     last_weight_update_s: float = 0.0
     """Seconds the last update took, from the weights in hand to the engine holding them."""
+    engine_weight_updates_refused: int = 0
+    """Newer weights its engine could not take in the core's layout (e.g. a tensor-parallel core's shards reaching an
+    embedded engine that pulls a whole buffer): it went on serving the weights it had."""
     gradient_rounds: int = 0
     """Gradient reduction rounds: led (the core) or joined (a satellite)."""
     gradient_rounds_failed: int = 0

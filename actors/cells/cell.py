@@ -62,7 +62,7 @@ from gyre.actors.cells.engine_process import EngineServerFailed as ServerFailure
 from gyre.actors.cells.rollout_role import EngineWeights, PeerView, RecentSessions, RolloutHost
 from gyre.actors.cells.server_host import ServerRolloutHost
 from gyre.actors.cells.train_role import ClaimLoop, ClaimSettings, CoreSteps, TrainerHost
-from gyre.actors.cells.weight_pull import WeightPuller, WeightsUnavailable
+from gyre.actors.cells.weight_pull import WeightLayoutError, WeightPuller, WeightsUnavailable
 from gyre.engines.embedded_engine import EngineConfig
 from gyre.engines.model_format import ModelSpec
 from gyre.engines.trainer import TrainerConfig, prepare_training_runtime
@@ -257,6 +257,7 @@ class Cell(Actor):
         self.switches = 0
         self.switches_refused = 0
         self.engine_weight_updates = 0
+        self.engine_weight_updates_refused = 0
         self.last_weight_update_s = 0.0
         self.last_weight_update_path = ""
         self.puller = WeightPuller(self._ask_weight_source, self.name, config.pull_attempts, config.pull_retry_s,
@@ -393,6 +394,10 @@ class Cell(Actor):
             try:
                 weights, version = await self._newest_engine_weights()
             except WeightsUnavailable as error:  # keep serving the weights it has; the next publication retries
+                self.log.error("engine_weights_not_updated", version=current, newest=newest, error=str(error))
+                return
+            except WeightLayoutError as error:  # e.g. a tensor-parallel core's shards: this engine cannot take them
+                self.engine_weight_updates_refused += 1
                 self.log.error("engine_weights_not_updated", version=current, newest=newest, error=str(error))
                 return
             if weights is None or version <= current or self.role != ROLLOUT:
@@ -802,6 +807,7 @@ class Cell(Actor):
             has_engine_memory=self.rollout is not None and self.rollout.has_memory,
             engine_kind=self.config.engine_kind,
             engine_weight_updates=self.engine_weight_updates,
+            engine_weight_updates_refused=self.engine_weight_updates_refused,
             last_weight_update_path=self.last_weight_update_path,
             last_weight_update_s=self.last_weight_update_s,
             **self._gradient_round_statistics(),

@@ -26,6 +26,7 @@ import torch
 
 from gyre.actors.errors import ActorError
 from gyre.engines.model_format import ModelSpec
+from gyre.engines.trainer_group import TrainerGroupCommandError
 from gyre.engines.transfer import TransferError
 from gyre.engines.weight_convert import megatron_to_hf
 from gyre.messages.cell_internal import WeightSource
@@ -99,7 +100,8 @@ def pull_weights(agent: Any, source: WeightSource, into: torch.Tensor, scratch: 
     after the copy (the bytes in `into` are then not that version), TransferError when Mooncake fails,
     WeightLayoutError when `into` is not the source's size.
     """
-    if len(source.shards) > 1:
+    if len(source.shards) > 1 and tuple(source.layout[:2]) != (1, 1):
+        # Data parallel alone keeps a whole replica on every rank: rank 0's buffer (the one above) is the model.
         raise WeightLayoutError(
             f"the core's weights are sharded over {len(source.shards)} ranks ({_layout_name(source.layout)}): a "
             "one-process trainer or staging buffer cannot pull them whole (the cells of a step share one training "
@@ -126,8 +128,8 @@ def pull_weight_shards(agent: Any, source: WeightSource, trainer: Any, layout: t
     """A trainer of several processes (`trainer`: a TrainerGroup) pulls the core's weights of `source.version`, every
     rank its own shard from the core's rank of the same place (`TrainerGroup.pull_shards`, all ranks at once), between
     two reads of the core's fence as `pull_weights` does. Blocking. Raises WeightLayoutError when the core trains
-    another layout or its shards have other sizes, StaleWeights, TransferError (or the trainer group's error for a
-    rank whose pull failed)."""
+    another layout or its shards have other sizes, StaleWeights, TransferError (also for a worker rank whose pull
+    failed, so that WeightPuller retries it as it retries rank 0's)."""
     if tuple(source.layout) != tuple(layout) or len(source.shards) != len(lane_numels):
         raise WeightLayoutError(
             f"the core trains {_layout_name(source.layout)} ({len(source.shards) or 1} shards), this trainer "
@@ -139,7 +141,10 @@ def pull_weight_shards(agent: Any, source: WeightSource, trainer: Any, layout: t
     found = read_fence(agent, source, scratch)
     if found != source.version:
         raise StaleWeights(source.version, found)
-    moved = trainer.pull_shards(agent, source.shards)
+    try:
+        moved = trainer.pull_shards(agent, source.shards)
+    except TrainerGroupCommandError as error:  # a worker's Mooncake pull failed; the group is still in step
+        raise TransferError(f"a rank's shard pull failed: {error}") from error
     found = read_fence(agent, source, scratch)
     if found != source.version:
         raise StaleWeights(source.version, found)

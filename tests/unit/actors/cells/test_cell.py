@@ -561,6 +561,12 @@ def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
                            layout=(2, 1, 1))
     with pytest.raises(WeightLayoutError, match="sharded over 2 ranks \\(tp2.pp1.dp1\\)"):
         satellite.pull(sharded)
+    # Data parallel alone keeps a whole replica on every rank: a one-process trainer pulls rank 0's, as from a
+    # one-process core (a rollout cell's staging pull beside a DP core goes the same way).
+    replicated = attrs.evolve(source, shards=((source.peer, source.addr, source.nbytes),) * 2, layout=(1, 1, 2))
+    satellite.params.zero_()
+    satellite.pull(replicated)
+    assert satellite.version == 1 and torch.equal(satellite.params, core.params)
     assert source.shards == () and source.layout == (1, 1, 1)  # a one-process core's source
 
 

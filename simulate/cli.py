@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,16 +48,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admit-up-to-capacity", action="store_true",
                    help="the emulated proxy places a session only on a cell with free capacity; the rest wait")
-    p.add_argument("--elastic-work-per-switch", type=float, default=2.0,
+    p.add_argument("--elastic-work-per-switch", type=float, default=8.0,
                    help="the elastic run's ElasticPolicy(work_per_switch=...): a satellite leaves rollout only for "
                    "waiting training work worth this many measured switch round trips (0: the session-counting "
                    "rules, as elastic-sessions runs them)")
     p.add_argument("--only", action="append", default=[],
                    help="run only policies whose name starts with this (elastic, colocate, async[, async-streaming[)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="policy runs at a time, each in its own process (the figures do not depend on it; default: "
+                   "2, or 1 on a one-core machine)")
     p.set_defaults(func=_handle)
 
 
 def setup_from_args(args: argparse.Namespace) -> Setup:
+    if args.jobs < 1:
+        raise SystemExit("gyre simulate: --jobs must be >= 1")
     if args.elastic_work_per_switch < 0:
         raise SystemExit("gyre simulate: --elastic-work-per-switch must be >= 0")
     for name in ("cells", "gpus_per_cell", "groups", "group_size", "steps"):
@@ -97,7 +103,7 @@ def _handle(args: argparse.Namespace) -> int:
         raise SystemExit(f"gyre simulate: {error}") from None
     # The emulated actors log every switch and step; a comparison of 16 runs wants only its answer.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    result = compare(setup, tuple(args.only))
+    result = compare(setup, tuple(args.only), jobs=args.jobs)
     runs = result.pop("_runs")
     if args.out:
         out = Path(args.out)

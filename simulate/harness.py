@@ -13,6 +13,8 @@ the shortest execution of the first step, then every step's training on all N ce
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import time
 from typing import Any
 
@@ -62,7 +64,7 @@ class Setup:
     """A micro-step's token budget per GPU of a cell (a cell's data-parallel ranks each take ~32k tokens)."""
     admit_up_to_capacity: bool = False
     """The emulated agents' admission bound (agents.py)."""
-    elastic_work_per_switch: float = 2.0
+    elastic_work_per_switch: float = 8.0
     """The "elastic" run's ElasticPolicy.work_per_switch (its cost-aware rules); "elastic-sessions" runs the
     policy's defaults (capacity and demand in sessions), as the main job does."""
     until_s: float = 30 * 86400.0
@@ -216,12 +218,27 @@ def lower_bound(setup: Setup) -> dict[str, float]:
             "train_cell_hours": train_s / 3600}
 
 
-def compare(setup: Setup, only: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every policy variant (or those whose name starts with one of `only`), the lower bound, and the headline."""
+def compare(setup: Setup, only: tuple[str, ...] = (), jobs: int = 1) -> dict[str, Any]:
+    """Every policy variant (or those whose name starts with one of `only`), the lower bound, and the headline.
+
+    `jobs` > 1 runs the variants in that many forked worker processes: each run is its own topology under its own
+    VirtualLauncher, seeded by the setup alone, so its figures do not depend on the process it ran in (the tests
+    compare a parallel comparison with a serial one); only wall_s differs."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     started = time.perf_counter()
-    runs = [run_policy(setup, name, policy, streaming, roles)
-            for name, policy, streaming, roles in policy_variants(setup)
-            if not only or name.startswith(only)]
+    chosen = [variant for variant in policy_variants(setup) if not only or variant[0].startswith(only)]
+    if jobs == 1 or len(chosen) < 2:
+        runs = [run_policy(setup, *variant) for variant in chosen]
+    else:
+        # fork, not spawn: the workers inherit the caller's log configuration and imports (no re-import per run).
+        context = multiprocessing.get_context("fork")
+        # Longest first, so that no long run starts last on an otherwise idle pool: a run's cost follows its virtual
+        # length, longest where rollout is starved (colocate's thrash, the splits with the fewest rollout cells).
+        order = sorted(range(len(chosen)), key=lambda i: _expected_cost(chosen[i]), reverse=True)
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(chosen)), mp_context=context) as pool:
+            futures = {i: pool.submit(_run_variant, (setup, chosen[i])) for i in order}
+            runs = [futures[i].result() for i in range(len(chosen))]
     by_name = {run.name: run for run in runs}
     result: dict[str, Any] = {"setup": _setup_summary(setup), **lower_bound(setup)}
 
@@ -241,6 +258,17 @@ def compare(setup: Setup, only: tuple[str, ...] = ()) -> dict[str, Any]:
     result["wall_s"] = time.perf_counter() - started
     result["_runs"] = runs
     return result
+
+
+def _expected_cost(variant: tuple[str, Any, bool, dict[str, str]]) -> tuple[int, int]:
+    """Sort key, larger first: colocate, then the fewer cells a run starts with in rollout the longer it runs."""
+    name, _, streaming, roles = variant
+    return (name == "colocate", -sum(1 for role in roles.values() if role == ROLLOUT), not streaming)
+
+
+def _run_variant(job: tuple[Setup, tuple[str, Any, bool, dict[str, str]]]) -> PolicyRun:
+    setup, variant = job
+    return run_policy(setup, *variant)
 
 
 def _setup_summary(setup: Setup) -> dict[str, Any]:

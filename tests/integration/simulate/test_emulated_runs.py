@@ -61,6 +61,16 @@ def test_one_seed_gives_one_answer() -> None:
                                                                   second.trained_tokens)
 
 
+def test_runs_in_worker_processes_give_the_serial_figures(result: dict) -> None:
+    parallel = compare(SMALL, only=("elastic", "colocate"), jobs=2)
+    serial = {run.name: run for run in result["_runs"]}
+    assert [run.name for run in parallel["_runs"]] == ["elastic", "elastic-sessions", "colocate"]
+    for run in parallel["_runs"]:
+        assert attrs.evolve(run, wall_s=0.0) == attrs.evolve(serial[run.name], wall_s=0.0), run.name
+    with pytest.raises(ValueError):
+        compare(SMALL, jobs=0)
+
+
 def test_lower_bound_grows_with_the_work() -> None:
     assert lower_bound(Setup(groups=4, group_size=8, steps=6, cells=4))["lower_bound_hours"] > lower_bound(
         SMALL)["lower_bound_hours"]

@@ -182,8 +182,27 @@ def test_by_work_a_satellite_leaves_only_while_the_rest_covers_the_steps_unfinis
     assert BY_WORK.decide(view(CORE_BUSY, *rollout, executions_in_step=0, **work)) == ()
     # 20 in, 80 unfinished <= 90: it may go (live sessions of later steps do not count, 10 + 5 here or 2,000)
     assert moves(BY_WORK.decide(view(CORE_BUSY, *rollout, executions_in_step=20, **work))) == [("s2", "train")]
+    # without the free-room rule, live sessions of later steps do not count at all (1,000 on 100 slots each)
     many = (cell("s1", sessions=1000, cap=100), cell("s2", sessions=1000, cap=100))
-    assert moves(BY_WORK.decide(view(CORE_BUSY, *many, executions_in_step=20, **work))) == [("s1", "train")]
+    piling = attrs.evolve(BY_WORK, leave_into_free_capacity=False)
+    assert moves(piling.decide(view(CORE_BUSY, *many, executions_in_step=20, **work))) == [("s1", "train")]
+
+
+def test_by_work_a_satellite_leaves_only_into_free_room_on_the_cells_that_stay():
+    work = dict(claimable_microsteps=4, executions_per_step=100, executions_in_step=90, microstep_s=16.0,
+                round_trip=12.0)
+    # s3 (the fewest sessions, 30) would migrate 30 sessions; s1 and s2 have 100 - 80 = 20 free each: 40 >= 30
+    roomy = (cell("s1", sessions=80, cap=100), cell("s2", sessions=80, cap=100), cell("s3", sessions=30, cap=100))
+    assert moves(BY_WORK.decide(view(CORE_BUSY, *roomy, **work))) == [("s3", "train")]
+    # s1 over its capacity counts no room (not negative room): 0 + 20 < 30, nobody goes; s2, with 80, would need 70
+    crowded = (cell("s1", sessions=150, cap=100), cell("s2", sessions=80, cap=100), cell("s3", sessions=30, cap=100))
+    assert BY_WORK.decide(view(CORE_BUSY, *crowded, **work)) == ()
+    # calls waiting at the proxy: the rollout side is short already, nobody leaves however much room
+    waiting = attrs.evolve(view(CORE_BUSY, *roomy, **work), calls_waiting_for_cell=3)
+    assert BY_WORK.decide(waiting) == ()
+    # the rule is the cost-aware rules' alone: the session-counting ones are unchanged
+    assert attrs.evolve(BY_WORK, leave_into_free_capacity=False).decide(
+        view(CORE_BUSY, *crowded, **work)) != ()
 
 
 def test_by_work_a_train_cell_goes_back_after_idling_one_round_trip():

@@ -27,9 +27,10 @@ the claims it sees start and end, `BacklogView.microstep_s`; a switch's round tr
 `SchedulerView.switch_round_trip_s`): a satellite leaves rollout only while the waiting micro-steps, shared among
 the train cells and it, give it at least K round trips of work, and only while the rollout cells that stay cover
 the unfinished executions of the step being filled (the published rule: the tail of a step may lose cells, its bulk
-may not) and have free room for the sessions it would migrate to them (`leave_into_free_capacity`: sessions of later
-steps are live too, and sessions stay on the cell they were moved to, so a move into full cells oversubscribes them
-while the cells that come back later sit empty). A train cell goes back once it has idled as long as a round trip
+may not) and, unless the proxy holds calls for lack of a cell (it admits up to capacity), have free room for the
+sessions it would migrate to them (`leave_into_free_capacity`: sessions of later steps are live too, and sessions
+stay on the cell they were moved to, so a move into full cells oversubscribes them while the cells that come back
+later sit empty). A train cell goes back once it has idled as long as a round trip
 costs (the ski-rental rule: waiting longer than a switch costs is the worst case twice over), never because demand
 exceeds capacity. The core lends itself to rollout after a round trip without training work, and returns when the
 step is fixed or when the work waiting for it is worth its round trip.
@@ -203,11 +204,12 @@ class ElasticPolicy:
     assumed_round_trip_s: float = 12.0
     """The cost-aware rules' switch round trip until the scheduler has measured one (the seed's 8.52 s + 3.46 s)."""
     leave_into_free_capacity: bool = True
-    """Cost-aware rules only: a satellite leaves rollout only if the cells that stay have free room (capacity minus
-    live sessions, each cell counted alone) for the sessions it would migrate to them, and no call waits at the
-    proxy. Without it a move in a step's tail piles the next step's live sessions onto the few cells that stay
-    (their KV oversubscribed, calls queued), while the cells that come back later find nothing to take: sessions
-    stay where they were placed."""
+    """Cost-aware rules only: while no call waits at the proxy, a satellite leaves rollout only if the cells that
+    stay have free room (capacity minus live sessions, each cell counted alone) for the sessions it would migrate to
+    them. Without it a move in a step's tail piles the next step's live sessions onto the few cells that stay (their
+    KV oversubscribed, calls queued), while the cells that come back later find nothing to take: sessions stay where
+    they were placed. Calls waiting at the proxy mean it admits up to capacity and queues the rest: what a move
+    cannot place waits there for whichever cell frees first, the returning one included, so the rule is off."""
 
     def __attrs_post_init__(self) -> None:
         if self.min_dwell_s < 0 or self.dry_grace_s < 0:
@@ -359,9 +361,9 @@ class ElasticPolicy:
             if len(rollout_cells) - 1 < self.min_rollout_cells and not rollout_idle:
                 break
             staying = capacity - cell.capacity_requests
-            if not rollout_idle and self.leave_into_free_capacity and (view.calls_waiting_for_cell > 0 or sum(
+            if not rollout_idle and self.leave_into_free_capacity and view.calls_waiting_for_cell == 0 and sum(
                     max(0, c.capacity_requests - c.live_sessions) for c in rolling_out if c.name != cell.name
-            ) < cell.live_sessions):
+            ) < cell.live_sessions:
                 continue
             if rollout_idle or unfinished <= self.capacity_headroom * staying:
                 others = any(c.name != cell.name for c in rolling_out)

@@ -197,9 +197,10 @@ def test_by_work_a_satellite_leaves_only_into_free_room_on_the_cells_that_stay()
     # s1 over its capacity counts no room (not negative room): 0 + 20 < 30, nobody goes; s2, with 80, would need 70
     crowded = (cell("s1", sessions=150, cap=100), cell("s2", sessions=80, cap=100), cell("s3", sessions=30, cap=100))
     assert BY_WORK.decide(view(CORE_BUSY, *crowded, **work)) == ()
-    # calls waiting at the proxy: the rollout side is short already, nobody leaves however much room
-    waiting = attrs.evolve(view(CORE_BUSY, *roomy, **work), calls_waiting_for_cell=3)
-    assert BY_WORK.decide(waiting) == ()
+    # calls waiting at the proxy: it admits up to capacity and queues what it cannot place, so the sessions a move
+    # cannot place wait there for any cell, the one that comes back included: the room rule is off
+    waiting = attrs.evolve(view(CORE_BUSY, *crowded, **work), calls_waiting_for_cell=3)
+    assert moves(BY_WORK.decide(waiting)) == [("s3", "train")]
     # the rule is the cost-aware rules' alone: the session-counting ones are unchanged
     assert attrs.evolve(BY_WORK, leave_into_free_capacity=False).decide(
         view(CORE_BUSY, *crowded, **work)) != ()

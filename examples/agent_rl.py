@@ -32,8 +32,8 @@ What happens:
    `--checkpoint-every N` the run also keeps full checkpoints in REPORT/run_checkpoints (the core's weights and
    optimizer moments, the claimer's ledger, the task source's position, the run monitor's history: the checkpointer,
    actors/training/checkpointer.py), from which `gyre run ... --report REPORT --resume` continues the run. The
-   task source runs the task kinds whose groups still teach (rewards that differ) more often
-   (policies/task_sampling.py).
+   task source runs the task kinds whose groups still teach (rewards that differ) more often, weighed by what
+   their groups cost the engines in tokens (policies/task_sampling.py, SignalPerToken).
 3. finish: the final model is scored on the same held-out tasks the same two ways and the report is written:
    summary.json (`success_rate_before/after` are the sampled score, `greedy_success_rate_*` the greedy one: see
    headline_scores), the reward curve, each cell's role over time.
@@ -145,12 +145,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "0.25 also drops groups that differ only by the 0.2 written-file reward, so the task sampling "
                         "moves rollouts to kinds that can succeed: +9.4 to +12.1 held-out points in four runs "
                         "(median +10.05), against +6.7 twice at 0.01 (BENCHMARKS.md, sessions 8 and 9)")
-    parser.add_argument("--task-sampling", choices=tuple(TASK_SAMPLING), default="signal",
-                        help="signal: run task kinds more often while their groups still land, i.e. their 16 rewards "
-                        "differ (policies/task_sampling.py); signal-per-token: the same rule over the engines' tokens, "
-                        "so kinds whose groups run long and rarely land get fewer groups (three runs: 585-738 s after "
-                        "the prepare and +10.7 to +12.9 sampled, against 754-981 s and +9.6 to +11.4 for signal in "
-                        "four: BENCHMARKS.md, session 17); epoch: every training task in turn")
+    parser.add_argument("--task-sampling", choices=tuple(TASK_SAMPLING), default="signal-per-token",
+                        help="signal-per-token (the default): run task kinds more often while their groups still "
+                        "land, i.e. their 16 rewards differ, by their share of the engines' tokens, so kinds whose "
+                        "groups run long and rarely land get fewer groups (policies/task_sampling.py; session 17: "
+                        "585-738 s after the prepare and +10.7 to +12.9 sampled in three runs, against 754-981 s and "
+                        "+9.6 to +11.4 for signal in four; from the shipped warm start, session 23: BENCHMARKS.md); "
+                        "signal: the same rule over groups drawn; epoch: every training task in turn")
     parser.add_argument("--train-tasks", type=int, default=400)
     parser.add_argument("--train-kinds", default="", help="comma-separated task kinds RL trains on (default: all; "
                         "held-out evaluation always covers every kind)")

@@ -33,7 +33,7 @@ def test_main_job_trains_a_few_steps(tmp_path: Path) -> None:
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=840)
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads((report / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["task_sampling"] == "signal"
+    assert summary["steps"] == 2 and summary["task_sampling"] == "signal-per-token"
     # The run began from the shipped warm start, checked and copied into the cache under its digest.
     from gyre.engines.model_manifest import verify
 

@@ -20,7 +20,7 @@ def agent_rl():
 
 def test_defaults(agent_rl) -> None:
     args = agent_rl.parse_args([])
-    assert (args.policy, args.task_sampling, args.group_size, args.steps) == ("elastic", "signal", 16, 18)
+    assert (args.policy, args.task_sampling, args.group_size, args.steps) == ("elastic", "signal-per-token", 16, 18)
     assert (args.clip_low, args.clip_high, args.cell_cpu_cores) == (3e-4, 4e-4, 0.0)
     assert (args.sft_epochs, args.lr) == (1, 3e-4)  # the warm start RL has room above (BENCHMARKS.md, session 7)
     assert args.min_reward_spread == 0.25  # drop groups that differ only by the written-file reward (session 8)

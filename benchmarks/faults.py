@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -47,7 +48,7 @@ from gyre.messages.checkpoints import CorePartsSaved
 from gyre.messages.executions import GroupDone, StartGroup, TaskSpec
 from gyre.messages.runtime_control import StatisticsAsked
 from gyre.messages.samples import SamplesLanded, TrainingSample
-from gyre.messages.training import ClaimGranted, ClaimMicroStep, MicroStepDone, StepApplied, StepReady
+from gyre.messages.training import ClaimGranted, ClaimMicroStep, ClaimsOpen, MicroStepDone, StepApplied, StepReady
 from gyre.policies.staleness import MaxVersionLag
 from gyre.runtime import Actor, Codec, GyreError, RestartPolicy, Topology, handler, read_log
 from gyre.runtime.checkpoint import (
@@ -279,12 +280,17 @@ class ScriptedSatellite(Actor):
     async def on_start(self) -> None:
         self.version = 0
         self.grants = 0
+        self.woken = asyncio.Event()
         self.publish(RoleChanged(self.name, TRAIN, "", "", self.version, 0.0, 0, False))
         self.spawn(self._claim_loop(), "claims")
 
     @handler(StepApplied)
     def on_step_applied(self, msg: StepApplied) -> None:
         self.version = max(self.version, msg.version)
+
+    @handler(ClaimsOpen)
+    def on_claims_open(self, msg: ClaimsOpen) -> None:
+        self.woken.set()
 
     async def _claim_loop(self) -> None:
         while True:
@@ -294,7 +300,9 @@ class ScriptedSatellite(Actor):
                 await asyncio.sleep(0.5)
                 continue
             if grant.step_id < 0:
-                await asyncio.sleep(min(grant.retry_after_s, 0.2))
+                self.woken.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.woken.wait(), min(grant.retry_after_s, 0.2))
                 continue
             self.grants += 1
             marker = self.config.marker

@@ -51,7 +51,7 @@ class SchedulerTick:
     """Scheduler -> itself: re-evaluate the policy even if no event came (dwell times and grace periods expire)."""
 
 
-@message("gyre.scheduling.ClaimerStatistics", version=4)
+@message("gyre.scheduling.ClaimerStatistics", version=5)
 class ClaimerStatistics:
     """The claimer's exactly-once ledger: every landed sample is trained once, dropped with a reason, or in flight."""
 
@@ -113,6 +113,8 @@ class ClaimerStatistics:
     """Samples in flight when the claimer restarted: its memory of them died with it (version 4)."""
     step_ready_resends: int = 0
     """StepReady published again for a fixed step whose StepApplied had not come (version 4)."""
+    wakeups_sent: int = 0
+    """ClaimsOpen told to cells waiting for work (version 5; microstep_claimer.py, Wake-ups)."""
 
 
 @message("gyre.scheduling.SchedulerStatistics")

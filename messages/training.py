@@ -32,6 +32,14 @@ class ClaimGranted:
     """With no work: when to ask again."""
 
 
+@message("gyre.training.ClaimsOpen")
+class ClaimsOpen:
+    """Claimer -> a train-role cell whose last claim found no work: a claim would find some now (claim at once)."""
+
+    step_id: int
+    """The claimer's current step."""
+
+
 @message("gyre.training.MicroStepDone")
 class MicroStepDone:
     """Cell -> claimer and core: gradients of a micro-step are ready in the cell's registered buffer."""

@@ -20,6 +20,7 @@ import attrs
 from gyre.messages.cells import ROLLOUT, SWITCHING, TRAIN, LoadReport, RoleChanged, SwitchRole
 from gyre.messages.training import (
     ClaimMicroStep,
+    ClaimsOpen,
     MicroStepDone,
     ReleaseMicroStep,
     StepApplied,
@@ -81,6 +82,8 @@ class _MicroStepComputed:
 @attrs.frozen
 class _ClaimAgain:
     generation: int
+    token: int
+    """The claim timer it belongs to: a ClaimsOpen supersedes a pending poll."""
 
 
 @attrs.frozen
@@ -124,6 +127,9 @@ class EmulatedCellConfig:
     """The core ends the run after applying this step."""
     record: Any = None
     """A RunRecord the simulate harness reads after the run (roles over time, busy time)."""
+    wake_on_claims_open: bool = True
+    """Claim at once on the claimer's ClaimsOpen, as real cells do; False: only poll (`gyre replay --control-plane`
+    of a run recorded before wake-ups, whose cells polled)."""
     boot_s: float = 0.0
     """Seconds from the cell's start to its first RoleChanged (a recorded cell's engine or trainer start-up, in
     `gyre replay --control-plane`); it is silent until then."""
@@ -146,7 +152,9 @@ class EmulatedCell(Actor):
         self.capacity = self.model.capacity_sessions(cfg.mean_context_tokens)
         self.generation = 0  # bumps on every role change: stale timers of the old role are ignored
         self.claim: tuple[int, int] | None = None
-        self.claim_waiting = False
+        self.claim_at_s: float | None = None
+        """When the pending claim timer fires (None: none pending)."""
+        self.claim_token = 0
         self.step_ready: dict[int, int] = {}
         self.done_microsteps: dict[int, set[int]] = {}
         self.satellite_contributed: set[int] = set()
@@ -276,6 +284,7 @@ class EmulatedCell(Actor):
         self.role = msg.role
         self.target_role = ""
         self.generation += 1
+        self.claim_at_s = None  # the old role's claim timer, if any, is ignored (generation)
         now = self.clock.now()
         self.engine.now_s = now
         self.engine.pause(self.loading_until_s)
@@ -288,14 +297,28 @@ class EmulatedCell(Actor):
             self._maybe_apply()
 
     # ---- training -------------------------------------------------------------------------------------------------
-    def _claim_soon(self, delay_s: float) -> None:
-        if not self.claim_waiting:
-            self.claim_waiting = True
-            self.send_later(max(delay_s, self.loading_until_s - self.clock.now(), 0.0), _ClaimAgain(self.generation))
+    def _claim_soon(self, delay_s: float, wake: bool = False) -> None:
+        """Claim in `delay_s` (not before the weights are loaded) unless a claim timer is pending: a real cell that
+        pauses after a refused claim pauses on, whatever happens, until its pause ends or (`wake`) a ClaimsOpen
+        cuts it short (actors/cells/train_role.py, ClaimLoop)."""
+        now = self.clock.now()
+        delay_s = max(delay_s, self.loading_until_s - now, 0.0)
+        if self.claim_at_s is not None and not (wake and now + delay_s < self.claim_at_s):
+            return
+        self.claim_at_s = now + delay_s
+        self.claim_token += 1
+        self.send_later(delay_s, _ClaimAgain(self.generation, self.claim_token))
+
+    @handler(ClaimsOpen)
+    def on_claims_open(self, msg: ClaimsOpen) -> None:
+        if self.config.wake_on_claims_open and self.role == TRAIN and not self.target_role:
+            self._claim_soon(0.0, wake=True)
 
     @handler(_ClaimAgain)
     async def on_claim_again(self, msg: _ClaimAgain) -> None:
-        self.claim_waiting = False
+        if msg.token != self.claim_token:
+            return  # superseded by a sooner claim timer
+        self.claim_at_s = None
         if msg.generation != self.generation or self.role != TRAIN or self.target_role or self.claim is not None:
             return
         now = self.clock.now()

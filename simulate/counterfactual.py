@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import msgpack
 
 from gyre.actors.executions.task_source import TaskSource
 from gyre.actors.training.microstep_claimer import MicroStepClaimer
@@ -104,6 +105,9 @@ class RecordedRun:
     """Role switches the run made (RoleChanged after a first role)."""
     model: CalibratedCellModel
     workload: RecordedWorkload
+    cells_woken: bool = True
+    """The run's claimer woke waiting train cells (ClaimsOpen; its recorded config names `waiting_retry_after_s`):
+    a run recorded before wake-ups had its cells poll, and its re-run's cells poll likewise."""
 
     @property
     def steps(self) -> int:
@@ -160,6 +164,7 @@ def read_recorded_run(path: str | Path, trust: CodeTrust | None = None) -> Recor
     loads: list[float] = []
     weight_bytes = capacity = 0
     first_key: float | None = None
+    cells_woken = True
     try:
         records = read_log(path, codec)
         for record in records:
@@ -183,6 +188,8 @@ def read_recorded_run(path: str | Path, trust: CodeTrust | None = None) -> Recor
                     continue
                 origin = t if origin is None else min(origin, t)
                 start_blobs.setdefault(msg.actor, msg.config_blob)
+                if msg.class_path == _CLAIMER:
+                    cells_woken = _names_field(msg.config_blob, "waiting_retry_after_s")
                 if msg.class_path in (_SCHEDULER, _CLAIMER, _TASK_SOURCE, _EXECUTOR):
                     try:
                         configs[msg.class_path] = (msg.actor, decode_config(msg.config_blob, trust))
@@ -263,7 +270,17 @@ def read_recorded_run(path: str | Path, trust: CodeTrust | None = None) -> Recor
         step_times_s=tuple(applied[s] - origin for s in steps),
         first_group_s=(first_key - origin) if first_key is not None else 0.0,
         switches=sum(len(v) for (previous, _), v in switches.items() if previous), model=model, workload=workload,
+        cells_woken=cells_woken,
     )
+
+
+def _names_field(config_blob: bytes, field: str) -> bool:
+    """Whether a recorded config (runtime/config_codec.py's msgpack map) has `field` among its own fields."""
+    try:
+        value = msgpack.unpackb(config_blob, raw=False)
+    except Exception:  # decode_config reports a bad blob; here it only means "not known"
+        return False
+    return isinstance(value, dict) and isinstance(value.get("fields"), dict) and field in value["fields"]
 
 
 def _engine_config(start_blobs: dict[str, bytes], trust: CodeTrust | None, cells: tuple[str, ...]) -> Any:
@@ -365,7 +382,7 @@ def build_topology(run: RecordedRun, policy: Any, record: RunRecord, tick_s: flo
             model=engine_model, initial_role=run.initial_roles[cell], is_core=cell == run.core,
             mean_context_tokens=mean_context, tick_s=tick_s, claimer=names["claimer"], core=run.core,
             agents=names["executor"], stream_microsteps=True, last_step_id=run.task_source.first_step_id + run.steps - 1,
-            record=record, boot_s=run.boot_s[cell],
+            record=record, boot_s=run.boot_s[cell], wake_on_claims_open=run.cells_woken,
         ), restart=stop)
     return topology
 

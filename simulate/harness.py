@@ -40,6 +40,11 @@ class SimulationError(GyreError, RuntimeError):
     """An emulated run that broke (an actor failed): a bug in the emulation or in the actor it drives."""
 
 
+IDLE_POLL_S = 30.0
+"""How long an emulated train cell that waits for a ClaimsOpen lets pass before asking again anyway. Wake-ups are
+never lost in virtual time, so this poll only bounds a missed case; at the claimer's 1 s default, idle trainers'
+polls were most of a 16-policy comparison's run time (BENCHMARKS.md, gyre simulate, session 23)."""
+
 __all__ = ["SimulationError", "Setup", "PolicyRun", "run_policy", "compare", "lower_bound", "policy_variants"]
 
 
@@ -138,7 +143,7 @@ def build_topology(setup: Setup, policy: Any, streaming: bool, roles: dict[str, 
         groups_per_step=setup.groups, group_size=setup.group_size,
         microstep_token_budget=setup.microstep_tokens_per_gpu * setup.gpus_per_cell,
         staleness=MaxVersionLag(setup.staleness), max_pending_executions=per_step * (setup.staleness + 2),
-        cell_silence_limit_s=None,
+        cell_silence_limit_s=None, waiting_retry_after_s=IDLE_POLL_S,
     ), restart=stop)
     tasks = tuple(TaskSpec(f"{setup.workload.name}-{i:04d}", "emulated", {}, ("agent",), ("scorer",), 3600.0, 1200.0)
                   for i in range(max(1, setup.groups)))

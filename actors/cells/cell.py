@@ -92,7 +92,7 @@ from gyre.messages.cells import (
 from gyre.messages.executions import ExecutionEnded
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded, RoundFinished
-from gyre.messages.training import MicroStepDone, StepApplied, StepReady, WeightsLoaded, WeightsPublished
+from gyre.messages.training import ClaimsOpen, MicroStepDone, StepApplied, StepReady, WeightsLoaded, WeightsPublished
 from gyre.runtime import Actor, GyreError, handler
 from gyre.runtime.errors import ConfigError
 from gyre.runtime.launch import node_address
@@ -707,6 +707,10 @@ class Cell(Actor):
         self._heard_of(msg.version)
         if not self.config.is_core:
             self._follow_engine_weights()
+
+    @handler(ClaimsOpen)
+    def on_claims_open(self, msg: ClaimsOpen) -> None:
+        self.claims.wake()
 
     @handler(StepReady)
     async def on_step_ready(self, msg: StepReady) -> None:

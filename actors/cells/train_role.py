@@ -764,6 +764,8 @@ class ClaimLoop:
         self.compute_lock = compute_lock
         self.log = log
         self._halt = asyncio.Event()
+        self._wake = asyncio.Event()
+        """Set by a ClaimsOpen: a pause for lack of work ends at once (microstep_claimer.py, Wake-ups)."""
         self.computed = 0
         self.released = 0
         self.held: list[GradientsHeld] = []
@@ -792,6 +794,10 @@ class ClaimLoop:
     def stop_claiming(self) -> None:
         """No new claim; a grant that comes after this goes back. The cell then waits for its loop to end."""
         self._halt.set()
+
+    def wake(self) -> None:
+        """The claimer says a claim would find work: end the pause now."""
+        self._wake.set()
 
     @property
     def halting(self) -> bool:
@@ -880,10 +886,17 @@ class ClaimLoop:
         self.reduction_thread.shutdown(wait=False)
 
     async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less if the cell is asked to halt or the claimer wakes it."""
+        if self._wake.is_set():  # a wake-up that came while the claim was on its way
+            self._wake.clear()
+            return
+        waits = [asyncio.ensure_future(self._halt.wait()), asyncio.ensure_future(self._wake.wait())]
         try:
-            await asyncio.wait_for(self._halt.wait(), max(seconds, 0.001))
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=max(seconds, 0.001), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        self._wake.clear()
 
     async def claim_once(self, host: TrainerHost, tracker: StepTracker | None) -> None:
         """One claim with `host`'s weight version: compute what is granted and report it, hand back what cannot be

@@ -18,6 +18,13 @@ step's last group lands). Executions landing after the step is fixed wait in a b
 assigned when StepApplied makes the next step current; that is also when the staleness policy is checked against the
 next base version, so fixed steps never change and "too stale" is decided with the exact base.
 
+Wake-ups. A train-role cell whose claim finds no work is *waiting*. When work becomes claimable (a micro-step is
+queued, or the fullest open one reaches `early_close_fraction`, which the cell's claim then closes), the claimer
+tells every waiting cell `ClaimsOpen` once, and the cell claims at once instead of at its next poll
+(`retry_after_s`): work does not sit for up to a poll interval, and cells that know wake-ups may poll seldom (the
+emulated cells of `gyre simulate`, whose 1 s polls were most of its run time). Polls stay the fallback for a lost
+wake-up. Only cells whose RoleChanged said train are woken (a client that only asks is never told anything).
+
 Exactly once. A micro-step is queued, claimed (by one cell) or done. A claim goes back to the queue when its cell
 releases it, switches to another role, restarts (RoleChanged with previous_role "") or stays silent longer than
 `cell_silence_limit_s` (no LoadReport, claim or MicroStepDone). The first MicroStepDone from a cell that holds or
@@ -79,6 +86,7 @@ from gyre.messages.scheduling import ClaimerStatistics, ClaimerTick, TrainingBac
 from gyre.messages.training import (
     ClaimGranted,
     ClaimMicroStep,
+    ClaimsOpen,
     MicroStepDone,
     ReleaseMicroStep,
     StepApplied,
@@ -138,6 +146,9 @@ class ClaimerConfig:
     core is still pulling the gradients of the previous one (the core tells us it is done only after the pull)."""
     retry_after_s: float = attrs.field(default=1.0, validator=_positive)
     """Told to a cell that gets no work: when to ask again."""
+    waiting_retry_after_s: float | None = attrs.field(default=None, validator=_positive)
+    """Told instead to a train-role cell that now waits for a ClaimsOpen (module docstring, Wake-ups): its poll is
+    only the fallback for a lost wake-up, so it may be long. None: `retry_after_s`."""
     max_pending_executions: int = attrs.field(default=4096, validator=_positive)
     """Executions waiting for a later step; beyond it the oldest are dropped and counted."""
     cell_silence_limit_s: float | None = attrs.field(default=60.0, validator=_positive)
@@ -258,6 +269,8 @@ class MicroStepLedger:
         self._missing_landings = _BoundedSet(4096)
         self._stale_groups: set[str] = set()
         self._stale_samples = 0
+        self.waiting: dict[str, None] = {}
+        """Train-role cells whose last claim found no work, in order (module docstring, Wake-ups)."""
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def _note_boundary(self, ended_step: int) -> None:
@@ -507,7 +520,11 @@ class MicroStepLedger:
             if fullest.num_tokens >= self.config.early_close_fraction * self.config.microstep_token_budget:
                 self._close(fullest)
         if not self.queue:
-            return self._no_work()
+            if cell.role != TRAIN:
+                return self._no_work()
+            self.waiting[msg.cell] = None
+            return ClaimGranted(-1, -1, (), 0, self.config.waiting_retry_after_s or self.config.retry_after_s)
+        self.waiting.pop(msg.cell, None)
         microstep = self.microsteps[self.queue.popleft()]
         microstep.state = "claimed"
         microstep.holder = msg.cell
@@ -589,6 +606,8 @@ class MicroStepLedger:
     def role_changed(self, msg: RoleChanged, now_s: float) -> None:
         cell = self._seen(msg.cell, now_s)
         cell.role = msg.role
+        if msg.role != TRAIN:
+            self.waiting.pop(msg.cell, None)
         if msg.previous_role == "":
             self._requeue_cell(msg.cell, "the cell (re)started")
         elif msg.role != TRAIN:
@@ -606,6 +625,19 @@ class MicroStepLedger:
                 log.warning("cell_silent_while_holding_claims_presumed_dead", cell=name,
                             silent_s=now_s - cell.last_seen_s)
                 self._requeue_cell(name, "the cell went silent")
+
+    def wakeups(self) -> list[str]:
+        """The waiting cells to tell ClaimsOpen, if a claim would now find work (each is told once: it is no longer
+        waiting until a claim of its finds nothing again)."""
+        if not self.waiting:
+            return []
+        threshold = self.config.early_close_fraction * self.config.microstep_token_budget
+        if not self.queue and not any(m.num_tokens >= threshold for m in self.open):
+            return []
+        cells = list(self.waiting)
+        self.waiting.clear()
+        self.counts["wakeups_sent"] += len(cells)
+        return cells
 
     @property
     def claims_held(self) -> int:
@@ -693,6 +725,7 @@ class MicroStepLedger:
             samples_dropped_in_transit=c["samples_dropped_in_transit"],
             samples_dropped_restart=c["samples_dropped_restart"],
             step_ready_resends=c["step_ready_resends"],
+            wakeups_sent=c["wakeups_sent"],
         )
 
     def backlog(self, now_s: float) -> TrainingBacklog:
@@ -812,6 +845,8 @@ class MicroStepClaimer(Actor):
             self.publish(msg)
         self._write_journal()
         self._publish_backlog()
+        for cell in self.ledger.wakeups():
+            self.tell(cell, ClaimsOpen(self.ledger.step_id))
         silence = self.ledger.claims_held and self.config.cell_silence_limit_s is not None
         resend = self.ledger.step_fixed and self.config.step_ready_resend_s is not None
         if (silence or resend) and not self._tick_armed:
@@ -834,7 +869,8 @@ class MicroStepClaimer(Actor):
     @handler(ClaimMicroStep)
     def on_claim(self, msg: ClaimMicroStep) -> ClaimGranted:
         granted = self.ledger.claim(msg, self.clock.now())
-        self._after()
+        if granted.step_id >= 0:
+            self._after()  # a claim that gets nothing changes nothing to publish, journal or arm (only liveness)
         return granted
 
     @handler(MicroStepDone)

@@ -53,6 +53,17 @@ def test_the_runs_settings_come_from_its_log(run) -> None:
     assert model.fit["calls"] > 40 and model.fit["microsteps"] == 4
     assert model.decode_per_sequence_s > 0 and model.train_s_per_token > 0 and model.weight_sync_s > 0
     assert model.capacity_sessions(1.0) == model.capacity > 0
+    assert not run.cells_woken  # recorded before the claimer's wake-ups: its cells polled, and so do the re-run's
+
+
+def test_a_run_recorded_with_wake_ups_is_re_run_with_them() -> None:
+    from gyre.actors.training.microstep_claimer import ClaimerConfig
+    from gyre.runtime.config_codec import encode_config
+    from gyre.simulate.counterfactual import _names_field
+
+    assert _names_field(encode_config(ClaimerConfig()), "waiting_retry_after_s")
+    assert not _names_field(encode_config(ClaimerConfig()), "no_such_field")
+    assert not _names_field(b"\xc1 not msgpack", "waiting_retry_after_s")
 
 
 @pytest.mark.parametrize("log", LOGS, ids=lambda p: p.name)

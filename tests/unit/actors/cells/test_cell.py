@@ -638,6 +638,37 @@ def test_a_round_whose_member_never_joins_counts_nothing_and_its_micro_steps_go_
     assert [(to, m.step_id, m.microstep_index) for to, m in released] == [("claimer", 0, 0), ("claimer", 0, 1)]
 
 
+def test_a_claim_loop_pausing_for_lack_of_work_claims_again_when_the_claimer_wakes_it():
+    asks: list = []
+
+    async def ask(to, msg, timeout_s):
+        asks.append(msg)
+        return ClaimGranted(-1, -1, (), 0, 3600.0)  # nothing, and a poll an hour away
+
+    settings = ClaimSettings(cell="sat", is_core=False, claimer="claimer", core="core", claim_timeout_s=1.0,
+                             claim_retry_s=0.1, grads_taken_timeout_s=1.0, clip_low=3e-4, clip_high=4e-4,
+                             chunk_padded_tokens=2048, reduce_timeout_s=1.0)
+    log = types.SimpleNamespace(warning=lambda *a, **k: None, error=lambda *a, **k: None)
+    claims = ClaimLoop(settings, ask=ask, send=None, offload=None, compute_lock=asyncio.Lock(), log=log)
+
+    host = types.SimpleNamespace(version=0)  # a trainer host: only its weight version is read before the grant
+
+    async def main():
+        pausing = asyncio.ensure_future(claims.claim_once(host, None))
+        await asyncio.sleep(0.05)
+        assert not pausing.done()
+        claims.wake()
+        await asyncio.wait_for(pausing, 10.0)  # the hour's pause ended with the wake-up
+        claims.wake()  # a wake-up that comes while a claim is on its way ends the next pause at once
+        await asyncio.wait_for(claims.claim_once(host, None), 10.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        claims.close()
+    assert len(asks) == 2 and all(a.cell == "sat" for a in asks)
+
+
 # ---- the cell actor against a scripted claimer ---------------------------------------------------------------------
 
 

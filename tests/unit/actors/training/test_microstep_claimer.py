@@ -22,6 +22,7 @@ from gyre.messages.scheduling import ClaimerStatistics, TrainingBacklog
 from gyre.messages.training import (
     ClaimGranted,
     ClaimMicroStep,
+    ClaimsOpen,
     MicroStepDone,
     ReleaseMicroStep,
     StepApplied,
@@ -380,6 +381,85 @@ def test_randomised_cells_train_every_sample_exactly_once(seed):
     assert len(trained) == len(set(trained)) == stats.samples_trained
     assert stats.steps_applied >= 1 and stats.samples_trained > 0
     check_exactly_once(stats)
+
+
+# ---- wake-ups ------------------------------------------------------------------------------------------------------
+def train(ledger: MicroStepLedger, cell: str) -> None:
+    ledger.role_changed(RoleChanged(cell, "train", "rollout", "", 0, 1.0, 0, False), 0.0)
+
+
+def test_a_train_cell_that_finds_no_work_waits_and_is_woken_once_when_work_is_claimable():
+    ledger = MicroStepLedger(config(groups_per_step=2, group_size=2, microstep_token_budget=100,
+                                    early_close_fraction=0.5, waiting_retry_after_s=30.0))
+    train(ledger, "t1")
+    train(ledger, "t2")
+    assert claim(ledger, "t1") == ClaimGranted(-1, -1, (), 0, 30.0)  # it will be woken: the poll is the fallback
+    assert claim(ledger, "t2").retry_after_s == 30.0
+    assert claim(ledger, "stranger").retry_after_s == 0.25  # no RoleChanged: never woken, so it polls
+    assert claim(ledger, "t1", version=3).retry_after_s == 0.25  # wrong weights: it asks again once it has them
+    ledger.land(group("a", [[30]]))
+    assert ledger.wakeups() == []  # 30 of 100 open: a claim would still find nothing
+    ledger.land(group("b", [[25]]))  # 55: a claim would close it early
+    assert ledger.wakeups() == ["t1", "t2"]
+    assert ledger.wakeups() == []  # told once
+    assert claim(ledger, "t2").step_id == 0
+    assert claim(ledger, "t1").step_id == -1  # woken, but t2 took it: waiting again
+    ledger.role_changed(RoleChanged("t1", "rollout", "train", "http://t1", 0, 1.0, 0, False), 0.0)
+    ledger.land(group("c", [[100]]))  # queued at once (full)
+    assert ledger.wakeups() == []  # t1 left the train role
+    assert ledger.statistics().wakeups_sent == 2
+
+
+def test_without_waiting_retry_after_a_waiting_cell_is_told_the_usual_poll():
+    ledger = MicroStepLedger(config())
+    train(ledger, "t")
+    assert claim(ledger, "t").retry_after_s == 0.25
+    ledger.land(group("a", [[100]]))
+    assert ledger.wakeups() == ["t"]
+
+
+@attrs.frozen
+class SleeperConfig:
+    """Nothing to configure."""
+
+
+class Sleeper(Actor):
+    """A train cell that polls once an hour: only a ClaimsOpen can get it its micro-step early."""
+
+    config_cls = SleeperConfig
+
+    async def on_start(self) -> None:
+        self.publish(RoleChanged(self.name, "train", "", "", 0, 0.0, 0, False))
+        self.send_later(1.0, ClaimsOpen(-1))  # its first claim, after the claimer has its RoleChanged
+
+    @handler(ClaimsOpen)
+    async def on_open(self, msg: ClaimsOpen) -> None:
+        granted = await self.ask("claimer", ClaimMicroStep(self.name, 0))
+        if granted.step_id >= 0:
+            self.stop_topology(f"granted at {self.clock.now():.1f} s")
+
+
+class Lander(Actor):
+    """Lands one full group at 5 s."""
+
+    config_cls = SleeperConfig
+
+    async def on_start(self) -> None:
+        self.send_later(5.0, group("a", [[60], [60]]))
+
+    @handler(SamplesLanded)
+    def on_landed(self, msg: SamplesLanded) -> None:
+        self.tell("claimer", msg)
+
+
+def test_the_claimer_actor_wakes_a_waiting_cell_when_its_work_lands():
+    topology = Topology("wake", seed=1)
+    topology.add("claimer", MicroStepClaimer, config(groups_per_step=1, group_size=2, microstep_token_budget=60,
+                                                     retry_after_s=3600.0, waiting_retry_after_s=3600.0))
+    topology.add("t", Sleeper, SleeperConfig())
+    topology.add("lander", Lander, SleeperConfig())
+    result = VirtualLauncher().run(topology, RunOptions(until_s=100.0))
+    assert result.reason == "granted at 5.0 s"
 
 
 # ---- the actor ------------------------------------------------------------------------------------------------------

@@ -57,7 +57,9 @@ def test_broken_verifiers_drop_and_a_timed_out_agent_is_still_scored(tmp_path: P
     write_task(tmp_path, "hangs", "sleep 600\n", verifier_timeout_s=1)
     write_task(tmp_path, "nonsense", "echo lots > /logs/verifier/reward.txt\n")
     write_task(tmp_path, "json-reward", "echo '{\"reward\": 0.5, \"tests\": 2}' > /logs/verifier/reward.json\n")
-    write_task(tmp_path, "slow-agent", good, solve_sh="echo done > /app/flag.txt\nsleep 600\n", agent_timeout_s=1)
+    # 5 s, not 1: the agent must have written its flag before the timeout, and on a loaded 2-core machine (the suite
+    # runs two workers) starting the sandbox alone took more than a second.
+    write_task(tmp_path, "slow-agent", good, solve_sh="echo done > /app/flag.txt\nsleep 600\n", agent_timeout_s=5)
     report = run_eval(tmp_path, "oracle", "bubblewrap", max_concurrent=5)
     by_id = {t["task_id"]: t for t in report["tasks"]}
     assert "scorer crashed" in by_id["crashes"]["runs"][0]["dropped"]

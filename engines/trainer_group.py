@@ -124,15 +124,14 @@ def _tail(path: Path) -> str:
 # ---- what every rank runs for a command (rank 0 in the calling process, the others in `_worker_main`) ----------
 
 def save_part(trainer: MegatronTrainer, folder: str) -> tuple[Any, str]:
-    """This rank's checkpoint state into `folder/core.tp<T>.pp<P>.pt` (atomic, data-parallel replica 0 only).
-    Returns (its PartRecord or None where another replica writes, the state's digest)."""
-    from megatron.core import parallel_state
-
+    """This rank's checkpoint state into `folder/core.tp<T>.pp<P>[.ep<E>].pt` (atomic; only the first replica of each
+    shard writes, `parallel.is_first_replica`). Returns (its PartRecord or None where another replica writes, the
+    state's digest)."""
     from gyre.runtime.checkpoint import write_file_atomic
 
     state = trainer.checkpoint_state()
     digest = checkpoint_state_digest(state)
-    if parallel_state.get_data_parallel_rank() != 0:
+    if not parallel.is_first_replica():
         return None, digest
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -151,11 +150,17 @@ def load_part(trainer: MegatronTrainer, checkpoint_path: str) -> str:
 
 
 def _forward_backward(trainer: MegatronTrainer, share: tuple | None) -> dict | None:
-    return None if share is None else trainer.forward_backward(*share)
+    if share is None:  # no rows for this replica: with expert parallelism it still meets its peers' token exchanges
+        trainer.idle_pass(backward=True)
+        return None
+    return trainer.forward_backward(*share)
 
 
 def _logprobs(trainer: MegatronTrainer, batch: tuple | None) -> torch.Tensor | None:
-    return None if batch is None else trainer.logprobs(*batch)
+    if batch is None:
+        trainer.idle_pass(backward=False)
+        return None
+    return trainer.logprobs(*batch)
 
 
 def _hf_buckets(trainer: MegatronTrainer, bucket_bytes: int, averaged: bool) -> int:
@@ -277,7 +282,8 @@ def _ranks(trainer: MegatronTrainer) -> dict:
 
     return {"tensor": parallel_state.get_tensor_model_parallel_rank(),
             "pipeline": parallel_state.get_pipeline_model_parallel_rank(),
-            "data": parallel_state.get_data_parallel_rank(), "num_params": trainer.num_params}
+            "data": parallel_state.get_data_parallel_rank(),
+            "expert": parallel_state.get_expert_model_parallel_rank(), "num_params": trainer.num_params}
 
 
 COMMANDS = {
@@ -654,14 +660,13 @@ class TrainerGroup:
         full = hf_to_megatron(state, self.spec)
         shards = {}
         for rank in range(self.world_size):
-            key = (self.ranks[rank]["tensor"], self.ranks[rank]["pipeline"])
+            key = _shard_key(self.ranks[rank])
             if key not in shards:
                 shards[key] = parallel.shard_state(full, self.spec, key[0], self.sizes.tensor, key[1],
-                                                   self.sizes.pipeline)
+                                                   self.sizes.pipeline, key[2], self.sizes.expert)
         del full
-        args = [(shards[(self.ranks[r]["tensor"], self.ranks[r]["pipeline"])], version)
-                for r in range(1, self.world_size)]
-        self._run("load_shard", args, lambda: self._trainer.load_shard(shards[(0, 0)], version))
+        args = [(shards[_shard_key(self.ranks[r])], version) for r in range(1, self.world_size)]
+        self._run("load_shard", args, lambda: self._trainer.load_shard(shards[(0, 0, 0)], version))
 
     def load_model_dir(self, model_dir: str | Path, version: int | None = None) -> None:
         self.load_hf_state_dict(load_hf_state_dict(Path(model_dir)), version)
@@ -795,14 +800,21 @@ class TrainerGroup:
                 proc.kill()
 
 
+def _shard_key(rank: Mapping[str, int]) -> tuple[int, int, int]:
+    """A rank's shard: its (tensor, pipeline, expert) ranks (`parallel.shard_rank`)."""
+    return (rank["tensor"], rank["pipeline"], rank["expert"])
+
+
 def _group_digest(ranks: Sequence[Mapping[str, int]], digests: Sequence[str]) -> str:
-    """One digest over the shards' digests, each (tensor, pipeline) shard once, in shard order."""
+    """One digest over the shards' digests, each (tensor, pipeline, expert) shard once, in shard order."""
     by_shard = {}
     for rank, digest in zip(ranks, digests):
-        by_shard.setdefault((rank["tensor"], rank["pipeline"]), digest)
+        by_shard.setdefault(_shard_key(rank), digest)
     combined = hashlib.sha256()
     for key in sorted(by_shard):
-        combined.update(f"tp{key[0]}.pp{key[1]}={by_shard[key]};".encode())
+        # Without expert parallelism the same text as before experts were split: digests stay comparable.
+        combined.update((f"tp{key[0]}.pp{key[1]}" + (f".ep{key[2]}" if key[2] else "") + f"={by_shard[key]};")
+                        .encode())
     return combined.hexdigest()
 
 

@@ -84,6 +84,7 @@ def train(trainer, data: int) -> dict:
         assert not result["skipped"]
         out["grad_norms"].append(result["grad_norm"])
     out["weights"] = trainer.hf_state_dict()
+    out["num_params"] = trainer.num_params
     return out
 
 
@@ -101,6 +102,7 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
                                                   expert_parallel=expert))
     try:
         out = train(group, data)
+        out["ranks"], out["lane_numels"] = group.ranks, list(group.lane_numels)
         buckets = list(group.iter_hf_buckets(bucket_bytes=BUCKET_BYTES))
         out["buckets"] = {"sizes": [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets],
                           "union": {k: v for b in buckets for k, v in b.items()}}

@@ -17,13 +17,15 @@ same updates. Any number of trainers may live in one process: the process group 
 set up once (a group of one unless the caller set up another) and shared.
 
 Several processes can make one trainer: each calls `gyre.engines.parallel.init_parallel` and then builds a
-MegatronTrainer as above. The trainer reads the tensor, pipeline and data sizes from megatron's parallel state and
-holds its rank's shard: megatron's parallel layers split the matrices (tensor), megatron's pipeline schedule runs
-the stages (pipeline, one micro-batch per call so `loss_fn` still sees the whole batch), and the gradients of the
-data-parallel replicas are summed over megatron's data-parallel group before a step (`reduce_grads`). The flat
+MegatronTrainer as above. The trainer reads the tensor, pipeline, data and expert sizes from megatron's parallel state
+and holds its rank's shard: megatron's parallel layers split the matrices (tensor), megatron's pipeline schedule runs
+the stages (pipeline, one micro-batch per call so `loss_fn` still sees the whole batch), megatron's MoE layer keeps
+its expert rank's experts and exchanges tokens with the other expert ranks (expert), and the gradients of the
+data-parallel replicas are summed over megatron's data-parallel group before a step, an expert's over its
+expert-data-parallel group (`reduce_grads`). The flat
 buffers then hold the rank's shard; `hf_state_dict` and `load_hf_state_dict` take and give whole models and are
 collectives (every rank of the trainer calls them). Every rank must call the compute methods with the same batch
-(data-parallel ranks with their own rows). One process is the size-1 case of the same code, which is how the cells
+(data-parallel ranks with their own rows; with expert parallelism a rank without rows calls `idle_pass`). One process is the size-1 case of the same code, which is how the cells
 use it today.
 
 Core attention is torch's scaled_dot_product_attention by default (memory linear in sequence length, so long

@@ -4,20 +4,22 @@ Layout. A `TrainerConfig` whose tensor * pipeline * data sizes exceed 1 makes a 
 (the core cell's) is global rank 0 and starts world_size - 1 worker processes (`python -m gyre.engines.trainer_group`,
 one per device: on CUDA rank r uses device r mod count). Every rank joins one torch.distributed group and megatron's
 `parallel_state` through `parallel.init_parallel` (gloo on CPU, NCCL on CUDA: the same code) and builds a
-`MegatronTrainer` holding its shard. Rank 0 is in data-parallel replica 0 at tensor and pipeline rank 0, which
-makes it the publishing rank of `MegatronTrainer.iter_hf_buckets`.
+`MegatronTrainer` holding its shard. Rank 0 is in data-parallel replica 0 at tensor, pipeline and expert rank 0,
+which makes it the publishing rank of `MegatronTrainer.iter_hf_buckets`.
 
 Driving. Each worker has one command pipe to rank 0 (a socket pair inherited at start; pickled (command, args)
 frames). A call on the group, under the group's lock (commands never interleave): rank 0 checks the inputs, sends
 the command to every worker (each its own arguments where they differ), runs its own part (the collectives meet
 there), then reads every worker's reply. Commands: `forward_backward` (the same batch on every rank of a replica;
-data-parallel replicas each get their share through `forward_backward_shares`, or replica 0 the whole batch),
+data-parallel replicas each get their share through `forward_backward_shares`, or replica 0 the whole batch; with
+expert parallelism a replica without rows takes `MegatronTrainer.idle_pass`, so its token exchanges meet),
 `logprobs`, `optimizer_step` (megatron's reductions, the global-norm clip, AdamW on every shard), `zero_grads`,
 `load_shard` (each rank gets only its shard of new weights), `hf_buckets` (every rank iterates the bucket gather in
 step; rank 0 receives each bucket, converts it to HF names and hands it on before the next is gathered, so no rank
 holds more than its shard plus one bucket), `save_part` / `load_part` (sharded checkpoints: each rank writes and
-restores its own file `core.tp<T>.pp<P>.pt` in the checkpoint folder, through runtime.checkpoint's atomic writes and
-checksums; data-parallel replica 0 writes, every replica reads), `reduce_lane` / `add_lane_sum` / `drop_lanes`
+restores its own file `core.tp<T>.pp<P>.pt`, `core.tp<T>.pp<P>.ep<E>.pt` with expert parallelism, in the checkpoint
+folder, through runtime.checkpoint's atomic writes and checksums; the first replica of each shard writes, every
+replica reads), `reduce_lane` / `add_lane_sum` / `drop_lanes`
 (gradient rounds between cells of one layout, lane by lane: rank g reduces its shard with rank g of the other cells
 over a group of its own, engines/grad_exchange.py; `reduce_lanes`), `shard_source` / `pull_shard` (each worker's
 own transfer agent with its shard registered; another cell of the same layout pulls shard g into its rank g:
@@ -357,7 +359,7 @@ class TrainerGroup:
                 raise TrainerGroupError(reason) from error
             raise
         log.info("trainer_group_ready", world_size=self.world_size, tensor=self.sizes.tensor,
-                 pipeline=self.sizes.pipeline, data=self.sizes.data, device=self.device.type,
+                 pipeline=self.sizes.pipeline, data=self.sizes.data, expert=self.sizes.expert, device=self.device.type,
                  shard_params=[r["num_params"] for r in self.ranks])
 
     # ---- processes ------------------------------------------------------------------------------------------

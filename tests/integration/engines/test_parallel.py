@@ -29,7 +29,7 @@ from gyre.engines.weight_convert import hf_to_megatron
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 TOL = 1e-5
-WORKER_TIMEOUT_S = 300  # two megatron imports and seven layouts take ~40 s on two busy cores; a hang fails the test
+WORKER_TIMEOUT_S = 300  # two megatron imports and eight layouts take ~50 s of CPU on two cores; a hang fails the test
 
 
 def free_port() -> int:

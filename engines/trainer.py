@@ -65,6 +65,14 @@ LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, Mapping[str, Any]]"]
 
 @attrs.frozen
 class TrainerConfig:
+    """How a trainer trains: AdamW settings, precision, device, and its parallel layout.
+
+    Layout: tensor_parallel * pipeline_parallel * data_parallel processes, one per device (world size 1 is the
+    in-process MegatronTrainer, more a TrainerGroup of engines/trainer_group.py). expert_parallel splits a qwen3_moe
+    model's experts over that many of the data-parallel ranks (it adds no process). `parallel` gives the sizes as
+    ParallelSizes; `check_parallel_fits` checks them against a model, a ConfigError naming what does not divide (KV
+    heads, layers, vocabulary, experts), as building a trainer does."""
+
     lr: float = 1e-4
     """AdamW learning rate (optimizer_step can override it for one step, for schedules)."""
     betas: tuple[float, float] = (0.9, 0.95)

@@ -2,8 +2,8 @@
 
 trainer_group_driver.py is rank 0, as a core cell's process is: it starts the group (two processes over gloo:
 tensor 2; marked slow, pipeline 2, data 2, the tied model at tensor 2, the MoE model at data 2, and expert
-parallelism: the MoE model at data 2 with expert 2, each rank half of the experts, and at data 4 with expert 2, four
-processes in two expert groups, each expert's gradient summed over its two replicas),
+parallelism: the MoE model at data 2 with expert 2, each rank half of the experts, at data 4 with expert 2, four
+processes in two expert groups, each expert's gradient summed over its two replicas, and at pipeline 2 with expert 2),
 trains three optimizer steps on Gyre's loss, publishes, and round-trips a sharded checkpoint; this file runs the same
 steps in one process (world size 1) and compares: log-probs, each step's loss and gradient norm, and the weights
 after the steps within 1e-5; the weights published bucket by bucket equal the group's whole weights exactly and
@@ -195,6 +195,16 @@ def test_expert_parallel_group_with_expert_replicas_trains_like_one_process(mode
     check_published_and_checkpoint(got, moe_reference)
     assert got["checkpoint"]["parts"] == ["core.tp0.pp0.ep0.pt", "core.tp0.pp0.ep1.pt"]  # written by ranks 0 and 1
     assert [(r["data"], r["expert"]) for r in got["ranks"]] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+
+
+@pytest.mark.slow
+def test_expert_parallel_pipeline_group_trains_like_one_process(models, moe_reference, tmp_path):
+    # Four ranks: pipeline 2, data 2, expert 2; each stage's experts split over its two data ranks.
+    got = run_driver(models, tmp_path / "records.pt", "moe_pp2_ep2")["moe_pp2_ep2"]
+    check_matches_one_process(got, moe_reference, "tiny-moe")
+    check_published_and_checkpoint(got, moe_reference)
+    assert got["checkpoint"]["parts"] == ["core.tp0.pp0.ep0.pt", "core.tp0.pp0.ep1.pt", "core.tp0.pp1.ep0.pt",
+                                          "core.tp0.pp1.ep1.pt"]
 
 
 def test_parallel_sizes_are_checked_as_the_config_is_built(model, models):

@@ -36,7 +36,7 @@ LAYOUTS = {  # name: (model, tensor, pipeline, data, expert)
     "tp2": ("untied", 2, 1, 1, 1), "pp2": ("untied", 1, 2, 1, 1), "dp2": ("untied", 1, 1, 2, 1),
     "tied_tp2": ("tied", 2, 1, 1, 1), "moe_dp2": ("moe", 1, 1, 2, 1),
     # Expert parallel: two ranks with four experts each; four ranks, two expert groups of two, each expert on two.
-    "moe_ep2": ("moe", 1, 1, 2, 2), "moe_dp4_ep2": ("moe", 1, 1, 4, 2),
+    "moe_ep2": ("moe", 1, 1, 2, 2), "moe_dp4_ep2": ("moe", 1, 1, 4, 2), "moe_pp2_ep2": ("moe", 1, 2, 2, 2),
 }
 
 

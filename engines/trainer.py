@@ -22,11 +22,11 @@ and holds its rank's shard: megatron's parallel layers split the matrices (tenso
 the stages (pipeline, one micro-batch per call so `loss_fn` still sees the whole batch), megatron's MoE layer keeps
 its expert rank's experts and exchanges tokens with the other expert ranks (expert), and the gradients of the
 data-parallel replicas are summed over megatron's data-parallel group before a step, an expert's over its
-expert-data-parallel group (`reduce_grads`). The flat
-buffers then hold the rank's shard; `hf_state_dict` and `load_hf_state_dict` take and give whole models and are
-collectives (every rank of the trainer calls them). Every rank must call the compute methods with the same batch
-(data-parallel ranks with their own rows; with expert parallelism a rank without rows calls `idle_pass`). One process is the size-1 case of the same code, which is how the cells
-use it today.
+expert-data-parallel group (`reduce_grads`). The flat buffers then hold the rank's shard; `hf_state_dict` and
+`load_hf_state_dict` take and give whole models and are collectives (every rank of the trainer calls them). Every
+rank must call the compute methods with the same batch (data-parallel ranks with their own rows; with expert
+parallelism a rank without rows calls `idle_pass`). One process is the size-1 case of the same code, which is how
+the cells use it today.
 
 Core attention is torch's scaled_dot_product_attention by default (memory linear in sequence length, so long
 agent trajectories fit); megatron's own DotProductAttention stays available as `core_attention="local"`. With
@@ -151,8 +151,8 @@ class TrainerConfig:
                 raise ConfigError(f"TrainerConfig.{name} must be an int >= 1, got {value!r}")
         if self.data_parallel % self.expert_parallel:
             raise ConfigError(f"TrainerConfig.expert_parallel={self.expert_parallel} does not divide data_parallel="
-                              f"{self.data_parallel}: megatron takes the expert-parallel ranks out of the data-parallel "
-                              "ones (the world is tensor * pipeline * data)")
+                              f"{self.data_parallel}: megatron takes the expert-parallel ranks out of the "
+                              "data-parallel ones (the world is tensor * pipeline * data)")
         if not (self.group_start_timeout_s > 0 and self.group_timeout_s > 0):
             raise ConfigError("group_start_timeout_s and group_timeout_s must be > 0")
         if self.precision not in PRECISIONS:

@@ -35,6 +35,14 @@ The shims:
 8. Without Transformer Engine, `transformer.moe.moe_utils` never defines `te_general_gemm` but its router GEMM
    tests `te_general_gemm is not None` (a NameError in megatron-core 0.16.1). CPU: define it as None, which
    selects the plain torch path that was meant.
+9. The all-to-all token dispatcher of expert parallelism (`transformer.moe.token_dispatcher`) makes a CUDA stream
+   when it is built (`torch.cuda.Stream()`) and copies its token counts to the host on that stream
+   (`torch.cuda.current_stream()`, `torch.cuda.stream(...)`, `record_event()`, `event.synchronize()`). CPU: the
+   module sees `_CpuTorch` too, whose `cuda` answers with a stream that stands for the CPU's one program order
+   (waits and events do nothing: every CPU op has finished when it returns). Its host copies go through
+   `maybe_move_tensor_to_cpu`, which leaves a CPU tensor as it is even where the caller asked for numpy; the split
+   sizes then reach `all_to_all_single` as tensors, which it refuses. CPU: the dispatcher's copy of that function
+   gives numpy for CPU tensors too, as the original does for CUDA ones.
 """
 
 from __future__ import annotations
@@ -96,14 +104,52 @@ def _cpu_device(device):
     return device
 
 
+class _CpuEvent:
+    """A CUDA event on the CPU: the work before it is done by the time anyone can ask (shim 9)."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+
+class _CpuStream:
+    """A CUDA stream on the CPU: the process's one program order (shim 9)."""
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda:
-    """torch.cuda as the pipeline code sees it on a machine without CUDA."""
+    """torch.cuda as the pipeline and MoE code sees it on a machine without CUDA."""
 
     def current_device(self) -> str:
         return "cpu"
 
     def synchronize(self, device=None) -> None:
         return None
+
+    def Stream(self, *args, **kwargs) -> _CpuStream:  # noqa: N802 (torch.cuda's name)
+        return _CPU_STREAM
+
+    def current_stream(self, device=None) -> _CpuStream:
+        return _CPU_STREAM
+
+    def stream(self, stream) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -125,6 +171,16 @@ class _CpuTorch:
 
             return factory
         return value
+
+
+def _cpu_move_to_cpu(original):
+    @functools.wraps(original)
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
 
 
 def _cpu_setup_embeddings(original):
@@ -178,14 +234,17 @@ def apply() -> bool:
     from megatron.core.transformer.moe import experts as moe_experts
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe import router as moe_router
+    from megatron.core.transformer.moe import token_dispatcher as moe_dispatcher
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    moe_dispatcher.maybe_move_tensor_to_cpu = _cpu_move_to_cpu(moe_dispatcher.maybe_move_tensor_to_cpu)
     cpu_torch = _CpuTorch()
-    for module in (schedules, p2p_communication, tp_mappings, tp_layers, moe_router, moe_experts, moe_utils):
+    for module in (schedules, p2p_communication, tp_mappings, tp_layers, moe_router, moe_experts, moe_utils,
+                   moe_dispatcher):
         module.torch = cpu_torch
     _applied = True
-    log.info("megatron_cpu_shims_applied", shims=8)
+    log.info("megatron_cpu_shims_applied", shims=9)
     return True
 
 

@@ -17,14 +17,16 @@ same updates. Any number of trainers may live in one process: the process group 
 set up once (a group of one unless the caller set up another) and shared.
 
 Several processes can make one trainer: each calls `gyre.engines.parallel.init_parallel` and then builds a
-MegatronTrainer as above. The trainer reads the tensor, pipeline and data sizes from megatron's parallel state and
-holds its rank's shard: megatron's parallel layers split the matrices (tensor), megatron's pipeline schedule runs
-the stages (pipeline, one micro-batch per call so `loss_fn` still sees the whole batch), and the gradients of the
-data-parallel replicas are summed over megatron's data-parallel group before a step (`reduce_grads`). The flat
-buffers then hold the rank's shard; `hf_state_dict` and `load_hf_state_dict` take and give whole models and are
-collectives (every rank of the trainer calls them). Every rank must call the compute methods with the same batch
-(data-parallel ranks with their own rows). One process is the size-1 case of the same code, which is how the cells
-use it today.
+MegatronTrainer as above. The trainer reads the tensor, pipeline, data and expert sizes from megatron's parallel state
+and holds its rank's shard: megatron's parallel layers split the matrices (tensor), megatron's pipeline schedule runs
+the stages (pipeline, one micro-batch per call so `loss_fn` still sees the whole batch), megatron's MoE layer keeps
+its expert rank's experts and exchanges tokens with the other expert ranks (expert), and the gradients of the
+data-parallel replicas are summed over megatron's data-parallel group before a step, an expert's over its
+expert-data-parallel group (`reduce_grads`). The flat buffers then hold the rank's shard; `hf_state_dict` and
+`load_hf_state_dict` take and give whole models and are collectives (every rank of the trainer calls them). Every
+rank must call the compute methods with the same batch (data-parallel ranks with their own rows; with expert
+parallelism a rank without rows calls `idle_pass`). One process is the size-1 case of the same code, which is how
+the cells use it today.
 
 Core attention is torch's scaled_dot_product_attention by default (memory linear in sequence length, so long
 agent trajectories fit); megatron's own DotProductAttention stays available as `core_attention="local"`. With
@@ -63,6 +65,14 @@ LossFn = Callable[[torch.Tensor], "tuple[torch.Tensor, Mapping[str, Any]]"]
 
 @attrs.frozen
 class TrainerConfig:
+    """How a trainer trains: AdamW settings, precision, device, and its parallel layout.
+
+    Layout: tensor_parallel * pipeline_parallel * data_parallel processes, one per device (world size 1 is the
+    in-process MegatronTrainer, more a TrainerGroup of engines/trainer_group.py). expert_parallel splits a qwen3_moe
+    model's experts over that many of the data-parallel ranks (it adds no process). `parallel` gives the sizes as
+    ParallelSizes; `check_parallel_fits` checks them against a model, a ConfigError naming what does not divide (KV
+    heads, layers, vocabulary, experts), as building a trainer does."""
+
     lr: float = 1e-4
     """AdamW learning rate (optimizer_step can override it for one step, for schedules)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -107,7 +117,11 @@ class TrainerConfig:
     data_parallel: int = 1
     """Data-parallel size: this many replicas train on their share of each micro-step's rows and sum gradients."""
     expert_parallel: int = 1
-    """Expert-parallel size for MoE models: must be 1 for now (experts are not split across processes yet)."""
+    """Expert-parallel size (qwen3_moe models): each sparse layer's experts are split over this many of the
+    data-parallel ranks, which send each token to the ranks of its experts and back (megatron's
+    expert_model_parallel_size and all-to-all token dispatcher). It must divide data_parallel and num_experts; the
+    world stays tensor * pipeline * data. E.g. data_parallel=2, expert_parallel=2: two processes, each with half of
+    the experts and its own rows; data_parallel=4, expert_parallel=2: four, each expert on two of them."""
     group_start_timeout_s: float = 300.0
     """A trainer of several processes (engines/trainer_group.py): how long its workers may take to start, import
     megatron, join the process group and build their shard before the group gives up naming the missing rank."""
@@ -117,9 +131,9 @@ class TrainerConfig:
 
     @property
     def parallel(self) -> "parallel.ParallelSizes":
-        """The tensor / pipeline / data sizes as `ParallelSizes` (world size = their product)."""
+        """The tensor / pipeline / data / expert sizes as `ParallelSizes` (world size = tensor * pipeline * data)."""
         return parallel.ParallelSizes(tensor=self.tensor_parallel, pipeline=self.pipeline_parallel,
-                                      data=self.data_parallel)
+                                      data=self.data_parallel, expert=self.expert_parallel)
 
     def check_parallel_fits(self, spec: ModelSpec) -> None:
         """Raise ConfigError unless the parallel sizes split `spec` evenly (ParallelSizes.check_fits)."""
@@ -127,16 +141,18 @@ class TrainerConfig:
             self.parallel.check_fits(spec)
         except TrainerError as error:
             raise ConfigError(f"TrainerConfig tensor_parallel={self.tensor_parallel} pipeline_parallel="
-                              f"{self.pipeline_parallel} does not split the model: {error}") from None
+                              f"{self.pipeline_parallel} data_parallel={self.data_parallel} expert_parallel="
+                              f"{self.expert_parallel} does not split the model: {error}") from None
 
     def __attrs_post_init__(self) -> None:
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel", "expert_parallel"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"TrainerConfig.{name} must be an int >= 1, got {value!r}")
-        if self.expert_parallel != 1:
-            raise ConfigError(f"TrainerConfig.expert_parallel={self.expert_parallel}: expert parallelism is not wired "
-                              "up yet (MoE models train with pipeline and data parallelism); use 1")
+        if self.data_parallel % self.expert_parallel:
+            raise ConfigError(f"TrainerConfig.expert_parallel={self.expert_parallel} does not divide data_parallel="
+                              f"{self.data_parallel}: megatron takes the expert-parallel ranks out of the "
+                              "data-parallel ones (the world is tensor * pipeline * data)")
         if not (self.group_start_timeout_s > 0 and self.group_timeout_s > 0):
             raise ConfigError("group_start_timeout_s and group_timeout_s must be > 0")
         if self.precision not in PRECISIONS:
@@ -275,7 +291,8 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
         batch_p2p_comm=False,
         # The loss a caller's loss_fn returns is used as is (Gyre's losses carry their own normalisation).
         calculate_per_token_loss=True,
-        **_moe_config(spec),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        **_moe_config(spec, parallel_state.get_expert_model_parallel_world_size()),
     )
     if spec.is_moe:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -308,7 +325,7 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0, core_attention: str = "sdpa"
     return model.to(device)
 
 
-def _moe_config(spec: ModelSpec) -> dict:
+def _moe_config(spec: ModelSpec, expert_parallel: int = 1) -> dict:
     """TransformerConfig fields of a Qwen3-MoE model (none for a dense one).
 
     Routing as transformers' Qwen3MoeSparseMoeBlock: with norm_topk_prob the top-k weights are renormalised, which
@@ -319,7 +336,15 @@ def _moe_config(spec: ModelSpec) -> dict:
     the rollout engines scored, and an auxiliary loss would pull the router away from the routing that produced
     them; pretrained MoE checkpoints arrive balanced, and short RL runs do not unbalance them much. Router replay
     (forcing the rollout's expert choice) is not done: the trainer recomputes routing from the same weights, so the
-    choice matches the engine's except where near-tied router logits flip under round-off."""
+    choice matches the engine's except where near-tied router logits flip under round-off.
+
+    Token dispatcher: without expert parallelism megatron's "allgather" one, which then exchanges nothing (the path
+    every MoE test ran first). With it, "alltoall": each rank sends each of its tokens only to the ranks of its
+    experts and gets the outputs back (all_to_all_single with per-rank counts, one all_gather of the counts), which
+    works over gloo as over NCCL: gloo has all_to_all_single with uneven splits and all_gather_into_tensor of equal
+    sizes, which is all it needs at tensor size 1. The "allgather" dispatcher would gather every rank's tokens to every
+    rank and needs equal token counts on the data-parallel ranks of an expert group (their rows differ), and "flex"
+    needs DeepEP or HybridEP kernels (CUDA only)."""
     if not spec.is_moe:
         return {}
     return dict(
@@ -332,7 +357,7 @@ def _moe_config(spec: ModelSpec) -> dict:
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type="alltoall" if expert_parallel > 1 else "allgather",
     )
 
 
@@ -353,6 +378,11 @@ def token_logprobs(
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     valid = (positions[None, :] >= 1) & (positions[None, :] < lengths[:, None])
     return torch.where(valid, out, torch.zeros_like(out))
+
+
+def _zero_loss(logprobs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A loss that depends on the log-probs with a zero gradient (MegatronTrainer.idle_pass)."""
+    return logprobs.sum() * 0.0, {}
 
 
 class MegatronTrainer:
@@ -394,8 +424,14 @@ class MegatronTrainer:
 
     def _flatten(self):
         named = [(n, p) for n, p in self.model.named_parameters()]
-        # Matrices first, then vectors: two contiguous runs, one optimizer group each (decay / no decay).
-        ordered = [x for x in named if x[1].dim() >= 2] + [x for x in named if x[1].dim() < 2]
+        # Matrices first, then vectors: two contiguous runs, one optimizer group each (decay / no decay). With expert
+        # parallelism the experts' matrices end the first run: their gradients are summed over another group than
+        # the dense ones' (reduce_grads), one contiguous range each. (Only then: at expert size 1 both groups are
+        # the same, and the layout, which checkpoints depend on, stays what it was.)
+        experts = self.sizes.expert > 1
+        ordered = ([x for x in named if x[1].dim() >= 2 and not (experts and parallel.is_expert_param(x[0]))]
+                   + [x for x in named if x[1].dim() >= 2 and experts and parallel.is_expert_param(x[0])]
+                   + [x for x in named if x[1].dim() < 2])
         total = sum(p.numel() for _, p in ordered)
         params = torch.zeros(total, dtype=torch.float32, device=self.device)
         grads = torch.zeros(total, dtype=torch.float32, device=self.device)
@@ -416,6 +452,10 @@ class MegatronTrainer:
             layout.append(ParamSlot(name, tuple(p.shape), offset, n))
             offset += n
         split = sum(p.numel() for _, p in ordered if p.dim() >= 2)
+        expert_slots = [slot for slot in layout if parallel.is_expert_param(slot.name)] if experts else []
+        self._expert_range = ((expert_slots[0].offset, expert_slots[-1].offset + expert_slots[-1].numel)
+                              if expert_slots else (split, split))
+        """[start, end) of the expert parameters in the flat buffers (empty without expert parallelism)."""
         matrices = torch.nn.Parameter(params[:split])
         vectors = torch.nn.Parameter(params[split:])
         matrices.grad, vectors.grad = grads[:split], grads[split:]
@@ -575,6 +615,21 @@ class MegatronTrainer:
         out["num_tokens"] = int(lengths.sum())
         return out
 
+    def idle_pass(self, backward: bool) -> None:
+        """Take part in a call that gave this rank no rows while its expert-parallel peers have some: one two-token
+        row runs through the model (and back with a zero loss when `backward`), so that every MoE layer's token
+        exchange, forward and backward, meets its peers' (megatron's dispatcher is a collective over the
+        expert-parallel group). It adds exactly zero to the gradients. A no-op without expert parallelism, where no
+        layer exchanges anything."""
+        if self.sizes.expert == 1:
+            return
+        ids = torch.zeros((1, 2), dtype=torch.long)
+        lengths = torch.tensor([2])
+        if backward:
+            self.forward_backward(ids, lengths, _zero_loss)
+        else:
+            self.logprobs(ids, lengths)
+
     # -- gradients ---------------------------------------------------------------------------------------------
 
     def grads_to_flat(self) -> torch.Tensor:
@@ -598,9 +653,11 @@ class MegatronTrainer:
 
     def reduce_grads(self) -> None:
         """Sum the gradients of the data-parallel replicas (megatron's data-parallel group, one all-reduce of the
-        flat buffer, as megatron's DDP does per bucket), the tensor ranks' parts of the QK-norm gradients, and, for a tied model split across pipeline stages, the two
-        copies of the embedding's gradient (megatron's embedding group). Idempotent until the gradients are zeroed;
-        `optimizer_step` calls it. A no-op in a single process."""
+        flat buffer, as megatron's DDP does per bucket; with expert parallelism the experts' range over megatron's
+        expert-data-parallel group instead, the ranks that hold the same experts, as megatron's DDP reduces its expert
+        buffer), the tensor ranks' parts of the QK-norm gradients, and, for a tied model split across pipeline stages,
+        the two copies of the embedding's gradient (megatron's embedding group). Idempotent until the gradients are
+        zeroed; `optimizer_step` calls it. A no-op in a single process."""
         if self._grads_reduced:
             return
         import torch.distributed as dist
@@ -614,8 +671,16 @@ class MegatronTrainer:
             dist.all_reduce(packed, group=parallel_state.get_tensor_model_parallel_group())
             for view, part in zip(views, packed.split([v.numel() for v in views])):
                 view.copy_(part)
+        start, end = self._expert_range
         if self.sizes.data > 1:
-            dist.all_reduce(self._grads, group=parallel_state.get_data_parallel_group())
+            # The dense parameters (everything but the expert range) over the data-parallel group.
+            for dense in (self._grads[:start], self._grads[end:]):
+                if dense.numel():
+                    dist.all_reduce(dense, group=parallel_state.get_data_parallel_group())
+        if self.sizes.expert_data > 1 and end > start:
+            # An expert's gradient already sums every token routed to it from its expert-parallel group (the
+            # dispatcher's backward brings them); its replicas in the other groups hold the rest.
+            dist.all_reduce(self._grads[start:end], group=parallel_state.get_expert_data_parallel_group())
         if self.spec.tie_word_embeddings and self.sizes.pipeline > 1 and parallel_state.is_rank_in_embedding_group():
             name = "embedding.word_embeddings.weight" if parallel_state.is_pipeline_first_stage() else \
                 "output_layer.weight"
@@ -625,9 +690,10 @@ class MegatronTrainer:
         self._grads_reduced = True
 
     def grad_norm(self) -> float:
-        """The global L2 norm of the (reduced) gradients: over this rank's shard, every tensor and pipeline rank,
-        each parameter counted once."""
-        if self.sizes.tensor == self.sizes.pipeline == 1:
+        """The global L2 norm of the (reduced) gradients: over this rank's shard, every tensor, pipeline and expert
+        rank, each parameter counted once (megatron's clip_grad_norm sums the dense and the expert parameters' squares
+        over their own model-parallel groups the same way)."""
+        if self.sizes.tensor == self.sizes.pipeline == self.sizes.expert == 1:
             # Squares summed in float64, a bounded chunk at a time: fp32's own norm of a large buffer is off by ~1e-4
             # relative (3.39034 against 3.39061 for the tiny model's 1.3M gradients), enough to set one process's
             # clipping apart from a tensor-parallel trainer's float64 sum over its shards.
@@ -636,11 +702,17 @@ class MegatronTrainer:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        dense = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert = torch.zeros((), dtype=torch.float64, device=self.device)
         for slot in self._norm_slots:
-            squares += self._grads[slot.offset : slot.offset + slot.numel].double().square().sum()
-        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-        return math.sqrt(float(squares))
+            part = expert if parallel.is_expert_param(slot.name) else dense
+            part += self._grads[slot.offset : slot.offset + slot.numel].double().square().sum()
+        # Dense weights: one copy per tensor x pipeline shard (every expert rank has its own, equal, copy). Experts:
+        # each on one rank of its tensor x expert x pipeline group.
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        if self.spec.is_moe:
+            dist.all_reduce(expert, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return math.sqrt(float(dense + expert))
 
     def optimizer_step(self, lr: float | None = None) -> dict:
         """Clip, apply AdamW, zero the gradients and bump the version. `lr` applies to this step only (a schedule
@@ -736,18 +808,14 @@ class MegatronTrainer:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        group = parallel_state.get_model_parallel_group()
-        return parallel_state.get_data_parallel_rank() == 0 and dist.get_rank() == dist.get_global_rank(group, 0)
+        group = parallel._shard_group()
+        return parallel.is_first_replica() and dist.get_rank() == dist.get_global_rank(group, 0)
 
     def load_hf_state_dict(self, state: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Load HF-named weights (optimizer moments are kept)."""
-        from megatron.core import parallel_state
-
-        converted = parallel.shard_state(
-            hf_to_megatron(state, self.spec), self.spec,
-            parallel_state.get_tensor_model_parallel_rank(), self.sizes.tensor,
-            parallel_state.get_pipeline_model_parallel_rank(), self.sizes.pipeline,
-        )
+        tp_rank, pp_rank, ep_rank = parallel.shard_rank()
+        converted = parallel.shard_state(hf_to_megatron(state, self.spec), self.spec, tp_rank, self.sizes.tensor,
+                                         pp_rank, self.sizes.pipeline, ep_rank, self.sizes.expert)
         self.load_shard(converted, version)
 
     def load_shard(self, converted: Mapping[str, torch.Tensor], version: int | None = None) -> None:

@@ -4,20 +4,22 @@ Layout. A `TrainerConfig` whose tensor * pipeline * data sizes exceed 1 makes a 
 (the core cell's) is global rank 0 and starts world_size - 1 worker processes (`python -m gyre.engines.trainer_group`,
 one per device: on CUDA rank r uses device r mod count). Every rank joins one torch.distributed group and megatron's
 `parallel_state` through `parallel.init_parallel` (gloo on CPU, NCCL on CUDA: the same code) and builds a
-`MegatronTrainer` holding its shard. Rank 0 is in data-parallel replica 0 at tensor and pipeline rank 0, which
-makes it the publishing rank of `MegatronTrainer.iter_hf_buckets`.
+`MegatronTrainer` holding its shard. Rank 0 is in data-parallel replica 0 at tensor, pipeline and expert rank 0,
+which makes it the publishing rank of `MegatronTrainer.iter_hf_buckets`.
 
 Driving. Each worker has one command pipe to rank 0 (a socket pair inherited at start; pickled (command, args)
 frames). A call on the group, under the group's lock (commands never interleave): rank 0 checks the inputs, sends
 the command to every worker (each its own arguments where they differ), runs its own part (the collectives meet
 there), then reads every worker's reply. Commands: `forward_backward` (the same batch on every rank of a replica;
-data-parallel replicas each get their share through `forward_backward_shares`, or replica 0 the whole batch),
+data-parallel replicas each get their share through `forward_backward_shares`, or replica 0 the whole batch; with
+expert parallelism a replica without rows takes `MegatronTrainer.idle_pass`, so its token exchanges meet),
 `logprobs`, `optimizer_step` (megatron's reductions, the global-norm clip, AdamW on every shard), `zero_grads`,
 `load_shard` (each rank gets only its shard of new weights), `hf_buckets` (every rank iterates the bucket gather in
 step; rank 0 receives each bucket, converts it to HF names and hands it on before the next is gathered, so no rank
 holds more than its shard plus one bucket), `save_part` / `load_part` (sharded checkpoints: each rank writes and
-restores its own file `core.tp<T>.pp<P>.pt` in the checkpoint folder, through runtime.checkpoint's atomic writes and
-checksums; data-parallel replica 0 writes, every replica reads), `reduce_lane` / `add_lane_sum` / `drop_lanes`
+restores its own file `core.tp<T>.pp<P>.pt`, `core.tp<T>.pp<P>.ep<E>.pt` with expert parallelism, in the checkpoint
+folder, through runtime.checkpoint's atomic writes and checksums; the first replica of each shard writes, every
+replica reads), `reduce_lane` / `add_lane_sum` / `drop_lanes`
 (gradient rounds between cells of one layout, lane by lane: rank g reduces its shard with rank g of the other cells
 over a group of its own, engines/grad_exchange.py; `reduce_lanes`), `shard_source` / `pull_shard` (each worker's
 own transfer agent with its shard registered; another cell of the same layout pulls shard g into its rank g:
@@ -124,15 +126,14 @@ def _tail(path: Path) -> str:
 # ---- what every rank runs for a command (rank 0 in the calling process, the others in `_worker_main`) ----------
 
 def save_part(trainer: MegatronTrainer, folder: str) -> tuple[Any, str]:
-    """This rank's checkpoint state into `folder/core.tp<T>.pp<P>.pt` (atomic, data-parallel replica 0 only).
-    Returns (its PartRecord or None where another replica writes, the state's digest)."""
-    from megatron.core import parallel_state
-
+    """This rank's checkpoint state into `folder/core.tp<T>.pp<P>[.ep<E>].pt` (atomic; only the first replica of each
+    shard writes, `parallel.is_first_replica`). Returns (its PartRecord or None where another replica writes, the
+    state's digest)."""
     from gyre.runtime.checkpoint import write_file_atomic
 
     state = trainer.checkpoint_state()
     digest = checkpoint_state_digest(state)
-    if parallel_state.get_data_parallel_rank() != 0:
+    if not parallel.is_first_replica():
         return None, digest
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -151,11 +152,17 @@ def load_part(trainer: MegatronTrainer, checkpoint_path: str) -> str:
 
 
 def _forward_backward(trainer: MegatronTrainer, share: tuple | None) -> dict | None:
-    return None if share is None else trainer.forward_backward(*share)
+    if share is None:  # no rows for this replica: with expert parallelism it still meets its peers' token exchanges
+        trainer.idle_pass(backward=True)
+        return None
+    return trainer.forward_backward(*share)
 
 
 def _logprobs(trainer: MegatronTrainer, batch: tuple | None) -> torch.Tensor | None:
-    return None if batch is None else trainer.logprobs(*batch)
+    if batch is None:
+        trainer.idle_pass(backward=False)
+        return None
+    return trainer.logprobs(*batch)
 
 
 def _hf_buckets(trainer: MegatronTrainer, bucket_bytes: int, averaged: bool) -> int:
@@ -277,7 +284,8 @@ def _ranks(trainer: MegatronTrainer) -> dict:
 
     return {"tensor": parallel_state.get_tensor_model_parallel_rank(),
             "pipeline": parallel_state.get_pipeline_model_parallel_rank(),
-            "data": parallel_state.get_data_parallel_rank(), "num_params": trainer.num_params}
+            "data": parallel_state.get_data_parallel_rank(),
+            "expert": parallel_state.get_expert_model_parallel_rank(), "num_params": trainer.num_params}
 
 
 COMMANDS = {
@@ -351,7 +359,7 @@ class TrainerGroup:
                 raise TrainerGroupError(reason) from error
             raise
         log.info("trainer_group_ready", world_size=self.world_size, tensor=self.sizes.tensor,
-                 pipeline=self.sizes.pipeline, data=self.sizes.data, device=self.device.type,
+                 pipeline=self.sizes.pipeline, data=self.sizes.data, expert=self.sizes.expert, device=self.device.type,
                  shard_params=[r["num_params"] for r in self.ranks])
 
     # ---- processes ------------------------------------------------------------------------------------------
@@ -654,14 +662,13 @@ class TrainerGroup:
         full = hf_to_megatron(state, self.spec)
         shards = {}
         for rank in range(self.world_size):
-            key = (self.ranks[rank]["tensor"], self.ranks[rank]["pipeline"])
+            key = _shard_key(self.ranks[rank])
             if key not in shards:
                 shards[key] = parallel.shard_state(full, self.spec, key[0], self.sizes.tensor, key[1],
-                                                   self.sizes.pipeline)
+                                                   self.sizes.pipeline, key[2], self.sizes.expert)
         del full
-        args = [(shards[(self.ranks[r]["tensor"], self.ranks[r]["pipeline"])], version)
-                for r in range(1, self.world_size)]
-        self._run("load_shard", args, lambda: self._trainer.load_shard(shards[(0, 0)], version))
+        args = [(shards[_shard_key(self.ranks[r])], version) for r in range(1, self.world_size)]
+        self._run("load_shard", args, lambda: self._trainer.load_shard(shards[(0, 0, 0)], version))
 
     def load_model_dir(self, model_dir: str | Path, version: int | None = None) -> None:
         self.load_hf_state_dict(load_hf_state_dict(Path(model_dir)), version)
@@ -795,14 +802,21 @@ class TrainerGroup:
                 proc.kill()
 
 
+def _shard_key(rank: Mapping[str, int]) -> tuple[int, int, int]:
+    """A rank's shard: its (tensor, pipeline, expert) ranks (`parallel.shard_rank`)."""
+    return (rank["tensor"], rank["pipeline"], rank["expert"])
+
+
 def _group_digest(ranks: Sequence[Mapping[str, int]], digests: Sequence[str]) -> str:
-    """One digest over the shards' digests, each (tensor, pipeline) shard once, in shard order."""
+    """One digest over the shards' digests, each (tensor, pipeline, expert) shard once, in shard order."""
     by_shard = {}
     for rank, digest in zip(ranks, digests):
-        by_shard.setdefault((rank["tensor"], rank["pipeline"]), digest)
+        by_shard.setdefault(_shard_key(rank), digest)
     combined = hashlib.sha256()
     for key in sorted(by_shard):
-        combined.update(f"tp{key[0]}.pp{key[1]}={by_shard[key]};".encode())
+        # Without expert parallelism the same text as before experts were split: digests stay comparable.
+        combined.update((f"tp{key[0]}.pp{key[1]}" + (f".ep{key[2]}" if key[2] else "") + f"={by_shard[key]};")
+                        .encode())
     return combined.hexdigest()
 
 

@@ -1,6 +1,7 @@
 """One rank of a two-process trainer, for test_parallel.py: run as `python3 parallel_worker.py RANK PORT OUT MODELS`.
 
-For each layout (tensor 2, pipeline 2, data 2; tied models at tensor 2 and pipeline 2; MoE at pipeline 2 and data 2) it joins megatron's
+For each layout (tensor 2, pipeline 2, data 2; tied models at tensor 2 and pipeline 2; MoE at pipeline 2, data 2 and
+expert 2: data 2 with each rank holding half of the experts) it joins megatron's
 parallel state over gloo, builds a MegatronTrainer, and records what the test compares with a one-process trainer:
 the loss, the full gradients after the reduction, the log-probs, and the full weights after three optimizer steps,
 gathered whole (`hf_state_dict`) and bucket by bucket (`iter_hf_buckets`, what a publisher sends).
@@ -14,14 +15,15 @@ import sys
 
 import torch
 
-LAYOUTS = {  # name: (model, tensor, pipeline, data)
-    "tp2": ("untied", 2, 1, 1),
-    "pp2": ("untied", 1, 2, 1),
-    "dp2": ("untied", 1, 1, 2),
-    "tied_tp2": ("tied", 2, 1, 1),
-    "tied_pp2": ("tied", 1, 2, 1),
-    "moe_pp2": ("moe", 1, 2, 1),
-    "moe_dp2": ("moe", 1, 1, 2),
+LAYOUTS = {  # name: (model, tensor, pipeline, data, expert)
+    "tp2": ("untied", 2, 1, 1, 1),
+    "pp2": ("untied", 1, 2, 1, 1),
+    "dp2": ("untied", 1, 1, 2, 1),
+    "tied_tp2": ("tied", 2, 1, 1, 1),
+    "tied_pp2": ("tied", 1, 2, 1, 1),
+    "moe_pp2": ("moe", 1, 2, 1, 1),
+    "moe_dp2": ("moe", 1, 1, 2, 1),
+    "moe_ep2": ("moe", 1, 1, 2, 2),
 }
 STEPS = 3
 BUCKET_BYTES = 1 << 20
@@ -84,10 +86,10 @@ def main() -> None:
     from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 
     records = {}
-    for name, (model, tensor, pipeline, data) in LAYOUTS.items():
-        init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", ParallelSizes(tensor, pipeline, data))
+    for name, (model, tensor, pipeline, data, expert) in LAYOUTS.items():
+        init_parallel(rank, 2, f"tcp://127.0.0.1:{port}", ParallelSizes(tensor, pipeline, data, expert))
         trainer = MegatronTrainer(models[model], TrainerConfig(lr=LR))
-        assert (trainer.sizes.tensor, trainer.sizes.pipeline, trainer.sizes.data) == (tensor, pipeline, data)
+        assert trainer.sizes == ParallelSizes(tensor, pipeline, data, expert)
         records[name] = run_layout(trainer, rank, data)
     if rank == 0:
         torch.save(records, out)

@@ -6,8 +6,9 @@ and the weights after three AdamW steps within 1e-5. The steps use TrainerConfig
 gradient by its own running scale, so an element whose gradient is near zero moves by up to lr whatever its size,
 and the 1e-7 round-off by which a tensor-parallel sum differs from a one-process one can flip such a move (at lr 1e-3
 the tensor-parallel weights differ by 5e-5 after three steps; at 1e-4 by 5e-6). Tied models run at tensor 2 and pipeline 2 too (at pipeline 2
-the tied embedding lives on both stages and its gradient is summed across them), and the MoE model at pipeline 2
-and data 2 (tensor parallelism of experts is not wired up; ParallelSizes refuses it).
+the tied embedding lives on both stages and its gradient is summed across them), and the MoE model at pipeline 2,
+data 2 and expert 2 (each rank half of the experts, tokens exchanged by megatron's all-to-all dispatcher; tensor
+parallelism of experts is not wired up and ParallelSizes refuses it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gyre.engines.weight_convert import hf_to_megatron
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 TOL = 1e-5
-WORKER_TIMEOUT_S = 300  # two megatron imports and seven layouts take ~40 s on two busy cores; a hang fails the test
+WORKER_TIMEOUT_S = 300  # two megatron imports and eight layouts take ~50 s of CPU on two cores; a hang fails the test
 
 
 def free_port() -> int:
@@ -93,7 +94,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2", "moe_pp2", "moe_dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2", "moe_pp2", "moe_dp2", "moe_ep2"])
 def test_two_process_layout_matches_one_process(records, reference, layout):
     got = records[layout]
     want = reference[layout.split("_")[0] if "_" in layout else "untied"]
@@ -106,7 +107,7 @@ def test_two_process_layout_matches_one_process(records, reference, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2", "moe_pp2", "moe_dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tied_tp2", "tied_pp2", "moe_pp2", "moe_dp2", "moe_ep2"])
 def test_weights_are_published_bucket_by_bucket_never_the_whole_model_at_once(records, layout):
     got = records[layout]
     buckets, whole = got["buckets"], got["weights"]
@@ -157,6 +158,33 @@ def test_shards_put_back_together_exactly(preset, tp, pp):
                            shards[(0, 0)]["embedding.word_embeddings.weight"])
 
 
+@pytest.mark.parametrize("pp,ep", [(1, 2), (2, 2), (1, 4), (1, 8)])
+def test_expert_shards_put_back_together_exactly(pp, ep):
+    spec = PRESETS["tiny-moe"]  # 8 experts in layers 1-3 (layer 0 is dense)
+    full = hf_to_megatron(init_state_dict(spec, seed=4), spec)
+    shards = {(0, p, e): shard_state(full, spec, 0, 1, p, pp, e, ep) for p in range(pp) for e in range(ep)}
+    per_rank, per_stage = spec.num_experts // ep, spec.num_layers // pp
+    for (_, p, e), shard in shards.items():
+        experts = {k for k in shard if ".local_experts." in k}
+        # Its experts of each of its stage's sparse layers, numbered from 0 as megatron's local experts are ...
+        sparse = [i for i in range(p * per_stage, (p + 1) * per_stage) if spec.is_sparse_layer(i)]
+        assert len(experts) == 2 * per_rank * len(sparse)
+        for i in sparse:
+            local = i - p * per_stage
+            for n in range(per_rank):
+                fc1 = f"decoder.layers.{local}.mlp.experts.local_experts.{n}.linear_fc1.weight"
+                # ... and global expert e * per_rank + n of the full model.
+                want = f"decoder.layers.{i}.mlp.experts.local_experts.{e * per_rank + n}.linear_fc1.weight"
+                assert torch.equal(shard[fc1], full[want])
+        # Every dense weight (the router too) is whole on every expert rank.
+        dense = {k for k in shard if k not in experts}
+        assert dense == {k for k in shards[(0, p, 0)] if ".local_experts." not in k}
+        assert all(torch.equal(shard[k], shards[(0, p, 0)][k]) for k in dense)
+    back = unshard_state(shards, spec, 1, pp, ep)
+    assert back.keys() == full.keys()
+    assert all(torch.equal(back[k], full[k]) for k in full)
+
+
 def test_gated_mlp_shard_holds_matching_gate_and_up_rows():
     spec = PRESETS["tiny"]
     full = hf_to_megatron(init_state_dict(spec, seed=4), spec)
@@ -175,3 +203,14 @@ def test_sizes_that_do_not_split_the_model_are_refused():
         ParallelSizes(pipeline=3).check_fits(PRESETS["tiny"])  # 4 layers over 3 stages
     with pytest.raises(TrainerError):
         ParallelSizes(data=0)
+    with pytest.raises(TrainerError, match="num_experts 8 is not a multiple of expert size 3"):
+        ParallelSizes(data=3, expert=3).check_fits(PRESETS["tiny-moe"])
+    with pytest.raises(TrainerError, match="expert size 2 needs a qwen3_moe model; this one is dense"):
+        ParallelSizes(data=2, expert=2).check_fits(PRESETS["tiny"])
+    with pytest.raises(TrainerError, match="data size 2 is not a multiple of expert size 4"):
+        ParallelSizes(data=2, expert=4).check_fits(PRESETS["tiny-moe"])
+    with pytest.raises(TrainerError, match="expert parallel size must be an int >= 1"):
+        ParallelSizes(expert=0)
+    sizes = ParallelSizes(data=4, expert=2)
+    sizes.check_fits(PRESETS["tiny-moe"])
+    assert (sizes.world_size, sizes.expert_data) == (4, 2)  # the expert ranks are data-parallel ones

@@ -1,7 +1,9 @@
 """A trainer of several processes driven from one (engines/trainer_group.py) against the in-process trainer, fp32.
 
 trainer_group_driver.py is rank 0, as a core cell's process is: it starts the group (two processes over gloo:
-tensor 2; marked slow, pipeline 2, data 2, the tied model at tensor 2 and the MoE model at data 2),
+tensor 2; marked slow, pipeline 2, data 2, the tied model at tensor 2, the MoE model at data 2, and expert
+parallelism: the MoE model at data 2 with expert 2, each rank half of the experts, at data 4 with expert 2, four
+processes in two expert groups, each expert's gradient summed over its two replicas, and at pipeline 2 with expert 2),
 trains three optimizer steps on Gyre's loss, publishes, and round-trips a sharded checkpoint; this file runs the same
 steps in one process (world size 1) and compares: log-probs, each step's loss and gradient norm, and the weights
 after the steps within 1e-5; the weights published bucket by bucket equal the group's whole weights exactly and
@@ -82,6 +84,11 @@ def one_process(model: str) -> dict:
 @pytest.fixture(scope="module")
 def reference(model) -> dict:
     return one_process(model)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(models) -> dict:
+    return one_process(models["moe"])
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -169,14 +176,55 @@ def test_tied_and_moe_groups_train_like_one_process(models, tmp_path):
         check_published_and_checkpoint(got[layout], want)
 
 
-def test_parallel_sizes_are_checked_as_the_config_is_built(model):
+@pytest.mark.slow
+def test_expert_parallel_group_trains_like_one_process(models, moe_reference, tmp_path):
+    got = run_driver(models, tmp_path / "records.pt", "moe_ep2")["moe_ep2"]
+    check_matches_one_process(got, moe_reference, "tiny-moe")
+    check_published_and_checkpoint(got, moe_reference)
+    assert got["checkpoint"]["parts"] == ["core.tp0.pp0.ep0.pt", "core.tp0.pp0.ep1.pt"]  # one file per expert shard
+    assert [r["expert"] for r in got["ranks"]] == [0, 1]
+    assert max(got["lane_numels"]) < moe_reference["num_params"]  # each rank holds only its half of the experts
+
+
+@pytest.mark.slow
+def test_expert_parallel_group_with_expert_replicas_trains_like_one_process(models, moe_reference, tmp_path):
+    # Four ranks: data 4, expert 2. Megatron's expert groups are ranks {0, 1} and {2, 3}; an expert's replicas
+    # (its expert-data-parallel group) {0, 2} or {1, 3}: a sum over the data-parallel group would count it twice.
+    got = run_driver(models, tmp_path / "records.pt", "moe_dp4_ep2")["moe_dp4_ep2"]
+    check_matches_one_process(got, moe_reference, "tiny-moe")
+    check_published_and_checkpoint(got, moe_reference)
+    assert got["checkpoint"]["parts"] == ["core.tp0.pp0.ep0.pt", "core.tp0.pp0.ep1.pt"]  # written by ranks 0 and 1
+    assert [(r["data"], r["expert"]) for r in got["ranks"]] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+
+
+@pytest.mark.slow
+def test_expert_parallel_pipeline_group_trains_like_one_process(models, moe_reference, tmp_path):
+    # Four ranks: pipeline 2, data 2, expert 2; each stage's experts split over its two data ranks.
+    got = run_driver(models, tmp_path / "records.pt", "moe_pp2_ep2")["moe_pp2_ep2"]
+    check_matches_one_process(got, moe_reference, "tiny-moe")
+    check_published_and_checkpoint(got, moe_reference)
+    assert got["checkpoint"]["parts"] == ["core.tp0.pp0.ep0.pt", "core.tp0.pp0.ep1.pt", "core.tp0.pp1.ep0.pt",
+                                          "core.tp0.pp1.ep1.pt"]
+
+
+def test_parallel_sizes_are_checked_as_the_config_is_built(model, models):
+    from gyre.engines.parallel import ParallelSizes
     from gyre.engines.trainer import TrainerConfig
     from gyre.engines.trainer_group import TrainerGroup, TrainerGroupError, build_trainer
     from gyre.runtime.errors import ConfigError
 
-    for bad in ({"tensor_parallel": 0}, {"data_parallel": 1.5}, {"expert_parallel": 2}):
+    for bad in ({"tensor_parallel": 0}, {"data_parallel": 1.5}, {"expert_parallel": 0}):
         with pytest.raises(ConfigError):
             TrainerConfig(**bad)
+    with pytest.raises(ConfigError, match="expert_parallel=2 does not divide data_parallel=1"):
+        TrainerConfig(expert_parallel=2)
+    with pytest.raises(ConfigError, match="num_experts 8 is not a multiple of expert size 3"):
+        TrainerConfig(data_parallel=3, expert_parallel=3).check_parallel_fits(PRESETS["tiny-moe"])
+    with pytest.raises(ConfigError, match="expert size 2 needs a qwen3_moe model; this one is dense"):
+        build_trainer(model, TrainerConfig(data_parallel=2, expert_parallel=2))  # refused before any process starts
+    with pytest.raises(ConfigError, match="a qwen3_moe model trains at tensor size 1 only"):
+        build_trainer(models["moe"], TrainerConfig(tensor_parallel=2, data_parallel=2, expert_parallel=2))
+    assert TrainerConfig(data_parallel=4, expert_parallel=2).parallel == ParallelSizes(data=4, expert=2)
     with pytest.raises(ConfigError, match="num_kv_heads 2 is not a multiple of tensor size 4"):
         TrainerConfig(tensor_parallel=4).check_parallel_fits(PRESETS["tiny"])
     with pytest.raises(ConfigError, match="num_layers 4 is not a multiple of pipeline size 3"):

@@ -32,9 +32,11 @@ LR = 5e-5
 tensor-parallel sum and a one-process one can flip such a move (see test_parallel.py): at 1e-4 the weights after three
 GSPO steps differ by 1.1e-5, at 5e-5 by half that."""
 BUCKET_BYTES = 1 << 20
-LAYOUTS = {  # name: (model, tensor, pipeline, data)
-    "tp2": ("untied", 2, 1, 1), "pp2": ("untied", 1, 2, 1), "dp2": ("untied", 1, 1, 2),
-    "tied_tp2": ("tied", 2, 1, 1), "moe_dp2": ("moe", 1, 1, 2),
+LAYOUTS = {  # name: (model, tensor, pipeline, data, expert)
+    "tp2": ("untied", 2, 1, 1, 1), "pp2": ("untied", 1, 2, 1, 1), "dp2": ("untied", 1, 1, 2, 1),
+    "tied_tp2": ("tied", 2, 1, 1, 1), "moe_dp2": ("moe", 1, 1, 2, 1),
+    # Expert parallel: two ranks with four experts each; four ranks, two expert groups of two, each expert on two.
+    "moe_ep2": ("moe", 1, 1, 2, 2), "moe_dp4_ep2": ("moe", 1, 1, 4, 2), "moe_pp2_ep2": ("moe", 1, 2, 2, 2),
 }
 
 
@@ -82,6 +84,7 @@ def train(trainer, data: int) -> dict:
         assert not result["skipped"]
         out["grad_norms"].append(result["grad_norm"])
     out["weights"] = trainer.hf_state_dict()
+    out["num_params"] = trainer.num_params
     return out
 
 
@@ -93,11 +96,13 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
     from gyre.engines.weight_buckets import write_safetensors
     from gyre.runtime.checkpoint import commit, staging_dir
 
-    _, tensor, pipeline, data = LAYOUTS[name]
+    _, tensor, pipeline, data, expert = LAYOUTS[name]
     group = TrainerGroup(model_dir, TrainerConfig(lr=LR, num_threads=1, tensor_parallel=tensor,
-                                                  pipeline_parallel=pipeline, data_parallel=data))
+                                                  pipeline_parallel=pipeline, data_parallel=data,
+                                                  expert_parallel=expert))
     try:
         out = train(group, data)
+        out["ranks"], out["lane_numels"] = group.ranks, list(group.lane_numels)
         buckets = list(group.iter_hf_buckets(bucket_bytes=BUCKET_BYTES))
         out["buckets"] = {"sizes": [sum(t.numel() * t.element_size() for t in b.values()) for b in buckets],
                           "union": {k: v for b in buckets for k, v in b.items()}}

@@ -1,5 +1,6 @@
 """A satellite whose trainer spans processes joins a parallel core's step, for test_parallel_satellite.py:
-`python3 parallel_satellite_driver.py MODEL OUT LAYOUT` (LAYOUT: tp2 or dp2).
+`python3 parallel_satellite_driver.py MODEL OUT LAYOUT` (LAYOUT: tp2, dp2, or moe_ep2 for a MoE model: data 2 and
+expert 2, each rank half of the experts).
 
 This process is the core cell's: its TrainerHost (the cell's trainer side, actors/cells/train_role.py) holds a
 TrainerGroup of two processes over gloo, real Mooncake agents register its buffers. It first trains one step alone
@@ -30,7 +31,8 @@ from gyre.messages.gradient_rounds import GradientsHeld, JoinReduction
 from gyre.messages.samples import TrainingSample
 
 LR = 5e-5  # see tests/integration/engines/trainer_group_driver.py on Adam and round-off
-LAYOUTS = {"tp2": dict(tensor_parallel=2), "dp2": dict(data_parallel=2)}
+LAYOUTS = {"tp2": dict(tensor_parallel=2), "dp2": dict(data_parallel=2),
+           "moe_ep2": dict(data_parallel=2, expert_parallel=2)}
 MICROSTEPS = 2
 """Micro-steps of the step: 0 on the core, 1 on the satellite (the reference computes both on the core)."""
 

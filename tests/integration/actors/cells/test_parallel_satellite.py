@@ -8,7 +8,8 @@ own shard's bytes). Checked: the joined step's loss, gradient norm and weights e
 (fp32) and a one-process trainer's on the same step; the core counted the satellite's micro-step; each side moved
 exactly its shards' bytes (no rank receives the whole model); a satellite of another layout refuses the round; the
 satellite then pulls the new weights shard by shard (each rank from the core's rank of the same place) and holds
-exactly the core's, and a stale version is refused.
+exactly the core's, and a stale version is refused. The same with an expert-parallel MoE core (data 2, expert 2): lane
+g carries rank g's dense weights and its half of the experts.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def one_process(model) -> dict:
+    return reference_step(model)
+
+
+def reference_step(model: str) -> dict:
     """The same step on an in-process trainer (world size 1), both micro-steps."""
     from gyre.engines.trainer import MegatronTrainer, TrainerConfig
     from gyre.policies.loss import loss_from_samples, pack_samples
@@ -111,3 +116,13 @@ def test_a_satellite_joins_a_tensor_parallel_cores_step(model, tmp_path, one_pro
 @pytest.mark.slow
 def test_a_satellite_joins_a_data_parallel_cores_step(model, tmp_path, one_process):
     check(run_driver(model, tmp_path, "dp2"), one_process, (1, 1, 2))
+
+
+@pytest.mark.slow
+def test_a_satellite_joins_an_expert_parallel_cores_step(tmp_path):
+    path = init_model_dir(tmp_path / "tiny-moe", "tiny-moe", seed=0)
+    save_hf_state_dict(path, init_state_dict(PRESETS["tiny-moe"], seed=31, std=0.05))
+    want = reference_step(str(path))
+    records = run_driver(str(path), tmp_path, "moe_ep2")
+    check(records, want, (1, 1, 2))
+    assert max(records["joined"]["lane_numels"]) < want["numel"]  # each lane: the dense weights and half the experts

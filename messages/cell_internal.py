@@ -17,7 +17,7 @@ from __future__ import annotations
 from gyre.messages._define import message
 
 
-@message("gyre.cell_internal.WeightSource", version=2)
+@message("gyre.cell_internal.WeightSource", version=3)
 class WeightSource:
     """Core -> weight broker (tell, at start); broker -> cell (reply to WeightsQuery): where to pull weights from."""
 
@@ -43,8 +43,8 @@ class WeightSource:
     """A core whose trainer spans processes: every global rank's parameter shard (Mooncake peer, address, bytes),
     rank 0 first (the buffer above is rank 0's shard and the layout its own); a satellite of the same layout pulls
     shard g into its rank g. () for a one-process core."""
-    layout: tuple[int, int, int] = (1, 1, 1)
-    """The core's training layout (tensor, pipeline, data sizes)."""
+    layout: tuple[int, int, int, int] = (1, 1, 1, 1)
+    """The core's training layout (tensor, pipeline, data, expert sizes)."""
 
 
 @message("gyre.cell_internal.WeightsQuery")

@@ -31,7 +31,7 @@ class GradientsHeld:
     satellite either counts it or hands it back, so a report older than the satellite's last round is void."""
 
 
-@message("gyre.gradient_rounds.JoinReduction", version=2)
+@message("gyre.gradient_rounds.JoinReduction", version=3)
 class JoinReduction:
     """Core -> satellite: bring the gradients you hold to round `round_id` (group `group_id`, this rank)."""
 
@@ -50,8 +50,8 @@ class JoinReduction:
     numel: int
     """Elements of the flat gradient buffer (a satellite that holds no trainer any more joins with zeros); of global
     rank 0's shard when the core's trainer spans several processes."""
-    layout: tuple[int, int, int] = (1, 1, 1)
-    """The core's training layout (tensor, pipeline, data sizes): a member must train the same one."""
+    layout: tuple[int, int, int, int] = (1, 1, 1, 1)
+    """The core's training layout (tensor, pipeline, data, expert sizes): a member must train the same one."""
     lane_numels: tuple[int, ...] = ()
     """Elements of each global rank's gradient buffer (lane g reduces rank g's shard of every cell); () is
     `(numel,)`, one lane."""

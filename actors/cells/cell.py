@@ -121,9 +121,9 @@ class CellConfig:
     engine_server: EngineServerConfig = EngineServerConfig()
     """Kinds "server" and "url": the command line (preset, extra arguments) or URL, start and stop limits."""
     trainer: TrainerConfig = TrainerConfig()
-    """The trainer's optimizer settings and training layout (tensor/pipeline/data sizes: above 1, a TrainerGroup of
-    several processes). The cells of a step share one layout: a satellite's must be the core's (its rounds and
-    weight pulls go shard by shard, and refuse another layout)."""
+    """The trainer's optimizer settings and training layout (tensor/pipeline/data/expert sizes: above 1, a
+    TrainerGroup of several processes). The cells of a step share one layout: a satellite's must be the core's (its
+    rounds and weight pulls go shard by shard, and refuse another layout)."""
     claimer: str = "claimer"
     """Actor name of the micro-step claimer."""
     migrator: str = "kv_migrator"

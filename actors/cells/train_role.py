@@ -153,10 +153,10 @@ class TrainerHost:
         return self.params.numel()
 
     @property
-    def layout(self) -> tuple[int, int, int]:
-        """The training layout (tensor, pipeline, data): every cell of a round must share it."""
+    def layout(self) -> tuple[int, int, int, int]:
+        """The training layout (tensor, pipeline, data, expert): every cell of a round must share it."""
         sizes = self.trainer.sizes
-        return (sizes.tensor, sizes.pipeline, sizes.data)
+        return (sizes.tensor, sizes.pipeline, sizes.data, sizes.expert)
 
     @property
     def lane_numels(self) -> tuple[int, ...]:
@@ -285,17 +285,17 @@ def sum_bytes(lanes: Sequence[ReductionBytes]) -> ReductionBytes:
 
 
 def _layout_name(layout: Sequence[int]) -> str:
-    return "tp{}.pp{}.dp{}".format(*layout)
+    return "tp{}.pp{}.dp{}.ep{}".format(*layout)
 
 
-def check_layout(join: JoinReduction, layout: tuple[int, int, int], lane_numels: Sequence[int]) -> None:
+def check_layout(join: JoinReduction, layout: tuple[int, int, int, int], lane_numels: Sequence[int]) -> None:
     """A member's trainer must have the core's training layout and, lane by lane, its buffer sizes: shard g of every
     cell reduces with shard g of the others. Raises GradientBufferError naming the difference."""
     if tuple(join.layout) != tuple(layout):
         raise GradientBufferError(
             f"round {join.round_id}: the core trains {_layout_name(join.layout)}, this cell {_layout_name(layout)}; "
-            "the cells of a step share one training layout (every satellite's TrainerConfig tensor/pipeline/data "
-            "sizes must be the core's)")
+            "the cells of a step share one training layout (every satellite's TrainerConfig tensor/pipeline/data/"
+            "expert sizes must be the core's)")
     want = tuple(join.lane_numels) or (join.numel,)
     if tuple(lane_numels) != want:
         raise GradientBufferError(f"round {join.round_id} reduces lanes of {list(want)} elements; this trainer's "

@@ -68,7 +68,7 @@ class WeightLayoutError(ActorError, ValueError):
 
 def source_from_layout(
     cell: str, version: int, peer: str, params: torch.Tensor, fence: torch.Tensor, layout: Sequence[Any],
-    shards: Sequence[tuple[str, int, int]] = (), training_layout: tuple[int, int, int] = (1, 1, 1),
+    shards: Sequence[tuple[str, int, int]] = (), training_layout: tuple[int, int, int, int] = (1, 1, 1, 1),
 ) -> WeightSource:
     """The WeightSource of a trainer's flat buffer `params` (layout: the trainer's ParamSlot records); a trainer of
     several processes adds every rank's shard (`TrainerGroup.shard_sources`) and its training layout."""
@@ -100,8 +100,10 @@ def pull_weights(agent: Any, source: WeightSource, into: torch.Tensor, scratch: 
     after the copy (the bytes in `into` are then not that version), TransferError when Mooncake fails,
     WeightLayoutError when `into` is not the source's size.
     """
-    if len(source.shards) > 1 and tuple(source.layout[:2]) != (1, 1):
+    tensor, pipeline, _, expert = source.layout
+    if len(source.shards) > 1 and (tensor, pipeline, expert) != (1, 1, 1):
         # Data parallel alone keeps a whole replica on every rank: rank 0's buffer (the one above) is the model.
+        # Expert parallelism takes its ranks out of the data-parallel ones, so then rank 0 holds only its experts.
         raise WeightLayoutError(
             f"the core's weights are sharded over {len(source.shards)} ranks ({_layout_name(source.layout)}): a "
             "one-process trainer or staging buffer cannot pull them whole (the cells of a step share one training "
@@ -120,10 +122,10 @@ def pull_weights(agent: Any, source: WeightSource, into: torch.Tensor, scratch: 
 
 
 def _layout_name(layout: Sequence[int]) -> str:
-    return "tp{}.pp{}.dp{}".format(*layout)
+    return "tp{}.pp{}.dp{}.ep{}".format(*layout)
 
 
-def pull_weight_shards(agent: Any, source: WeightSource, trainer: Any, layout: tuple[int, int, int],
+def pull_weight_shards(agent: Any, source: WeightSource, trainer: Any, layout: tuple[int, int, int, int],
                        lane_numels: Sequence[int], scratch: torch.Tensor) -> int:
     """A trainer of several processes (`trainer`: a TrainerGroup) pulls the core's weights of `source.version`, every
     rank its own shard from the core's rank of the same place (`TrainerGroup.pull_shards`, all ranks at once), between

@@ -142,7 +142,7 @@ def with_satellite(model_dir: str, layout: str, satellite: subprocess.Popen) -> 
         joined = hear(satellite)
         core.add_reduced()
         # A core of one process asks it to join: refused before any byte moves (the core's side is not run).
-        tell(satellite, JoinReduction(2, 2, 1, 2, core.address, core.rendezvous.port, 1000, (1, 1, 1), (1000,)))
+        tell(satellite, JoinReduction(2, 2, 1, 2, core.address, core.rendezvous.port, 1000, (1, 1, 1, 1), (1000,)))
         refused = hear(satellite)
         metrics.append({"loss": counted[0].loss})
         out = applied(core, metrics, core.apply_step())

@@ -82,7 +82,7 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def check(records: dict, one_process: dict, layout: tuple[int, int, int]) -> None:
+def check(records: dict, one_process: dict, layout: tuple[int, int, int, int]) -> None:
     alone, joined = records["alone"], records["joined"]
     assert alone["version"] == joined["version"] == 1 and not alone["skipped"] and not joined["skipped"]
     assert max_diff(one_process["weights"], one_process["start"]) > 5 * TOL  # the step moved the weights
@@ -110,12 +110,12 @@ def check(records: dict, one_process: dict, layout: tuple[int, int, int]) -> Non
 
 @pytest.mark.slow
 def test_a_satellite_joins_a_tensor_parallel_cores_step(model, tmp_path, one_process):
-    check(run_driver(model, tmp_path, "tp2"), one_process, (2, 1, 1))
+    check(run_driver(model, tmp_path, "tp2"), one_process, (2, 1, 1, 1))
 
 
 @pytest.mark.slow
 def test_a_satellite_joins_a_data_parallel_cores_step(model, tmp_path, one_process):
-    check(run_driver(model, tmp_path, "dp2"), one_process, (1, 1, 2))
+    check(run_driver(model, tmp_path, "dp2"), one_process, (1, 1, 2, 1))
 
 
 @pytest.mark.slow
@@ -124,5 +124,5 @@ def test_a_satellite_joins_an_expert_parallel_cores_step(tmp_path):
     save_hf_state_dict(path, init_state_dict(PRESETS["tiny-moe"], seed=31, std=0.05))
     want = reference_step(str(path))
     records = run_driver(str(path), tmp_path, "moe_ep2")
-    check(records, want, (1, 1, 2))
+    check(records, want, (1, 1, 2, 2))
     assert max(records["joined"]["lane_numels"]) < want["numel"]  # each lane: the dense weights and half the experts

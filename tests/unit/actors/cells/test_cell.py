@@ -529,9 +529,9 @@ def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
     with pytest.raises(GradientBufferError, match="another model"):
         join_round(member, attrs.evolve(join, numel=core.numel + 1), b"[]", satellite.trainer.grad_buffer())
     # A core of another training layout (tensor-parallel: two lanes): a one-process satellite refuses to join.
-    assert (core.layout, core.lane_numels) == ((1, 1, 1), (core.numel,))
-    with pytest.raises(GradientBufferError, match="the core trains tp2.pp1.dp1, this cell tp1.pp1.dp1"):
-        satellite.reduce_as_member(member, attrs.evolve(join, layout=(2, 1, 1), lane_numels=(5, 5)), b"[]")
+    assert (core.layout, core.lane_numels) == ((1, 1, 1, 1), (core.numel,))
+    with pytest.raises(GradientBufferError, match="the core trains tp2.pp1.dp1.ep1, this cell tp1.pp1.dp1.ep1"):
+        satellite.reduce_as_member(member, attrs.evolve(join, layout=(2, 1, 1, 1), lane_numels=(5, 5)), b"[]")
     with pytest.raises(GradientBufferError, match="another model"):
         satellite.reduce_as_member(member, attrs.evolve(join, lane_numels=(core.numel + 1,)), b"[]")
     for bad in (b"{", b"{}", b'[[0, 1, 2]]', b'[["0", 1, 2, 0.5]]'):
@@ -558,16 +558,19 @@ def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
     assert satellite.version == 1
     # A core whose weights are sharded (TP=2): a one-process trainer cannot pull them whole, and says why.
     sharded = attrs.evolve(source, shards=((source.peer, source.addr, 8), (source.peer, source.addr, 8)),
-                           layout=(2, 1, 1))
-    with pytest.raises(WeightLayoutError, match="sharded over 2 ranks \\(tp2.pp1.dp1\\)"):
+                           layout=(2, 1, 1, 1))
+    with pytest.raises(WeightLayoutError, match="sharded over 2 ranks \\(tp2.pp1.dp1.ep1\\)"):
         satellite.pull(sharded)
     # Data parallel alone keeps a whole replica on every rank: a one-process trainer pulls rank 0's, as from a
     # one-process core (a rollout cell's staging pull beside a DP core goes the same way).
-    replicated = attrs.evolve(source, shards=((source.peer, source.addr, source.nbytes),) * 2, layout=(1, 1, 2))
+    # Expert parallelism takes its ranks out of the data-parallel ones: rank 0 then holds only its own experts.
+    with pytest.raises(WeightLayoutError, match="sharded over 2 ranks \\(tp1.pp1.dp2.ep2\\)"):
+        satellite.pull(attrs.evolve(source, shards=((source.peer, source.addr, 8),) * 2, layout=(1, 1, 2, 2)))
+    replicated = attrs.evolve(source, shards=((source.peer, source.addr, source.nbytes),) * 2, layout=(1, 1, 2, 1))
     satellite.params.zero_()
     satellite.pull(replicated)
     assert satellite.version == 1 and torch.equal(satellite.params, core.params)
-    assert source.shards == () and source.layout == (1, 1, 1)  # a one-process core's source
+    assert source.shards == () and source.layout == (1, 1, 1, 1)  # a one-process core's source
 
 
 def test_a_round_whose_member_never_joins_counts_nothing_and_its_micro_steps_go_back(tiny_model_dir, agents):

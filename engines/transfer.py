@@ -51,6 +51,8 @@ log = structlog.get_logger(__name__)
 _PAGE_BYTES = mmap.PAGESIZE
 DEVICE_MEMORY = ("auto", "register", "stage")
 """TransferConfig.device_memory's choices (see the module doc)."""
+MAX_RETIRED_STAGING = 4
+"""Staging buffers an agent sets aside after failed transfers before it stops staging (each stays allocated)."""
 
 
 @attrs.frozen
@@ -262,6 +264,8 @@ class TransferAgent:
         self._batch_lock = threading.Lock()  # serialises batch calls into Mooncake
         self._staging_lock = threading.Lock()  # one staged transfer at a time: they share the staging buffer
         self._staging: Any = None  # the registered host staging buffer (a uint8 tensor), made at first use
+        self._retired: list[Any] = []  # staging buffers of failed transfers: registered, alive, never reused
+        self._staging_failed = False
         self._starts: list[int] = []  # sorted registered start addresses
         self._ranges: dict[int, _Range] = {}
         self._closed = False
@@ -385,6 +389,7 @@ class TransferAgent:
             self._starts.clear()
             self._closed = True
             self._staging = None
+            self._retired.clear()
             del self._engine
 
     def __enter__(self) -> TransferAgent:
@@ -415,6 +420,9 @@ class TransferAgent:
         present so that host-device copies run at full speed."""
         import torch
 
+        if self._staging_failed:
+            raise TransferError(f"staged transfers stopped: {len(self._retired)} failed, each leaving a staging "
+                                "buffer that Mooncake may still write; start a new agent")
         if self._staging is None:
             pin = torch.cuda.is_available()
             staging = torch.empty(self.config.staging_bytes, dtype=torch.uint8, pin_memory=pin)
@@ -422,6 +430,13 @@ class TransferAgent:
             self._staging = staging
             log.info("transfer_staging_ready", peer=self.peer, staging_bytes=self.config.staging_bytes, pinned=pin)
         return self._staging
+
+    def _retire_staging(self) -> None:
+        """Set the staging buffer aside after a failed transfer (at most MAX_RETIRED_STAGING; then staging stops)."""
+        if len(self._retired) >= MAX_RETIRED_STAGING:
+            self._staging_failed = True
+        self._retired.append(self._staging)
+        self._staging = None
 
     def _staged(self, op: str, peer: str, remote_addr: int, tensor: Any, nbytes: int) -> int:
         """A pull or push of `tensor` through the staging buffer, one chunk of at most `staging_bytes` at a time (a
@@ -436,16 +451,27 @@ class TransferAgent:
         with self._staging_lock:
             staging = self._staging_buffer()
             staging_addr = int(staging.data_ptr())
-            chunks = 0
-            for start in range(0, nbytes, staging.numel()):
-                size = min(staging.numel(), nbytes - start)
-                if op == "read":
-                    self._transfer("read", peer, [staging_addr], [remote_addr + start], [size])
-                    flat[start : start + size].copy_(staging[:size])
-                else:
-                    staging[:size].copy_(flat[start : start + size])
-                    self._transfer("write", peer, [staging_addr], [remote_addr + start], [size])
-                chunks += 1
+            chunks = start = 0
+            try:
+                for start in range(0, nbytes, staging.numel()):
+                    size = min(staging.numel(), nbytes - start)
+                    if op == "read":
+                        self._transfer("read", peer, [staging_addr], [remote_addr + start], [size])
+                        flat[start : start + size].copy_(staging[:size])
+                    else:
+                        staging[:size].copy_(flat[start : start + size])
+                        self._transfer("write", peer, [staging_addr], [remote_addr + start], [size])
+                    chunks += 1
+            except TransferError as error:
+                # The transport may still write into the staging buffer (a read's stragglers): it is never used
+                # again, only kept registered and alive; the next staged transfer makes a fresh one.
+                self._retire_staging()
+                target = "this tensor" if op == "read" else "the peer's range"
+                raise TransferError(
+                    f"staged {op} of {nbytes} bytes failed at byte {start}: {error} ({target} from byte {start} on "
+                    "is in an unknown state; the staging buffer is retired)",
+                    unsafe_side=error.unsafe_side, unsafe_ranges=error.unsafe_ranges,
+                ) from None
         with self._lock:
             self._counters["bytes_staged"] += nbytes
             self._counters["chunks_staged"] += chunks

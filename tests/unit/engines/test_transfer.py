@@ -319,6 +319,21 @@ def test_staged_pulls_and_pushes_go_chunk_by_chunk_through_one_bounded_buffer(pe
         assert staged.statistics().bytes_staged == PEER_BYTES + 3 * size
 
 
+def test_a_failed_staged_transfer_retires_its_staging_buffer():
+    from gyre.engines.transfer import MAX_RETIRED_STAGING
+
+    with TransferAgent(TransferConfig(device_memory="stage", staging_bytes=4096)) as staged:
+        into = torch.zeros(10_000, dtype=torch.uint8)
+        for failures in range(1, MAX_RETIRED_STAGING + 2):
+            with pytest.raises(TransferError, match="staged read of 10000 bytes failed at byte 0") as info:
+                staged.pull_tensor("127.0.0.1:1", 0x10000, into)
+            assert info.value.unsafe_side == "local"
+            # Each failed buffer stays registered and alive (Mooncake may still write it); a fresh one serves next.
+            assert staged.statistics().registered_bytes == 4096 * failures
+        with pytest.raises(TransferError, match="staged transfers stopped"):
+            staged.pull_tensor("127.0.0.1:1", 0x10000, into)
+
+
 def test_an_unregistered_host_target_is_refused_unless_staging_was_asked(peer, agent):
     with pytest.raises(TransferError, match="not inside memory registered"):
         agent.pull_tensor(peer.name, peer.addr, torch.zeros(64, dtype=torch.uint8))

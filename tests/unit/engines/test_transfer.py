@@ -369,6 +369,18 @@ def test_only_host_and_cuda_tensors_have_a_range():
     pretouch(np.zeros(3 * 4096 + 5, dtype=np.uint8))
 
 
+def test_a_digest_is_of_the_bytes_in_memory_whatever_the_dtype():
+    import hashlib
+
+    from gyre.engines.transfer import host_sha256
+
+    weights = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert host_sha256(weights) == hashlib.sha256(weights.numpy().tobytes()).hexdigest()
+    halves = weights.to(torch.bfloat16)  # no numpy dtype: hashed through a byte view
+    assert host_sha256(halves) == hashlib.sha256(halves.view(torch.int16).numpy().tobytes()).hexdigest()
+    assert host_sha256(weights.numpy()) == host_sha256(weights) != host_sha256(weights * 2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_device_tensor_pulls_and_pushes_registered_or_staged(peer):
     with TransferAgent(TransferConfig(staging_bytes=1 << 16)) as device_agent:

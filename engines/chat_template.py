@@ -45,6 +45,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -120,9 +121,25 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers' mark of the text a model generates (it reads the marks
+    for `return_assistant_tokens_mask`), which templates on the Hub carry. Rendered as its body, in a scope of its
+    own as transformers' call block has (a `set` inside does not leak out); without the tag such templates would
+    not compile. Gyre finds a turn's generated tokens by rendering prefixes instead (engines/sft.py), which needs
+    no marks and agrees with them where they are (tests/integration/engines/test_sft_templates.py)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template with the settings transformers uses, so that both render the same text."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

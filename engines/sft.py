@@ -1,9 +1,29 @@
 """Supervised fine-tuning on demonstrations: the warm start that lets RL begin from a model that sometimes succeeds.
 
-A demonstration is a conversation in OpenAI message form plus its tools. It is rendered with the model's own chat
-template, piece by piece, so that exactly the assistant turns' bodies (the ids between `<|im_start|>assistant\\n`
-and the trailing newline, `<|im_end|>` included) carry loss, the same tokens the proxy would later record as
-policy-emitted. Training runs on the megatron-core trainer, the one RL uses.
+A demonstration is a conversation in OpenAI message form plus its tools, tokenised with the model's own chat
+template so that exactly the tokens the model would generate in its assistant turns carry loss: the same tokens the
+proxy records as policy-emitted when the model plays that conversation out (actors/serving/sessions.py). Training
+runs on the megatron-core trainer, the one RL uses.
+
+Gyre's own template is decomposable per message (engines/chat_template.py): it is rendered piece by piece, and an
+assistant piece's body (between `<|im_start|>assistant\n` and the trailing newline, `<|im_end|>` included) is the
+target. A template a checkpoint brings (`ChatTemplate.decomposable` false: a Jinja template in its
+tokenizer_config.json or chat_template.jinja) is rendered through the template, whole, never piece by piece
+(`tokenize_rendered`):
+- what the model generates in assistant turn k is the template's render of the conversation up to and including
+  message k (no generation prompt) minus its render up to message k with the generation prompt, up to and including
+  the first stop token (`<|im_end|>`, Llama's `<|eot_id|>`: `ChatTemplate.stop_token_ids`); what follows the stop
+  token in the template's text (a newline) is not generated and carries no loss;
+- the context before turn k is what the proxy's default `keep_generated` rule gives a rollout: the previous turn's
+  generated tokens stand as generated, followed by the template's text after that turn (found by rendering with the
+  turn replaced by a marker message, its leading turn end dropped: the generated stop token stands for it).
+So where a template re-renders an earlier turn otherwise than it was generated (Qwen3 drops the `<think>` blocks of
+assistant turns before the last user message), each turn is trained as the model generated it, its thinking
+included, in the context it was generated in, and the sequence is one path: exactly the prompt and outputs a
+rollout of that conversation records (tests/integration/engines/test_sft_templates.py plays it through the proxy's
+sessions, with transformers' apply_chat_template as the oracle of each turn's text). The alternative, the template's
+whole render (thinking dropped from earlier turns) with its assistant spans as targets, would train turns the model
+never generated. Messages after the last assistant turn carry no loss and are left out.
 """
 
 from __future__ import annotations
@@ -11,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -72,7 +93,18 @@ class SFTResult:
 def tokenize_demonstration(
     template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
 ) -> SFTExample:
-    """Render piece by piece; assistant pieces are header + body + trailer, and only the body is a target."""
+    """The demonstration's ids and loss mask: piece by piece for Gyre's own template (`tokenize_pieces`), through
+    the template for a checkpoint's own (`tokenize_rendered`)."""
+    if template.decomposable:
+        return tokenize_pieces(template, messages, tools)
+    return tokenize_rendered(template, messages, tools)
+
+
+def tokenize_pieces(
+    template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> SFTExample:
+    """Gyre's template, piece by piece; assistant pieces are header + body + trailer, and only the body is a
+    target."""
     pieces = template.conversation_ids(messages, tools, add_generation_prompt=False)
     header = template.assistant_header_ids()
     trailer = template.assistant_trailer_ids()
@@ -91,6 +123,70 @@ def tokenize_demonstration(
     if not any(mask):
         raise SFTError("a demonstration without assistant turns has nothing to learn")
     return SFTExample(tuple(ids), tuple(mask))
+
+
+def tokenize_rendered(
+    template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> SFTExample:
+    """Any template, rendered through it: each assistant turn's generated tokens are targets, in the context the
+    proxy's keep_generated rule gives a rollout (see the module doc). SFTError for a demonstration without assistant
+    turns, or a template whose renders do not show what a turn generates (a turn that does not follow its generation
+    prompt, one with no stop token, assistant content the template rewrites so that a marker cannot be found)."""
+    messages = list(messages)
+    turns = [k for k, message in enumerate(messages) if isinstance(message, Mapping)
+             and message.get("role") == "assistant"]
+    if not turns:
+        raise SFTError("a demonstration without assistant turns has nothing to learn")
+    stops = frozenset(template.stop_token_ids)
+    ids: list[int] = []
+    mask: list[bool] = []
+    previous = previous_stop = -1
+    for k in turns:
+        prompt = _render(template, messages[:k], tools, True)
+        turn = _render(template, messages[: k + 1], tools, False)
+        if not turn.startswith(prompt):
+            raise SFTError(
+                f"message {k} (assistant): the template does not render it after its generation prompt, so what "
+                "the model would generate there is unknown")
+        generated = template.encode(turn[len(prompt) :])
+        end = next((i for i, token in enumerate(generated) if token in stops), None)
+        if end is None:
+            raise SFTError(
+                f"message {k} (assistant): the template ends the turn with none of the stop tokens "
+                f"{sorted(template.decode([t]) for t in stops)}, so the model would never learn to end it")
+        context = prompt if previous < 0 else _text_after_turn(template, messages[:k], previous, previous_stop, tools)
+        context_ids = template.encode(context)
+        ids += context_ids + generated[: end + 1]
+        mask += [False] * len(context_ids) + [True] * (end + 1)
+        previous, previous_stop = k, generated[end]
+    return SFTExample(tuple(ids), tuple(mask))
+
+
+def _render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools: Any, generation: bool) -> str:
+    try:
+        return template.render_text(messages, tools, add_generation_prompt=generation)
+    except ValueError as error:  # ChatTemplateError: the template refused the conversation
+        raise SFTError(f"the chat template cannot render this demonstration: {error}") from None
+
+
+def _text_after_turn(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], index: int, stop: int,
+                     tools: Any) -> str:
+    """The template's text after assistant message `index` of `messages`, generation prompt included, as the
+    proxy's keep_generated rule finds it: the turn replaced by a marker message, the text after the marker, its
+    leading turn end dropped (the generated stop token `stop` stands for it, whichever stop token each is)."""
+    marker = "gyre-sft-marker-" + secrets.token_hex(8)
+    probe = [*messages[:index], {"role": "assistant", "content": marker}, *messages[index + 1 :]]
+    text = _render(template, probe, tools, True)
+    at = text.find(marker)
+    if at < 0 or text.find(marker, at + len(marker)) >= 0:
+        raise SFTError(
+            f"message {index} (assistant): the template rewrites assistant content (a marker put in its place is "
+            "not in the render once), so the text after the turn cannot be told apart")
+    after = text[at + len(marker) :]
+    for stop_text in (template.stop_text(stop), *(template.stop_text(i) for i in template.stop_token_ids)):
+        if stop_text and after.startswith(stop_text):
+            return after[len(stop_text) :]
+    return after
 
 
 def _batches(examples: list[SFTExample], batch_tokens: int, rng: random.Random) -> list[list[SFTExample]]:

@@ -16,6 +16,18 @@ the raw engine leaves to its caller (see shared/reference/mooncake.md):
 
 Local ranges must lie inside registered memory for both directions. TCP would accept an unregistered local range,
 RDMA would not; checking it here keeps one behaviour across protocols and catches stale pointers early.
+
+Device (CUDA) memory. Mooncake's CUDA build registers device buffers as they are: `register_memory` with its
+wildcard location asks `cudaPointerGetAttributes` and files the range under "cuda:N" (mooncake-transfer-engine/src/
+memory_location.cpp), its RDMA transport registers it for GPUDirect, and its TCP transport copies device ranges with
+cudaMemcpy (tcp_transport_session_impl.h). The non-CUDA build (`mooncake-transfer-engine-non-cuda`, the one CPU
+machines install) cannot touch device memory at all. `TransferConfig.device_memory` chooses: "auto" registers device
+tensors where the installed build says it can (`mooncake.engine.SUPPORT_CUDA`, or the `*_on_cuda` methods of builds
+before that flag) and stages them otherwise; a staged pull or push goes chunk by chunk through one registered host
+buffer of `staging_bytes` (pinned where CUDA is present), so the host memory it costs is bounded whatever the
+tensor's size. The choice is logged once per agent and counted (`TransferStatistics.device_memory`, `bytes_staged`,
+`chunks_staged`, `bytes_device_direct`). A staged device tensor is not registered, so peers cannot read it: whoever
+serves device memory to peers without a CUDA build serves a host copy (actors/cells/train_role.py's core does).
 """
 
 from __future__ import annotations
@@ -37,6 +49,10 @@ from gyre.engines.errors import TransferError
 log = structlog.get_logger(__name__)
 
 _PAGE_BYTES = mmap.PAGESIZE
+DEVICE_MEMORY = ("auto", "register", "stage")
+"""TransferConfig.device_memory's choices (see the module doc)."""
+MAX_RETIRED_STAGING = 4
+"""Staging buffers an agent sets aside after failed transfers before it stops staging (each stays allocated)."""
 
 
 @attrs.frozen
@@ -58,6 +74,15 @@ class TransferConfig:
     """Attempts at `initialize` (each with a fresh engine) before giving up; a clash on the random port fails one."""
     init_backoff_s: float = 0.05
     """Pause between initialize attempts, doubled after each failure."""
+    device_memory: str = "auto"
+    """How device (CUDA) tensors move: "register" registers them with Mooncake (its CUDA build only; an agent asked
+    for it on another build fails at start), "stage" copies them through the host staging buffer (and then any pull
+    or push target outside registered memory, device or host, is staged), "auto" registers where the build can
+    and stages otherwise."""
+    staging_bytes: int = 64 << 20
+    """Size of the one host buffer staged transfers go through, chunk by chunk (allocated at the first one). 64 MiB:
+    a chunk's Mooncake round trip and host-device copy stay small next to its bytes, and the memory stays small
+    next to a model."""
 
     def __attrs_post_init__(self) -> None:
         if self.max_batch_entries < 1:
@@ -68,6 +93,10 @@ class TransferConfig:
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
         if self.device_name and self.protocol != "rdma":
             raise ValueError(f"device_name {self.device_name!r} is for protocol 'rdma', not {self.protocol!r}")
+        if self.device_memory not in DEVICE_MEMORY:
+            raise ValueError(f"device_memory must be one of {DEVICE_MEMORY}, got {self.device_memory!r}")
+        if self.staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be >= 1, got {self.staging_bytes}")
 
 
 #: Where the kernel lists RDMA devices (one entry per device: mlx5_0, ...), as `ibv_devices` reads them.
@@ -111,6 +140,14 @@ class TransferStatistics:
     batches: int
     failures: int
     registered_bytes: int
+    device_memory: str
+    """How this agent moves device tensors: "register" (Mooncake reads and writes them in place) or "stage"."""
+    bytes_staged: int
+    """Bytes of pulls and pushes that went through the host staging buffer."""
+    chunks_staged: int
+    """Staging-buffer round trips those took (each one Mooncake transfer and one copy)."""
+    bytes_device_direct: int
+    """Bytes Mooncake moved straight into or out of registered device memory."""
 
 
 @attrs.frozen
@@ -121,6 +158,15 @@ class _Range:
     """The object that owns the memory (a tensor or array), held so it cannot be freed while registered."""
 
 
+def registers_device_memory(engine_module: Any) -> bool:
+    """Whether this Mooncake build registers device (CUDA) memory: its `SUPPORT_CUDA` flag, or, in builds from before
+    the flag (Mooncake PR #2342), the `*_on_cuda` methods that only its CUDA build compiles."""
+    flag = getattr(engine_module, "SUPPORT_CUDA", None)
+    if flag is not None:
+        return bool(flag)
+    return hasattr(getattr(engine_module, "TransferEngine", None), "batch_transfer_write_on_cuda")
+
+
 def _import_engine() -> Any:
     if os.environ.get("MC_LOG_DIR"):
         raise TransferError(
@@ -129,13 +175,13 @@ def _import_engine() -> Any:
         )
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
-        from mooncake.engine import TransferEngine
+        from mooncake import engine
     except ImportError as error:  # the CUDA wheel on a machine without libcuda lands here
         raise TransferError(
             f"cannot import mooncake.engine ({error}); on a machine without CUDA install "
             "mooncake-transfer-engine-non-cuda and the system libraries libibverbs1 and libnuma1"
         ) from error
-    return TransferEngine
+    return engine
 
 
 def merge_runs(
@@ -204,14 +250,28 @@ class TransferAgent:
     def __init__(self, config: TransferConfig = TransferConfig()) -> None:
         self.config = config
         check_rdma(config)
-        engine_cls = _import_engine()
+        module = _import_engine()
+        engine_cls = module.TransferEngine
+        can_register = registers_device_memory(module)
+        if config.device_memory == "register" and not can_register:
+            raise TransferError(
+                "device_memory='register' asked, but this Mooncake build cannot register device memory (a "
+                "non-CUDA build: mooncake.engine.SUPPORT_CUDA is false); install mooncake-transfer-engine, the "
+                "CUDA build, or use device_memory='auto' or 'stage' (device tensors then move through host memory)")
+        self.device_memory = "register" if config.device_memory != "stage" and can_register else "stage"
+        """"register": Mooncake moves device tensors in place; "stage": through the host staging buffer."""
         self._lock = threading.Lock()  # guards the registry and counters
         self._batch_lock = threading.Lock()  # serialises batch calls into Mooncake
+        self._staging_lock = threading.Lock()  # one staged transfer at a time: they share the staging buffer
+        self._staging: Any = None  # the registered host staging buffer (a uint8 tensor), made at first use
+        self._retired: list[Any] = []  # staging buffers of failed transfers: registered, alive, never reused
+        self._staging_failed = False
         self._starts: list[int] = []  # sorted registered start addresses
         self._ranges: dict[int, _Range] = {}
         self._closed = False
         self._counters = dict(
-            bytes_read=0, bytes_written=0, entries_requested=0, entries_sent=0, batches=0, failures=0
+            bytes_read=0, bytes_written=0, entries_requested=0, entries_sent=0, batches=0, failures=0,
+            bytes_staged=0, chunks_staged=0, bytes_device_direct=0,
         )
         backoff_s = config.init_backoff_s
         for attempt in range(1, config.init_retries + 1):
@@ -231,7 +291,8 @@ class TransferAgent:
                 f"{config.init_retries} times (a clash on the random P2P port, or the protocol is unavailable)"
             )
         self.peer = f"{config.hostname}:{self._engine.get_rpc_port()}"
-        log.debug("transfer_agent_ready", peer=self.peer)
+        log.info("transfer_agent_ready", peer=self.peer, device_memory=self.device_memory,
+                 build_registers_device_memory=can_register, staging_bytes=config.staging_bytes)
 
     # ---- registration -------------------------------------------------------------------------------------
 
@@ -262,16 +323,30 @@ class TransferAgent:
             raise TransferError(f"Mooncake unregister_memory({addr:#x}) returned {rc}")
 
     def register_tensor(self, buffer: Any) -> tuple[int, int]:
-        """Register a contiguous CPU torch tensor or numpy array; returns (addr, nbytes).
+        """Register a contiguous torch tensor (host or, with device_memory "register", CUDA) or numpy array; returns
+        (addr, nbytes). A device tensor on an agent that stages raises TransferError: pull and push into it without
+        registering it (they stage), and serve peers from a host copy.
 
-        Every page is touched first (each page's first byte written with its own value, so contents stay): the first
-        transfer into fresh memory otherwise pays for page faults inside Mooncake's copy (1.6 s for a fresh 256 MiB
-        np.zeros in our measurements).
+        Every host page is touched first (each page's first byte written with its own value, so contents stay): the
+        first transfer into fresh memory otherwise pays for page faults inside Mooncake's copy (1.6 s for a fresh
+        256 MiB np.zeros in our measurements).
         """
         addr, nbytes = buffer_range(buffer)
-        pretouch(buffer)
+        if is_device_buffer(buffer):
+            if not self.can_register(buffer):
+                raise TransferError(
+                    f"cannot register a tensor on {buffer.device}: this agent stages device memory (device_memory "
+                    f"{self.config.device_memory!r}, Mooncake build without CUDA support). Pulls and pushes into it "
+                    "work unregistered (staged through host memory); to let peers read it, register a host copy")
+        else:
+            pretouch(buffer)
         self.register(addr, nbytes, owner=buffer)
         return addr, nbytes
+
+    def can_register(self, buffer: Any) -> bool:
+        """Whether `register_tensor(buffer)` can register it: host memory always, device memory where this agent
+        registers it (device_memory "register")."""
+        return not is_device_buffer(buffer) or self.device_memory == "register"
 
     def unregister_tensor(self, buffer: Any) -> None:
         self.unregister(buffer_range(buffer)[0])
@@ -287,19 +362,21 @@ class TransferAgent:
         return self._transfer("write", peer, local_addrs, remote_addrs, sizes)
 
     def pull_tensor(self, peer: str, remote_addr: int, into: Any) -> int:
-        """Fill the registered tensor/array `into` with the peer's bytes starting at remote_addr."""
-        addr, nbytes = buffer_range(into)
-        return self.read(peer, [addr], [remote_addr], [nbytes])
+        """Fill the tensor/array `into` with the peer's bytes starting at remote_addr: in place where `into` lies in
+        registered memory, else (a device tensor on an agent that stages, or any tensor with device_memory "stage")
+        through the host staging buffer."""
+        return self._tensor_transfer("read", peer, remote_addr, into)
 
     def push_tensor(self, peer: str, remote_addr: int, source: Any) -> int:
-        """Write the registered tensor/array `source` into the peer's memory at remote_addr."""
-        addr, nbytes = buffer_range(source)
-        return self.write(peer, [addr], [remote_addr], [nbytes])
+        """Write the tensor/array `source` into the peer's memory at remote_addr (in place or staged, as
+        `pull_tensor`)."""
+        return self._tensor_transfer("write", peer, remote_addr, source)
 
     def statistics(self) -> TransferStatistics:
         with self._lock:
             registered = sum(r.nbytes for r in self._ranges.values())
-            return TransferStatistics(registered_bytes=registered, **self._counters)
+            return TransferStatistics(registered_bytes=registered, device_memory=self.device_memory,
+                                      **self._counters)
 
     def close(self) -> None:
         """Unregister everything and drop the engine (its threads and ports go with it). Idempotent."""
@@ -311,6 +388,8 @@ class TransferAgent:
             self._ranges.clear()
             self._starts.clear()
             self._closed = True
+            self._staging = None
+            self._retired.clear()
             del self._engine
 
     def __enter__(self) -> TransferAgent:
@@ -320,6 +399,83 @@ class TransferAgent:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------------------
+
+    def _tensor_transfer(self, op: str, peer: str, remote_addr: int, tensor: Any) -> int:
+        addr, nbytes = buffer_range(tensor)
+        device = is_device_buffer(tensor)
+        with self._lock:
+            registered = self._find(addr, nbytes) is not None
+        # An unregistered host target is a caller's slip in "auto" and "register" (refused below, as `read` does);
+        # "stage" asked for staging, and a device target the build cannot register has no other way.
+        if not registered and (device or self.config.device_memory == "stage"):
+            return self._staged(op, peer, remote_addr, tensor, nbytes)
+        moved = self._transfer(op, peer, [addr], [remote_addr], [nbytes])
+        if device:
+            with self._lock:
+                self._counters["bytes_device_direct"] += moved
+        return moved
+
+    def _staging_buffer(self) -> Any:
+        """The registered host staging buffer (uint8, `staging_bytes`), made at first use; pinned where CUDA is
+        present so that host-device copies run at full speed."""
+        import torch
+
+        if self._staging_failed:
+            raise TransferError(f"staged transfers stopped: {len(self._retired)} failed, each leaving a staging "
+                                "buffer that Mooncake may still write; start a new agent")
+        if self._staging is None:
+            pin = torch.cuda.is_available()
+            staging = torch.empty(self.config.staging_bytes, dtype=torch.uint8, pin_memory=pin)
+            self.register_tensor(staging)
+            self._staging = staging
+            log.info("transfer_staging_ready", peer=self.peer, staging_bytes=self.config.staging_bytes, pinned=pin)
+        return self._staging
+
+    def _retire_staging(self) -> None:
+        """Set the staging buffer aside after a failed transfer (at most MAX_RETIRED_STAGING; then staging stops)."""
+        if len(self._retired) >= MAX_RETIRED_STAGING:
+            self._staging_failed = True
+        self._retired.append(self._staging)
+        self._staging = None
+
+    def _staged(self, op: str, peer: str, remote_addr: int, tensor: Any, nbytes: int) -> int:
+        """A pull or push of `tensor` through the staging buffer, one chunk of at most `staging_bytes` at a time (a
+        chunk's host-device copy waits for its transfer: the buffer is one, so memory stays bounded)."""
+        import torch
+
+        self._check_open()
+        if isinstance(tensor, np.ndarray):
+            flat = torch.from_numpy(tensor.reshape(-1).view(np.uint8))
+        else:
+            flat = tensor.detach().reshape(-1).view(torch.uint8)
+        with self._staging_lock:
+            staging = self._staging_buffer()
+            staging_addr = int(staging.data_ptr())
+            chunks = start = 0
+            try:
+                for start in range(0, nbytes, staging.numel()):
+                    size = min(staging.numel(), nbytes - start)
+                    if op == "read":
+                        self._transfer("read", peer, [staging_addr], [remote_addr + start], [size])
+                        flat[start : start + size].copy_(staging[:size])
+                    else:
+                        staging[:size].copy_(flat[start : start + size])
+                        self._transfer("write", peer, [staging_addr], [remote_addr + start], [size])
+                    chunks += 1
+            except TransferError as error:
+                # The transport may still write into the staging buffer (a read's stragglers): it is never used
+                # again, only kept registered and alive; the next staged transfer makes a fresh one.
+                self._retire_staging()
+                target = "this tensor" if op == "read" else "the peer's range"
+                raise TransferError(
+                    f"staged {op} of {nbytes} bytes failed at byte {start}: {error} ({target} from byte {start} on "
+                    "is in an unknown state; the staging buffer is retired)",
+                    unsafe_side=error.unsafe_side, unsafe_ranges=error.unsafe_ranges,
+                ) from None
+        with self._lock:
+            self._counters["bytes_staged"] += nbytes
+            self._counters["chunks_staged"] += chunks
+        return nbytes
 
     def _check_open(self) -> None:
         if self._closed:
@@ -411,8 +567,15 @@ class TransferAgent:
         return done_bytes
 
 
+def is_device_buffer(buffer: Any) -> bool:
+    """Whether `buffer` is a torch tensor in device (CUDA) memory."""
+    device = getattr(buffer, "device", None)
+    return getattr(device, "type", "cpu") != "cpu" and not isinstance(buffer, np.ndarray)
+
+
 def buffer_range(buffer: Any) -> tuple[int, int]:
-    """(address, nbytes) of a contiguous CPU torch tensor or numpy array; a clear error for anything else."""
+    """(address, nbytes) of a contiguous torch tensor (host or CUDA) or numpy array; a clear error for anything
+    else."""
     if isinstance(buffer, np.ndarray):
         if not buffer.flags.c_contiguous:
             raise ValueError("numpy array must be C-contiguous to be transferred")
@@ -420,8 +583,8 @@ def buffer_range(buffer: Any) -> tuple[int, int]:
             raise ValueError("cannot transfer an empty array")
         return int(buffer.ctypes.data), int(buffer.nbytes)
     if hasattr(buffer, "data_ptr") and hasattr(buffer, "element_size"):
-        if buffer.device.type != "cpu":
-            raise ValueError(f"tensor is on {buffer.device}; this wrapper moves CPU memory only")
+        if buffer.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor is on {buffer.device}; this wrapper moves host and CUDA memory only")
         if not buffer.is_contiguous():
             raise ValueError("tensor must be contiguous to be transferred")
         nbytes = buffer.numel() * buffer.element_size()
@@ -431,8 +594,34 @@ def buffer_range(buffer: Any) -> tuple[int, int]:
     raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(buffer).__name__}")
 
 
+HASH_CHUNK_BYTES = 64 << 20
+"""A device tensor is hashed in host copies of at most this many bytes (host memory stays bounded)."""
+
+
+def host_sha256(buffer: Any) -> str:
+    """Hex SHA-256 of a contiguous tensor's or array's bytes, as they lie in memory. hashlib reads host memory only,
+    so a device tensor comes over in chunks of HASH_CHUNK_BYTES; a host one is hashed in place (no copy)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    if isinstance(buffer, np.ndarray):
+        digest.update(np.ascontiguousarray(buffer).reshape(-1).view(np.uint8))
+        return digest.hexdigest()
+    flat = buffer.detach().contiguous().reshape(-1).view(torch.uint8)
+    if not is_device_buffer(buffer):
+        digest.update(flat.numpy())
+        return digest.hexdigest()
+    for start in range(0, flat.numel(), HASH_CHUNK_BYTES):
+        digest.update(flat[start : start + HASH_CHUNK_BYTES].cpu().numpy())
+    return digest.hexdigest()
+
+
 def pretouch(buffer: Any) -> None:
-    """Fault in every page of the buffer for writing without changing its contents."""
+    """Fault in every page of the host buffer for writing without changing its contents."""
+    if is_device_buffer(buffer):
+        raise ValueError(f"pretouch faults in host pages; this tensor is on {buffer.device}")
     addr, nbytes = buffer_range(buffer)
     if isinstance(buffer, np.ndarray):
         flat = buffer.reshape(-1).view(np.uint8)

@@ -142,6 +142,7 @@ class CoreCheckpoints:
         async with self.compute_lock:
             await self.offload(host.trainer.load_checkpoint_state, state)
             host.fence[0] = host.trainer.version
+            await self.offload(host.sync_served)  # a host copy peers pull from (device weights) takes them too
         self.restored_state_digest = await self.offload(state_digest, state)
         return self._restored(host, tracker, checkpoint)
 

@@ -22,7 +22,6 @@ the cell: they take explicit inputs and return results; the cell owns the state 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections import OrderedDict
 from typing import Any, Callable, Mapping
@@ -39,6 +38,7 @@ from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig, EngineSta
 from gyre.engines.engine_server import build_engine_app
 from gyre.engines.model_format import ModelSpec
 from gyre.engines.trainer_group import TrainerGroup
+from gyre.engines.transfer import host_sha256
 from gyre.engines.weight_buckets import HFBuckets, as_state_dict
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.cells import ROLLOUT, CellDraining, LoadReport, RoleChanged
@@ -144,7 +144,7 @@ class PullStaging:
     def pulled_digest(self) -> str:
         if self.pulled is None or self.pulled_version < 0:
             return ""
-        return hashlib.sha256(self.pulled.numpy().tobytes()).hexdigest()
+        return host_sha256(self.pulled)
 
 
 

@@ -47,12 +47,12 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
+import structlog
 import torch
 
 from gyre.actors.cells.weight_pull import pull_weight_shards, pull_weights, source_from_layout
@@ -60,6 +60,7 @@ from gyre.actors.errors import ActorError
 from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember, RendezvousServer
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 from gyre.engines.trainer_group import TrainerGroup, build_trainer
+from gyre.engines.transfer import host_sha256
 from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded
 from gyre.messages.cell_internal import WeightSource
 from gyre.messages.samples import TrainingSample
@@ -82,6 +83,8 @@ from gyre.runtime import GyreError
 
 __all__ = ["Ask", "ClaimLoop", "ClaimSettings", "CoreSteps", "GradientBufferError", "Offload", "RoundRecord", "Send",
            "StepProgress", "StepTracker", "TrainerHost"]
+
+log = structlog.get_logger(__name__)
 
 Offload = Callable[..., Awaitable[Any]]
 """Run a blocking call off the event loop: `await offload(fn, *args)` (the actor's `offload`)."""
@@ -115,7 +118,21 @@ class TrainerHost:
         self.fence_scratch = fence_scratch
         self.params = trainer.param_buffer()
         self._registered: list[torch.Tensor] = []
-        self._register(self.params)
+        self.served = self.params
+        """The buffer peers pull this trainer's weights from: the live parameters, or, where they lie in device
+        memory the agent cannot register (a Mooncake build without CUDA), a host copy that takes every applied step
+        under the fence. A satellite's own pulls into device parameters need no registration (they stage)."""
+        if agent.can_register(self.params):
+            self._register(self.params)
+        elif is_core:
+            self.served = torch.empty(self.params.shape, dtype=self.params.dtype,
+                                      pin_memory=torch.cuda.is_available())
+            self.served.copy_(self.params)
+            self._register(self.served)
+            log.warning("weights_served_from_host_copy", bytes=self.served.numel() * self.served.element_size(),
+                        reason="the transfer agent cannot register device memory (Mooncake without CUDA): every "
+                        "step copies the weights to the host; Mooncake's CUDA build serves them in place")
+        self._served_version = trainer.version
         self.fence = torch.full((1,), trainer.version, dtype=torch.int64)
         if is_core:
             self._register(self.fence)
@@ -233,10 +250,29 @@ class TrainerHost:
         self.trainer.zero_grads()
 
     def apply_step(self) -> dict[str, Any]:
-        """Core: the optimizer step, with the fence showing -1 while the parameters change."""
+        """Core: the optimizer step, with the fence showing -1 while the parameters (and their host copy, if peers
+        pull from one) change."""
         self.fence[0] = -1
         try:
-            return self.trainer.optimizer_step()
+            result = self.trainer.optimizer_step()
+            self._copy_served()
+            return result
+        finally:
+            self.fence[0] = self.trainer.version
+
+    def _copy_served(self) -> None:
+        if self.served is not self.params:
+            self.served.copy_(self.params)
+            self._served_version = self.trainer.version
+
+    def sync_served(self) -> None:
+        """Core: bring a host copy of device parameters (`served`) up to the live ones if they changed outside a
+        step (a restored checkpoint), under the fence; nothing to do when peers pull the live buffer."""
+        if self.served is self.params or self._served_version == self.trainer.version:
+            return
+        self.fence[0] = -1
+        try:
+            self._copy_served()
         finally:
             self.fence[0] = self.trainer.version
 
@@ -244,7 +280,8 @@ class TrainerHost:
 
     def source(self, cell: str) -> WeightSource:
         """Core: where peers pull these weights from."""
-        return source_from_layout(cell, self.version, self.agent.peer, self.params, self.fence,
+        self.sync_served()
+        return source_from_layout(cell, self.version, self.agent.peer, self.served, self.fence,
                                   self.trainer.param_layout(), self.shards, self.layout)
 
     def pull(self, source: WeightSource) -> int:
@@ -261,7 +298,8 @@ class TrainerHost:
         return moved
 
     def digest(self) -> str:
-        return hashlib.sha256(self.params.numpy().tobytes()).hexdigest()
+        """SHA-256 of the live parameters' bytes (copied to the host first where they lie on a device)."""
+        return host_sha256(self.params)
 
     def close(self) -> None:
         """Unregister every buffer (peers' transfers into them fail from now on), leave the round group."""

@@ -19,7 +19,11 @@ them.
 The key, in order: --api-key-file PATH (its first line), $GYRE_API_KEY, --api-key (discouraged: any user of the
 machine can read a command line with ps). With none, a random key is written to a new 0600 file in a 0700
 directory, and that file's path is printed. The key itself is never printed or logged. --max-context-tokens may
-not exceed the model's max_position_embeddings.
+not exceed the model's max_position_embeddings. --earlier-turns chooses what a prompt holds where a checkpoint's own
+chat template re-renders a turn the model generated (Qwen3 drops earlier `<think>` blocks): keep_generated (the
+default: the generated ids, the prompt extending the previous call's prompt and output) or follow_template (the
+template's text exactly); `ProxySessionsConfig.earlier_turns` in actors/serving/sessions.py says more. Gyre's own
+template never re-renders a turn, so the flag changes nothing there.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ log = structlog.get_logger(__name__)
 INTERACTIVE_EXECUTION = "interactive"
 API_KEY_ENV = "GYRE_API_KEY"
 MAX_KEY_FILE_BYTES = 4096  # a key is one line; a bigger file is the wrong file
+# ProxySessionsConfig's choices (sessions.EARLIER_TURNS, checked equal by a test), spelled here so that `gyre`'s start
+# does not import the proxy for every command.
+EARLIER_TURNS = ("keep_generated", "follow_template")
 
 
 class ServeError(ActorError, ValueError):
@@ -66,6 +73,9 @@ class ServeConfig:
     engine_startup_timeout_s: float = 120.0
     record_path: str | None = None
     """Append every ModelCallCompleted here as one JSON line; None: log lines only."""
+    earlier_turns: str = attrs.field(default=EARLIER_TURNS[0], validator=attrs.validators.in_(EARLIER_TURNS))
+    """What a prompt holds where a checkpoint's template re-renders a generated turn (ProxySessionsConfig's
+    earlier_turns): "keep_generated" or "follow_template"."""
 
 
 class CallRecorder:
@@ -173,11 +183,11 @@ async def make_app(config: ServeConfig) -> Any:
     return app
 
 
-def _sessions(template: Any, api_key: str) -> Any:
+def _sessions(template: Any, config: ServeConfig) -> Any:
     from gyre.actors.serving.sessions import ProxySessions, ProxySessionsConfig
 
-    sessions = ProxySessions(template, ProxySessionsConfig(max_executions=1))
-    sessions.issue_key(INTERACTIVE_EXECUTION, INTERACTIVE_EXECUTION, api_key=api_key)
+    sessions = ProxySessions(template, ProxySessionsConfig(max_executions=1, earlier_turns=config.earlier_turns))
+    sessions.issue_key(INTERACTIVE_EXECUTION, INTERACTIVE_EXECUTION, api_key=config.api_key)
     return sessions
 
 
@@ -201,7 +211,7 @@ async def _app_over_servers(config: ServeConfig, template: Any, on_call: Any) ->
         await backend.close()
         raise
     proxy_config = ProxyHttpConfig(model_names=(config.model_name,), max_context_tokens=config.max_context_tokens)
-    app = build_proxy_app(proxy_config, _sessions(template, config.api_key), backend, on_call, clock=time.time)
+    app = build_proxy_app(proxy_config, _sessions(template, config), backend, on_call, clock=time.time)
     watching = asyncio.ensure_future(watch.run())
 
     async def on_shutdown(_: Any) -> None:
@@ -238,7 +248,7 @@ async def _app_over_embedded(config: ServeConfig, template: Any, on_call: Any) -
     )
     engine = AsyncEngine(EmbeddedEngine(config.model_dir, engine_config))
     proxy_config = ProxyHttpConfig(model_names=(config.model_name,), max_context_tokens=config.max_context_tokens)
-    app = build_proxy_app(proxy_config, _sessions(template, config.api_key), EmbeddedBackend(engine, cell="embedded"),
+    app = build_proxy_app(proxy_config, _sessions(template, config), EmbeddedBackend(engine, cell="embedded"),
                           on_call, clock=time.time)
 
     async def close_engine(_: Any) -> None:
@@ -314,6 +324,7 @@ def _handle(args: argparse.Namespace) -> int:
         engine_api_key_file=args.engine_api_key_file,
         engine_startup_timeout_s=args.engine_startup_timeout_s,
         record_path=args.record,
+        earlier_turns=args.earlier_turns,
     )
     base = f"http://{args.host}:{args.port}"
     engines = ", ".join(engine_urls) if engine_urls else "an embedded engine"
@@ -360,4 +371,8 @@ def register(subparsers: Any) -> None:
                    help="how long each --engine-url server may take to answer /health at start (default 120)")
     p.add_argument("--record", default=None, metavar="PATH",
                    help="append every finished call (prompt and output ids, log-probs, versions) to PATH as JSONL")
+    p.add_argument("--earlier-turns", choices=EARLIER_TURNS, default=EARLIER_TURNS[0],
+                   help="where the model's own chat template re-renders a turn the model generated (Qwen3 drops "
+                   "earlier <think> blocks): keep_generated (default) keeps the generated ids, so each prompt extends "
+                   "the previous prompt and output; follow_template gives the template's text exactly")
     p.set_defaults(func=_handle)

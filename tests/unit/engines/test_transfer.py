@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import torch
 
 from gyre.engines.errors import TransferError
-from gyre.engines.transfer import TransferAgent, TransferConfig, merge_runs
+from gyre.engines.transfer import TransferAgent, TransferConfig, merge_runs, registers_device_memory
 
 # The peer process: one agent with one registered buffer holding a known pattern. It answers line commands on stdin:
 # "get OFFSET N" prints the buffer's bytes as hex, "quit" ends it. Answers start with "@@" (logs share stdout).
@@ -282,6 +282,120 @@ def test_config_validation():
         TransferConfig(max_batch_entries=0)
     with pytest.raises(ValueError):
         TransferConfig(protocol="udp")
+    with pytest.raises(ValueError, match="device_memory"):
+        TransferConfig(device_memory="pinned")
+    with pytest.raises(ValueError, match="staging_bytes"):
+        TransferConfig(staging_bytes=0)
+
+
+def test_staged_pulls_and_pushes_go_chunk_by_chunk_through_one_bounded_buffer(peer):
+    # What a device tensor takes on a Mooncake build without CUDA, run here on host tensors: device_memory "stage"
+    # stages every unregistered target. 4 KiB of staging for a 1 MiB pull: 256 round trips, one buffer registered.
+    with TransferAgent(TransferConfig(device_memory="stage", staging_bytes=4096)) as staged:
+        assert staged.device_memory == "stage"
+        into = torch.zeros(PEER_BYTES // 4, dtype=torch.float32)  # unregistered, and not bytes: viewed as bytes
+        assert staged.pull_tensor(peer.name, peer.addr, into) == PEER_BYTES
+        kept = PEER_BYTES - 8192  # test_write_then_read_back writes after this
+        assert into.numpy().view(np.uint8)[:kept].tobytes() == pattern(PEER_BYTES)[:kept].tobytes()
+        stats = staged.statistics()
+        assert (stats.bytes_staged, stats.chunks_staged, stats.bytes_read) == (PEER_BYTES, 256, PEER_BYTES)
+        assert stats.registered_bytes == 4096 and stats.bytes_device_direct == 0
+        # A push of a size that is no multiple of the chunk, into the middle of the peer's buffer, then back.
+        at, size = PEER_BYTES - 20_000, 9000
+        source = np.arange(size, dtype=np.uint8) ^ 0x5A
+        assert staged.push_tensor(peer.name, peer.addr + at, source) == size
+        assert peer.get(at, size) == source.tobytes()
+        assert peer.get(at - 8, 8) == pattern(PEER_BYTES)[at - 8 : at].tobytes()  # nothing around it moved
+        back = np.zeros(size, dtype=np.uint8)
+        staged.pull_tensor(peer.name, peer.addr + at, back)
+        np.testing.assert_array_equal(back, source)
+        peer_restore = pattern(PEER_BYTES)[at : at + size]  # the other tests read the pattern
+        staged.push_tensor(peer.name, peer.addr + at, peer_restore.copy())
+        assert staged.statistics().chunks_staged == 256 + 3 + 3 + 3
+        # A registered target moves in place, not staged.
+        local = torch.zeros(1024, dtype=torch.uint8)
+        staged.register_tensor(local)
+        staged.pull_tensor(peer.name, peer.addr, local)
+        assert staged.statistics().bytes_staged == PEER_BYTES + 3 * size
+
+
+def test_a_failed_staged_transfer_retires_its_staging_buffer():
+    from gyre.engines.transfer import MAX_RETIRED_STAGING
+
+    with TransferAgent(TransferConfig(device_memory="stage", staging_bytes=4096)) as staged:
+        into = torch.zeros(10_000, dtype=torch.uint8)
+        for failures in range(1, MAX_RETIRED_STAGING + 2):
+            with pytest.raises(TransferError, match="staged read of 10000 bytes failed at byte 0") as info:
+                staged.pull_tensor("127.0.0.1:1", 0x10000, into)
+            assert info.value.unsafe_side == "local"
+            # Each failed buffer stays registered and alive (Mooncake may still write it); a fresh one serves next.
+            assert staged.statistics().registered_bytes == 4096 * failures
+        with pytest.raises(TransferError, match="staged transfers stopped"):
+            staged.pull_tensor("127.0.0.1:1", 0x10000, into)
+
+
+def test_an_unregistered_host_target_is_refused_unless_staging_was_asked(peer, agent):
+    with pytest.raises(TransferError, match="not inside memory registered"):
+        agent.pull_tensor(peer.name, peer.addr, torch.zeros(64, dtype=torch.uint8))
+
+
+def test_the_build_decides_whether_device_memory_registers():
+    from types import SimpleNamespace
+
+    import mooncake.engine
+
+    class CudaEngineBeforeTheFlag:
+        def batch_transfer_write_on_cuda(self): ...
+
+    assert registers_device_memory(SimpleNamespace(SUPPORT_CUDA=True, TransferEngine=object))
+    assert not registers_device_memory(SimpleNamespace(SUPPORT_CUDA=False, TransferEngine=CudaEngineBeforeTheFlag))
+    assert registers_device_memory(SimpleNamespace(TransferEngine=CudaEngineBeforeTheFlag))
+    assert not registers_device_memory(SimpleNamespace(TransferEngine=object))
+    if registers_device_memory(mooncake.engine):
+        pytest.skip("this machine's Mooncake is the CUDA build")
+    # The non-CUDA build (every CPU machine's): "auto" stages, "register" is refused at start with the way out.
+    with TransferAgent() as auto:
+        assert auto.device_memory == "stage" and auto.statistics().device_memory == "stage"
+    with pytest.raises(TransferError, match="mooncake-transfer-engine, the CUDA build"):
+        TransferAgent(TransferConfig(device_memory="register"))
+
+
+def test_only_host_and_cuda_tensors_have_a_range():
+    from gyre.engines.transfer import buffer_range, pretouch
+
+    with pytest.raises(ValueError, match="host and CUDA memory only"):
+        buffer_range(torch.empty(4, device="meta"))
+    assert buffer_range(torch.zeros(3, dtype=torch.int64))[1] == 24
+    pretouch(np.zeros(3 * 4096 + 5, dtype=np.uint8))
+
+
+def test_a_digest_is_of_the_bytes_in_memory_whatever_the_dtype():
+    import hashlib
+
+    from gyre.engines.transfer import host_sha256
+
+    weights = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert host_sha256(weights) == hashlib.sha256(weights.numpy().tobytes()).hexdigest()
+    halves = weights.to(torch.bfloat16)  # no numpy dtype: hashed through a byte view
+    assert host_sha256(halves) == hashlib.sha256(halves.view(torch.int16).numpy().tobytes()).hexdigest()
+    assert host_sha256(weights.numpy()) == host_sha256(weights) != host_sha256(weights * 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_tensor_pulls_and_pushes_registered_or_staged(peer):
+    with TransferAgent(TransferConfig(staging_bytes=1 << 16)) as device_agent:
+        into = torch.zeros(PEER_BYTES, dtype=torch.uint8, device="cuda")
+        if device_agent.device_memory == "register":
+            device_agent.register_tensor(into)
+        else:
+            with pytest.raises(TransferError, match="cannot register a tensor on cuda"):
+                device_agent.register_tensor(into)
+        assert device_agent.pull_tensor(peer.name, peer.addr, into) == PEER_BYTES
+        kept = PEER_BYTES - 8192  # test_write_then_read_back writes after this
+        assert into[:kept].cpu().numpy().tobytes() == pattern(PEER_BYTES)[:kept].tobytes()
+        stats = device_agent.statistics()
+        moved = stats.bytes_device_direct if device_agent.device_memory == "register" else stats.bytes_staged
+        assert moved == PEER_BYTES
 
 
 @given(

@@ -573,6 +573,45 @@ def test_gradients_reach_the_core_in_a_round_and_weights_move_back(hosts):
     assert source.shards == () and source.layout == (1, 1, 1, 1)  # a one-process core's source
 
 
+class CannotRegisterLargeBuffers(TransferAgent):
+    """A real agent that says it cannot register anything larger than a fence: what a Mooncake build without CUDA
+    says of device parameters (this machine has no GPU, so host memory stands in for them)."""
+
+    def can_register(self, buffer) -> bool:
+        return buffer.numel() <= 1
+
+
+def test_a_core_whose_parameters_cannot_be_registered_serves_a_host_copy_under_the_fence(tiny_model_dir, agents):
+    _, satellite_agent = agents
+    scratch = torch.zeros(1, dtype=torch.int64)
+    satellite_agent.register_tensor(scratch)
+    with CannotRegisterLargeBuffers() as core_agent:
+        core = TrainerHost.build(str(tiny_model_dir), TrainerConfig(lr=1e-3), core_agent, True,
+                                 torch.zeros(1, dtype=torch.int64))
+        satellite = TrainerHost.build(str(tiny_model_dir), TrainerConfig(), satellite_agent, False, scratch)
+        try:
+            assert core.served is not core.params and torch.equal(core.served, core.params)
+            registered = core_agent.statistics().registered_bytes
+            assert registered == core.served.numel() * 4 + 8  # the host copy and the fence, not the parameters
+            batch = pack_samples([sample(1), sample(2, execution="f")])
+            core.trainer.forward_backward(batch.input_ids, batch.lengths,
+                                          lambda lp: loss_from_samples(lp, batch, num_executions=2))
+            core.apply_step()
+            source = core.source("core")
+            assert source.addr == core.served.data_ptr() and source.version == 1 == int(core.fence[0])
+            satellite.pull(source)  # the step's weights, from the host copy
+            assert satellite.version == 1 and torch.equal(satellite.params, core.params)
+            assert satellite.digest() == core.digest()
+            # Weights that change outside a step (a restored checkpoint) reach the copy before the next source.
+            core.trainer.load_flat_params(core.trainer.flat_params() * 0.5, version=7)
+            satellite.pull(core.source("core"))
+            assert satellite.version == 7 and torch.equal(satellite.params, core.params)
+        finally:
+            core.close()
+            satellite.close()
+            satellite_agent.unregister_tensor(scratch)
+
+
 def test_a_round_whose_member_never_joins_counts_nothing_and_its_micro_steps_go_back(tiny_model_dir, agents):
     """The core's side against a satellite that never comes (dead, or gone): bounded by the group's timeout, the
     round counts nothing, the member hears RoundEnded(counted=False), the next round forms a new group; on the

@@ -20,6 +20,27 @@ minutes; within a round they fall on neighbouring configurations, across rounds 
 configuration's figure is its median over the rounds, and elastic's speed-ups are the median of each round's own
 ratio (elastic against the round's best async split and its colocate), with every round's ratio reported.
 
+Equal work (`--equal-work`). In an ordinary run what the policy learns changes the rollouts, the task sampler
+follows the groups that land, and the asynchronous order decides which groups go stale, so each configuration trains
+a different workload and s/step compares unequal work (issue 30: elastic trained 1,123 samples / 296K tokens in 4
+steps against 953 / 237K for async[core]). With `--equal-work` every run gets the topology's `--frozen-policy`: the
+optimizer step runs at learning rate 0, so the weights never drift, and the tasks come in a fixed seeded order, group
+id by group id. Each model call is already sampled with a seed of its execution and call index (the proxy's rid,
+actors/serving/routing.py `call_seed`), and the engine draws each token's noise from (seed, position)
+(engines/sampling.py), so the same weights give the same tokens whatever the batching, up to the last bits of the
+logits; SGLang gets there only with `--enable-deterministic-inference` (docs.sglang.io, "Deterministic Inference").
+The staleness bound stays as configured: nothing is stale in content, but the scheduling is the one being compared.
+
+The bench then reads each run's event log (REPORT/events.glog): which groups every applied step trained
+(`ClaimGranted`), a digest of what was trained of each group (token ids, loss masks, advantages) and of each
+execution's model calls and reward. Per round, the fixed work is the groups that every run trained; a run's time for
+it, `fixed_work_s`, is the time of the step that trained the last of them (from the run monitor's start, so start-up
+and the first step count). The check (`compare_work`) reports each run's samples and tokens, whether the runs
+trained the same groups, how many of the common groups and executions were trained identically, and how much other
+work a run had trained by its fixed-work time; `work_equal` holds when every common group is identical in every run
+and that other work stays under `max_extra_share` of the tokens. The ends of a run differ by design (which groups
+of those in flight land first is the scheduling), so the fixed work is what they share, not all they trained.
+
 On one CPU machine all cells share the cores, so a cell that idles gives its CPU to the others and the policies
 look alike. The main job's `--cell-cpu-cores C` (after `--`) caps each cell process at C cores with a cgroup quota,
 which gives each cell a device of its own as on a cluster (runtime/cpu_limits.py; BENCHMARKS.md, session 5).
@@ -28,11 +49,13 @@ which gives each cell a device of its own as on a cluster (runtime/cpu_limits.py
     gyre bench policies --steps 8 --json -- --min-reward-spread 0 --cell-cpu-cores 0.4
     gyre bench policies --steps 6 --repeats 3 --json -- --min-reward-spread 0 --cell-cpu-cores 0.4
     gyre bench policies --topology examples/agent_rl.py --out /tmp/policies -- --group-size 8
+    gyre bench policies --steps 6 --equal-work --json -- --min-reward-spread 0 --cell-cpu-cores 0.4
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -45,15 +68,23 @@ from typing import Any, Callable, Sequence
 import attrs
 import structlog
 
+from gyre.runtime.codec import Codec
+from gyre.runtime.errors import GyreError
+from gyre.runtime.event_log import read_log
+
 log = structlog.get_logger(__name__)
 
 __all__ = [
+    "GroupWork",
     "PolicyBenchConfig",
     "PolicyBenchError",
     "PolicyRun",
     "RunSpec",
+    "RunWork",
     "async_splits",
+    "compare_work",
     "read_run",
+    "read_work",
     "run_policy_bench",
     "summarize",
     "register",
@@ -88,6 +119,12 @@ class PolicyBenchConfig:
     repeats: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     """Rounds: each runs every configuration once, in the same order, so that a slow spell of a shared machine
     falls on every configuration of a round alike. The headline figures are medians over the rounds."""
+    equal_work: bool = False
+    """Run every configuration on the same work (module docstring, Equal work): pass `--frozen-policy` to the
+    topology, read each run's event log, time the work every run of a round trained and check it was equal."""
+    max_extra_share: float = attrs.field(default=0.1, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    """Equal work: the most of the tokens a run had trained by its fixed-work time that may belong to other groups
+    than the common ones (beyond it that time is not the fixed work's alone, and `work_equal` is false)."""
 
     def __attrs_post_init__(self) -> None:
         unknown = set(self.policies) - {"elastic", "async", "colocate"}
@@ -130,6 +167,41 @@ class PolicyRun:
     """Role changes after every cell's first role."""
     cells: tuple[str, ...]
     core_cell: str
+    steady_tokens_per_s: float = 0.0
+    """Tokens trained in the steps after the first, over (last step time - first step time)."""
+    fixed_work_s: float | None = None
+    """Equal work: seconds from the run monitor's start to the step that trained the last group of the round's
+    common work (module docstring); None otherwise."""
+
+
+@attrs.frozen
+class GroupWork:
+    """What one run trained of one GSPO group, read off its event log."""
+
+    step_id: int
+    """The step that trained the group's last sample."""
+    samples: int
+    """Samples of the group trained."""
+    tokens: int
+    """Their tokens, prompt and generated (as StepApplied counts them)."""
+    samples_digest: str
+    """Digest of what was trained: each sample's execution, rank, token ids, loss mask and advantages (not its
+    behaviour log-probs, whose last bits follow the batch the engine computed them in)."""
+    executions: tuple[tuple[str, str], ...]
+    """(execution id, digest of its model calls' prompts and outputs and of its reward) of each of the group's
+    executions that made a call, by id."""
+
+
+@attrs.frozen(eq=False)
+class RunWork:
+    """What one configuration's run trained, group by group, and when (equal-work mode)."""
+
+    name: str
+    """The configuration (RunSpec.name)."""
+    step_times_s: dict[int, float]
+    """Applied step id -> seconds from the run monitor's start (run.json)."""
+    groups: dict[str, GroupWork]
+    """Group id -> what the applied steps trained of it."""
 
 
 def async_splits(cells: Sequence[str], core_cell: str) -> tuple[tuple[str, ...], ...]:
@@ -145,8 +217,7 @@ def async_splits(cells: Sequence[str], core_cell: str) -> tuple[tuple[str, ...],
     return tuple((core_cell, *satellites[:k]) for k in range(len(satellites)))
 
 
-def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
-    """Read a finished run's run.json."""
+def _run_record(report_dir: Path, spec: RunSpec) -> dict[str, Any]:
     path = report_dir / "run.json"
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -155,7 +226,15 @@ def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
     steps = record.get("steps") or []
     if len(steps) < 2:
         raise PolicyBenchError(f"{spec.name}: the run applied {len(steps)} steps; at least 2 are needed")
+    return record
+
+
+def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
+    """Read a finished run's run.json."""
+    record = _run_record(report_dir, spec)
+    steps = record["steps"]
     times = [float(step["t_s"]) for step in steps]
+    steady_s = times[-1] - times[0]
     first_roles = {change["cell"] for change in record.get("role_changes", []) if not change.get("previous")}
     switches = sum(1 for change in record.get("role_changes", []) if change.get("previous"))
     return PolicyRun(
@@ -163,7 +242,7 @@ def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
         policy=spec.policy,
         train_cells=spec.train_cells,
         steps=len(steps),
-        steady_s_per_step=(times[-1] - times[0]) / (len(times) - 1),
+        steady_s_per_step=steady_s / (len(times) - 1),
         first_step_s=times[0],
         elapsed_s=float(record.get("elapsed_s", times[-1])),
         samples=sum(int(step.get("samples", 0)) for step in steps),
@@ -171,55 +250,211 @@ def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
         role_switches=switches if first_roles else 0,
         cells=tuple(record.get("cells", ())),
         core_cell=str(record.get("core_cell", "")),
+        steady_tokens_per_s=sum(int(step.get("tokens", 0)) for step in steps[1:]) / steady_s if steady_s > 0 else 0.0,
     )
 
 
-def _round_summary(runs: Sequence[PolicyRun]) -> dict[str, Any]:
-    """One round's figures: each policy's seconds per step (async at the round's best split) and the speed-ups."""
+WORK_TYPES = frozenset({"gyre.training.ClaimGranted", "gyre.model_calls.ModelCallCompleted",
+                        "gyre.samples.ExecutionScored"})
+"""The event-log records read_work reads."""
+
+
+def _digest(parts: Sequence[object]) -> str:
+    # repr of ints, bools, strings and floats round-trips exactly: equal digests mean equal values.
+    hasher = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        hasher.update(repr(part).encode())
+        hasher.update(b"\0")
+    return hasher.hexdigest()
+
+
+def read_work(report_dir: Path, spec: RunSpec) -> RunWork:
+    """What a finished run trained of each group, from its run.json (step times) and REPORT/events.glog (the
+    micro-steps granted, the model calls, the rewards). Micro-steps of steps the run monitor did not record as
+    applied (the one under way when the run stopped) are left out; a micro-step granted twice (released by a cell
+    that switched away, then granted again) counts once."""
+    record = _run_record(report_dir, spec)
+    step_times = {int(step["step"]): float(step["t_s"]) for step in record["steps"]}
+    log_path = report_dir / "events.glog"
+    if not log_path.exists():
+        raise PolicyBenchError(f"{spec.name}: no event log {log_path} to read the work from (equal-work mode needs "
+                               f"the topology to record it there)")
+    codec = Codec()
+    seen: set[bytes] = set()
+    samples_by_microstep: dict[tuple[int, int], tuple] = {}
+    calls: dict[str, dict[int, str]] = {}
+    group_of: dict[str, str] = {}
+    rewards: dict[str, tuple[float, bool]] = {}
+    try:
+        for entry in read_log(log_path, codec):
+            if entry.type_name not in WORK_TYPES:
+                continue
+            # One message handled by several actors (every cell hears every call) is logged once by each.
+            body_key = hashlib.blake2b(entry.body, digest_size=16).digest()
+            if body_key in seen:
+                continue
+            seen.add(body_key)
+            message = entry.decode(codec)
+            if entry.type_name == "gyre.training.ClaimGranted":
+                if message.step_id in step_times:
+                    samples_by_microstep.setdefault((message.step_id, message.microstep_index), message.samples)
+            elif entry.type_name == "gyre.model_calls.ModelCallCompleted":
+                group_of[message.execution_id] = message.group_id
+                calls.setdefault(message.execution_id, {})[message.call_index] = _digest((
+                    message.extends_call, message.shared_tokens, message.new_prompt_ids, message.output_ids,
+                    message.finish_reason))
+            else:
+                rewards[message.execution_id] = (message.reward, message.timed_out)
+    except GyreError as error:
+        raise PolicyBenchError(f"{spec.name}: cannot read {log_path}: {error}") from error
+    trained: dict[str, list] = {}
+    step_of: dict[str, int] = {}
+    for (step_id, _), samples in sorted(samples_by_microstep.items()):
+        for sample in samples:
+            trained.setdefault(sample.group_id, []).append(sample)
+            step_of[sample.group_id] = step_id
+    executions_of: dict[str, list[str]] = {}
+    for execution, group in group_of.items():
+        executions_of.setdefault(group, []).append(execution)
+    groups = {}
+    for group, samples in trained.items():
+        samples.sort(key=lambda sample: (sample.execution_id, sample.trajectory_rank))
+        groups[group] = GroupWork(
+            step_id=step_of[group], samples=len(samples), tokens=sum(len(sample.token_ids) for sample in samples),
+            samples_digest=_digest([(sample.execution_id, sample.trajectory_rank, sample.token_ids, sample.loss_mask,
+                                     sample.advantages) for sample in samples]),
+            executions=tuple((execution, _digest([*sorted(calls[execution].items()), rewards.get(execution)]))
+                             for execution in sorted(executions_of.get(group, ()))),
+        )
+    return RunWork(spec.name, step_times, groups)
+
+
+def compare_work(works: Sequence[RunWork], max_extra_share: float = 0.1) -> dict[str, Any]:
+    """How equal the work of one round's runs was, and each run's time for the work they share.
+
+    The fixed work is the groups every run trained. `runs[name]` gives each run's totals (groups, samples, tokens
+    trained in its applied steps), its `fixed_work_s` (the time of the step that trained the last common group),
+    the samples and tokens of the common groups as it trained them, and `extra_share`: of the tokens it had trained
+    by then, the share that belongs to other groups. `groups_identical` counts the common groups trained alike in
+    every run (same samples: token ids, loss masks, advantages), `executions_identical` their executions whose model
+    calls and reward were the same in every run. `work_equal` is true when every common group is identical and no
+    run's extra share passes `max_extra_share`; `why_unequal` says what failed."""
+    if not works:
+        raise ValueError("compare_work needs at least one run")
+    common = sorted(set.intersection(*(set(work.groups) for work in works)))
+    identical = [group for group in common if len({work.groups[group].samples_digest for work in works}) == 1]
+    executions = 0
+    executions_identical = 0
+    for group in common:
+        digests_by_run = [dict(work.groups[group].executions) for work in works]
+        for execution in sorted(set().union(*digests_by_run)):
+            executions += 1
+            executions_identical += len({digests.get(execution) for digests in digests_by_run}) == 1
+    runs: dict[str, dict[str, Any]] = {}
+    why: list[str] = []
+    for work in works:
+        groups = work.groups.values()
+        row: dict[str, Any] = {"groups": len(work.groups), "samples": sum(g.samples for g in groups),
+                               "tokens": sum(g.tokens for g in groups)}
+        if common:
+            fixed_step = max(work.groups[group].step_id for group in common)
+            done_by_then = [group for group, g in work.groups.items() if g.step_id <= fixed_step]
+            tokens_by_then = sum(work.groups[group].tokens for group in done_by_then)
+            fixed_tokens = sum(work.groups[group].tokens for group in common)
+            row.update(fixed_work_s=work.step_times_s[fixed_step], fixed_work_step=fixed_step,
+                       fixed_work_samples=sum(work.groups[group].samples for group in common),
+                       fixed_work_tokens=fixed_tokens,
+                       extra_share=(tokens_by_then - fixed_tokens) / tokens_by_then if tokens_by_then else 0.0)
+            if row["extra_share"] > max_extra_share:
+                why.append(f"{work.name}: {row['extra_share']:.0%} of the tokens it trained by its fixed-work time "
+                           f"(step {fixed_step}) were other groups' (at most {max_extra_share:.0%})")
+        runs[work.name] = row
+    if not common:
+        why.insert(0, "no group was trained by every run")
+    elif len(identical) < len(common):
+        differing = [group for group in common if group not in identical]
+        why.insert(0, f"{len(differing)} of the {len(common)} groups every run trained were trained differently "
+                   f"(first: {differing[0]}; executions with the same calls and reward in every run: "
+                   f"{executions_identical} of {executions})")
+    return {
+        "work_equal": not why, "why_unequal": why, "common_groups": len(common),
+        "same_groups": all(set(work.groups) == set(works[0].groups) for work in works),
+        "groups_identical": len(identical), "executions": executions, "executions_identical": executions_identical,
+        "runs": runs,
+    }
+
+
+MEASURES = {"s_per_step": "steady_s_per_step", "fixed_work_s": "fixed_work_s"}
+"""Figure name in the result -> the PolicyRun field it is taken from; the lower, the faster."""
+
+
+def _round_summary(runs: Sequence[PolicyRun], label: str = "s_per_step") -> dict[str, Any]:
+    """One round's figures for one measure (MEASURES): each policy's (async at the round's best split) and elastic's
+    speed-ups. `s_per_step` keeps the names the bench always had; other measures' names carry theirs."""
+    field = MEASURES[label]
     best: dict[str, PolicyRun] = {}
     for run in runs:
-        if run.policy not in best or run.steady_s_per_step < best[run.policy].steady_s_per_step:
+        value = getattr(run, field)
+        if value is not None and (run.policy not in best or value < getattr(best[run.policy], field)):
             best[run.policy] = run
-    result: dict[str, Any] = {f"{policy}_s_per_step": run.steady_s_per_step for policy, run in best.items()}
+    result: dict[str, Any] = {f"{policy}_{label}": getattr(run, field) for policy, run in best.items()}
+    prefix = "" if label == "s_per_step" else f"{label.removesuffix('_s')}_"
     if "async" in best:
-        result["async_best_split"] = list(best["async"].train_cells)
-    elastic = result.get("elastic_s_per_step")
+        result[f"async_{prefix}best_split"] = list(best["async"].train_cells)
+    elastic = result.get(f"elastic_{label}")
     for other in ("async", "colocate"):
-        if elastic and f"{other}_s_per_step" in result:
-            result[f"elastic_speedup_vs_{other}"] = result[f"{other}_s_per_step"] / elastic
+        if elastic and f"{other}_{label}" in result:
+            result[f"elastic_{prefix}speedup_vs_{other}"] = result[f"{other}_{label}"] / elastic
     return result
 
 
-def summarize(runs: Sequence[PolicyRun], rounds: Sequence[Sequence[PolicyRun]] = ()) -> dict[str, Any]:
-    """The bench's result: per configuration its median seconds per step over the rounds; per policy the best
-    configuration's median (async: its best split); elastic's speed-ups as the median of each round's own ratio.
-
-    `rounds` groups `runs` by round (each round runs every configuration once); empty means one round of `runs`.
-    """
-    rounds = [list(r) for r in rounds] if rounds else [list(runs)]
+def _summarize_measure(runs: Sequence[PolicyRun], rounds: Sequence[Sequence[PolicyRun]], label: str) -> dict[str, Any]:
+    field = MEASURES[label]
+    prefix = "" if label == "s_per_step" else f"{label.removesuffix('_s')}_"
     by_name: dict[str, list[PolicyRun]] = {}
     for run in runs:
-        by_name.setdefault(run.name, []).append(run)
-    median_by_name = {name: statistics.median([r.steady_s_per_step for r in group]) for name, group in by_name.items()}
-    result: dict[str, Any] = {"rounds": len(rounds)}
+        if getattr(run, field) is not None:
+            by_name.setdefault(run.name, []).append(run)
+    median_by_name = {name: statistics.median([getattr(r, field) for r in group]) for name, group in by_name.items()}
+    result: dict[str, Any] = {}
     by_policy: dict[str, list[str]] = {}
     for name, group in by_name.items():
         by_policy.setdefault(group[0].policy, []).append(name)
     best_by_policy = {policy: min(names, key=median_by_name.__getitem__) for policy, names in by_policy.items()}
     for policy, best in best_by_policy.items():
-        result[f"{policy}_s_per_step"] = median_by_name[best]
-        result[f"{policy}_first_step_s"] = statistics.median([r.first_step_s for r in by_name[best]])
+        result[f"{policy}_{label}"] = median_by_name[best]
+        if label == "s_per_step":
+            result[f"{policy}_first_step_s"] = statistics.median([r.first_step_s for r in by_name[best]])
     if "async" in by_policy:
-        result["async_best_split"] = list(by_name[best_by_policy["async"]][0].train_cells)
-        result["async_splits_s_per_step"] = {name: median_by_name[name] for name in by_policy["async"]}
-    per_round = [_round_summary(r) for r in rounds]
+        result[f"async_{prefix}best_split"] = list(by_name[best_by_policy["async"]][0].train_cells)
+        result[f"async_splits_{label}"] = {name: median_by_name[name] for name in by_policy["async"]}
+    per_round = [_round_summary(r, label) for r in rounds]
     for other in ("async", "colocate"):
-        key = f"elastic_speedup_vs_{other}"
+        key = f"elastic_{prefix}speedup_vs_{other}"
         ratios = [r[key] for r in per_round if key in r]
         if ratios:
             result[key] = statistics.median(ratios)
             result[f"{key}_by_round"] = ratios
-    result["s_per_step_by_round"] = {name: [r.steady_s_per_step for r in group] for name, group in by_name.items()}
+    result[f"{label}_by_round"] = {name: [getattr(r, field) for r in group] for name, group in by_name.items()}
+    return result
+
+
+def summarize(runs: Sequence[PolicyRun], rounds: Sequence[Sequence[PolicyRun]] = (),
+              work_checks: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The bench's result: per configuration its median seconds per step over the rounds; per policy the best
+    configuration's median (async: its best split); elastic's speed-ups as the median of each round's own ratio.
+
+    `rounds` groups `runs` by round (each round runs every configuration once); empty means one round of `runs`.
+    With equal work, `work_checks` holds each round's `compare_work` and the runs carry `fixed_work_s`: the same
+    figures are given for the time of the fixed work (`{policy}_fixed_work_s`, `elastic_fixed_work_speedup_vs_*`),
+    with `work_equal` (every round's work was equal) and the checks as `equal_work_by_round`.
+    """
+    rounds = [list(r) for r in rounds] if rounds else [list(runs)]
+    result: dict[str, Any] = {"rounds": len(rounds), **_summarize_measure(runs, rounds, "s_per_step")}
+    if work_checks:
+        result.update(_summarize_measure(runs, rounds, "fixed_work_s"))
+        result["work_equal"] = all(check["work_equal"] for check in work_checks)
+        result["equal_work_by_round"] = list(work_checks)
     result["runs"] = [attrs.asdict(run) for run in runs]
     return result
 
@@ -227,7 +462,7 @@ def summarize(runs: Sequence[PolicyRun], rounds: Sequence[Sequence[PolicyRun]] =
 def _run_one(config: PolicyBenchConfig, spec: RunSpec, report_dir: Path, cwd: Path) -> PolicyRun:
     argv = [
         *GYRE_RUN, *config.run_options, config.topology, "--report", str(report_dir), "--steps", str(config.steps), "--skip-eval",
-        *spec.argv(), *config.topology_args,
+        *spec.argv(), *(("--frozen-policy",) if config.equal_work else ()), *config.topology_args,
     ]
     log.info("policy_run_started", run=spec.name, argv=argv[4:])
     started = time.perf_counter()
@@ -250,19 +485,23 @@ def run_policy_bench(
     *,
     cwd: Path | None = None,
     run_one: Callable[[PolicyBenchConfig, RunSpec, Path, Path], PolicyRun] = _run_one,
+    work_reader: Callable[[Path, RunSpec], RunWork] = read_work,
 ) -> dict[str, Any]:
     """Run every configuration in turn, `config.repeats` rounds of them (elastic first: its run.json names the cells
-    for the async splits). With more than one round, round r's reports go under `out/round{r}/`."""
+    for the async splits). With more than one round, round r's reports go under `out/round{r}/`. With
+    `config.equal_work`, `work_reader` reads each run's work and each round's is compared (`compare_work`)."""
     cwd = cwd if cwd is not None else Path.cwd()
     with tempfile.TemporaryDirectory(prefix="gyre-policies-") as scratch:
         out = Path(config.out_dir) if config.out_dir else Path(scratch)
         rounds: list[list[PolicyRun]] = []
+        checks: list[dict[str, Any]] = []
         cells: tuple[str, ...] = ()
         core = ""
         ordered = sorted(config.policies, key=("elastic", "colocate", "async").index)
         for round_index in range(config.repeats):
             folder = out / f"round{round_index}" if config.repeats > 1 else out
             runs: list[PolicyRun] = []
+            works: list[RunWork] = []
             for policy in ordered:
                 if policy != "async":
                     specs = [RunSpec(policy)]
@@ -272,13 +511,23 @@ def run_policy_bench(
                         cells, core = probe.cells, probe.core_cell
                     specs = [RunSpec("async", split) for split in async_splits(cells, core)]
                 for spec in specs:
-                    run = run_one(config, spec, folder / spec.name.replace("[", "-").replace("]", ""), cwd)
+                    report = folder / spec.name.replace("[", "-").replace("]", "")
+                    run = run_one(config, spec, report, cwd)
                     runs.append(run)
+                    if config.equal_work:
+                        works.append(work_reader(report, spec))
                     cells, core = cells or run.cells, core or run.core_cell
+            if config.equal_work:
+                check = compare_work(works, config.max_extra_share)
+                checks.append(check)
+                runs = [attrs.evolve(run, fixed_work_s=check["runs"][run.name].get("fixed_work_s")) for run in runs]
+                log.info("policy_round_work", round=round_index, work_equal=check["work_equal"],
+                         common_groups=check["common_groups"], why_unequal=check["why_unequal"])
             rounds.append(runs)
+            figures = {**_round_summary(runs), **(_round_summary(runs, "fixed_work_s") if config.equal_work else {})}
             log.info("policy_round_done", round=round_index, **{
-                k: round(v, 3) for k, v in _round_summary(runs).items() if isinstance(v, float)})
-        return summarize([run for r in rounds for run in r], rounds)
+                k: round(v, 3) for k, v in figures.items() if isinstance(v, float)})
+        return summarize([run for r in rounds for run in r], rounds, checks)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -293,6 +542,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=defaults.repeats,
                         help="rounds of every configuration (medians over them; the machine's slow spells fall on "
                         "every configuration of a round alike)")
+    parser.add_argument("--equal-work", action="store_true",
+                        help="every run on the same work: the topology's --frozen-policy (learning rate 0, a fixed "
+                        "task order), then the time each took for the groups all of a round trained, and a check "
+                        "that the work was equal (samples, tokens, the same groups trained alike)")
+    parser.add_argument("--max-extra-share", type=float, default=defaults.max_extra_share,
+                        help="with --equal-work: the most of a run's tokens trained by its fixed-work time that may "
+                        "be other groups' for the work to count as equal")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=_command, accepts_extra_args=True)
 
@@ -305,7 +561,7 @@ def _command(args: argparse.Namespace) -> int:
         config = PolicyBenchConfig(
             topology=args.topology, steps=args.steps, out_dir=args.out,
             policies=tuple(p for p in args.policies.split(",") if p), topology_args=tuple(args.passthrough),
-            repeats=args.repeats,
+            repeats=args.repeats, equal_work=args.equal_work, max_extra_share=args.max_extra_share,
         )
     except ValueError as error:
         print(f"gyre bench policies: {error}", file=sys.stderr)
@@ -323,12 +579,19 @@ def _command(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     for run in result["runs"]:
+        fixed = f"  fixed work at {run['fixed_work_s']:6.1f} s" if run["fixed_work_s"] is not None else ""
         print(f"{run['name']:<24} {run['steady_s_per_step']:7.1f} s/step  first step at {run['first_step_s']:6.1f} s"
-              f"  samples {run['samples']:5d}  switches {run['role_switches']}")
-    for other in ("async", "colocate"):
-        key = f"elastic_speedup_vs_{other}"
-        if key in result:
-            rounds = ", ".join(f"{ratio:.2f}x" for ratio in result[f"{key}_by_round"])
-            print(f"elastic vs {other}{' (best split)' if other == 'async' else ''}: {result[key]:.2f}x"
-                  + (f" (median of the rounds: {rounds})" if result["rounds"] > 1 else ""))
+              f"  samples {run['samples']:5d}  tokens {run['tokens']:7d}  {run['steady_tokens_per_s']:7.1f} tokens/s"
+              f"  switches {run['role_switches']}{fixed}")
+    for measure, what in (("", "per step"), ("fixed_work_", "on the fixed work")):
+        for other in ("async", "colocate"):
+            key = f"elastic_{measure}speedup_vs_{other}"
+            if key in result:
+                rounds = ", ".join(f"{ratio:.2f}x" for ratio in result[f"{key}_by_round"])
+                print(f"elastic vs {other}{' (best split)' if other == 'async' else ''} {what}: {result[key]:.2f}x"
+                      + (f" (median of the rounds: {rounds})" if result["rounds"] > 1 else ""))
+    for index, check in enumerate(result.get("equal_work_by_round", ())):
+        verdict = "equal" if check["work_equal"] else "NOT equal: " + "; ".join(check["why_unequal"])
+        print(f"round {index} work {verdict} ({check['common_groups']} groups trained by every run, "
+              f"{check['groups_identical']} of them alike; same groups: {check['same_groups']})")
     return 0

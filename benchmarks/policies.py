@@ -172,6 +172,10 @@ class PolicyRun:
     fixed_work_s: float | None = None
     """Equal work: seconds from the run monitor's start to the step that trained the last group of the round's
     common work (module docstring); None otherwise."""
+    cells_ready_s: float | None = None
+    """Seconds from the run monitor's start until every cell had taken its first role (its start-up, which the
+    policy does not decide: on a loaded machine it varies from run to run and is inside `fixed_work_s`); None when
+    run.json records no role."""
 
 
 @attrs.frozen
@@ -235,7 +239,10 @@ def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
     steps = record["steps"]
     times = [float(step["t_s"]) for step in steps]
     steady_s = times[-1] - times[0]
-    first_roles = {change["cell"] for change in record.get("role_changes", []) if not change.get("previous")}
+    first_role_s: dict[str, float] = {}
+    for change in record.get("role_changes", []):
+        if not change.get("previous"):
+            first_role_s.setdefault(change["cell"], float(change["t_s"]))
     switches = sum(1 for change in record.get("role_changes", []) if change.get("previous"))
     return PolicyRun(
         name=spec.name,
@@ -247,10 +254,11 @@ def read_run(report_dir: Path, spec: RunSpec) -> PolicyRun:
         elapsed_s=float(record.get("elapsed_s", times[-1])),
         samples=sum(int(step.get("samples", 0)) for step in steps),
         tokens=sum(int(step.get("tokens", 0)) for step in steps),
-        role_switches=switches if first_roles else 0,
+        role_switches=switches if first_role_s else 0,
         cells=tuple(record.get("cells", ())),
         core_cell=str(record.get("core_cell", "")),
         steady_tokens_per_s=sum(int(step.get("tokens", 0)) for step in steps[1:]) / steady_s if steady_s > 0 else 0.0,
+        cells_ready_s=max(first_role_s.values()) if first_role_s else None,
     )
 
 

@@ -43,10 +43,12 @@ def _write_run(folder: Path, step_times: list[float], role_changes=()) -> Path:
 
 
 def test_read_run_measures_steady_steps_and_counts_switches(tmp_path):
-    changes = [{"cell": "core", "previous": ""}, {"cell": "sat1", "previous": ""},
-               {"cell": "sat1", "previous": "rollout"}, {"cell": "sat1", "previous": "train"}]
+    changes = [{"cell": "core", "previous": "", "t_s": 3.0}, {"cell": "sat1", "previous": "", "t_s": 4.5},
+               {"cell": "sat1", "previous": "rollout", "t_s": 9.0}, {"cell": "sat1", "previous": "train", "t_s": 12.0}]
     run = read_run(_write_run(tmp_path / "r", [10.0, 14.0, 20.0], changes), RunSpec("elastic"))
     assert run.steady_s_per_step == pytest.approx(5.0)
+    assert run.steady_tokens_per_s == pytest.approx(100 / 10.0)  # the two steps after the first, 50 tokens each
+    assert run.cells_ready_s == 4.5 and run.fixed_work_s is None
     assert run.first_step_s == 10.0
     assert (run.samples, run.tokens, run.role_switches) == (9, 150, 2)
     assert (run.cells, run.core_cell) == (("core", "sat1"), "core")

@@ -587,7 +587,11 @@ def _command(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     for run in result["runs"]:
-        fixed = f"  fixed work at {run['fixed_work_s']:6.1f} s" if run["fixed_work_s"] is not None else ""
+        fixed = ""
+        if run["fixed_work_s"] is not None:
+            ready = run["cells_ready_s"]
+            fixed = f"  fixed work at {run['fixed_work_s']:6.1f} s" + (
+                f" (cells ready at {ready:5.1f} s)" if ready is not None else "")
         print(f"{run['name']:<24} {run['steady_s_per_step']:7.1f} s/step  first step at {run['first_step_s']:6.1f} s"
               f"  samples {run['samples']:5d}  tokens {run['tokens']:7d}  {run['steady_tokens_per_s']:7.1f} tokens/s"
               f"  switches {run['role_switches']}{fixed}")

@@ -31,15 +31,17 @@ actors/serving/routing.py `call_seed`), and the engine draws each token's noise 
 logits; SGLang gets there only with `--enable-deterministic-inference` (docs.sglang.io, "Deterministic Inference").
 The staleness bound stays as configured: nothing is stale in content, but the scheduling is the one being compared.
 
-The bench then reads each run's event log (REPORT/events.glog): which groups every applied step trained
-(`ClaimGranted`), a digest of what was trained of each group (token ids, loss masks, advantages) and of each
-execution's model calls and reward. Per round, the fixed work is the groups that every run trained; a run's time for
-it, `fixed_work_s`, is the time of the step that trained the last of them (from the run monitor's start, so start-up
-and the first step count). The check (`compare_work`) reports each run's samples and tokens, whether the runs
-trained the same groups, how many of the common groups and executions were trained identically, and how much other
-work a run had trained by its fixed-work time; `work_equal` holds when every common group is identical in every run
-and that other work stays under `max_extra_share` of the tokens. The ends of a run differ by design (which groups
-of those in flight land first is the scheduling), so the fixed work is what they share, not all they trained.
+The bench then reads each run's event log (REPORT/events.glog): which executions every applied step trained
+(`ClaimGranted`: the claimer fills a step with `groups_per_step * group_size` executions, so a group can straddle
+two steps), a digest of what was trained of each (token ids, loss masks, advantages) and of its model calls and
+reward. Per round, the fixed work is the executions that every run trained; a run's time for it, `fixed_work_s`, is
+the time of the step that trained the last of them (from the run monitor's start, so start-up and the first step
+count). The ends of the runs differ by design (which of the groups in flight land first is the scheduling), and so do
+executions the staleness bound refused (a call that straddled a weight update is as old as its oldest token): those
+are each run's other work. The check (`compare_work`) reports each run's samples and tokens, whether the runs
+trained the same groups and executions, how many of the common executions were trained alike, and how much other
+work each had trained by its fixed-work time; `work_equal` holds when every common execution was trained alike in
+every run and the tokens the runs had trained by their fixed-work times lie within `work_tolerance` of each other.
 
 On one CPU machine all cells share the cores, so a cell that idles gives its CPU to the others and the policies
 look alike. The main job's `--cell-cpu-cores C` (after `--`) caps each cell process at C cores with a cgroup quota,
@@ -75,7 +77,7 @@ from gyre.runtime.event_log import read_log
 log = structlog.get_logger(__name__)
 
 __all__ = [
-    "GroupWork",
+    "ExecutionWork",
     "PolicyBenchConfig",
     "PolicyBenchError",
     "PolicyRun",
@@ -122,9 +124,9 @@ class PolicyBenchConfig:
     equal_work: bool = False
     """Run every configuration on the same work (module docstring, Equal work): pass `--frozen-policy` to the
     topology, read each run's event log, time the work every run of a round trained and check it was equal."""
-    max_extra_share: float = attrs.field(default=0.1, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
-    """Equal work: the most of the tokens a run had trained by its fixed-work time that may belong to other groups
-    than the common ones (beyond it that time is not the fixed work's alone, and `work_equal` is false)."""
+    work_tolerance: float = attrs.field(default=0.05, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    """Equal work: how far apart (a share of the least) the tokens the runs had trained by their fixed-work times
+    may be for their work to count as equal (module docstring)."""
 
     def __attrs_post_init__(self) -> None:
         unknown = set(self.policies) - {"elastic", "async", "colocate"}
@@ -170,7 +172,7 @@ class PolicyRun:
     steady_tokens_per_s: float = 0.0
     """Tokens trained in the steps after the first, over (last step time - first step time)."""
     fixed_work_s: float | None = None
-    """Equal work: seconds from the run monitor's start to the step that trained the last group of the round's
+    """Equal work: seconds from the run monitor's start to the step that trained the last execution of the round's
     common work (module docstring); None otherwise."""
     cells_ready_s: float | None = None
     """Seconds from the run monitor's start until every cell had taken its first role (its start-up, which the
@@ -179,33 +181,34 @@ class PolicyRun:
 
 
 @attrs.frozen
-class GroupWork:
-    """What one run trained of one GSPO group, read off its event log."""
+class ExecutionWork:
+    """What one run trained of one execution, read off its event log."""
 
+    group_id: str
+    """Its GSPO group."""
     step_id: int
-    """The step that trained the group's last sample."""
+    """The applied step that trained it (all of its samples go to one step)."""
     samples: int
-    """Samples of the group trained."""
+    """Its samples trained."""
     tokens: int
     """Their tokens, prompt and generated (as StepApplied counts them)."""
     samples_digest: str
-    """Digest of what was trained: each sample's execution, rank, token ids, loss mask and advantages (not its
-    behaviour log-probs, whose last bits follow the batch the engine computed them in)."""
-    executions: tuple[tuple[str, str], ...]
-    """(execution id, digest of its model calls' prompts and outputs and of its reward) of each of the group's
-    executions that made a call, by id."""
+    """Digest of what was trained: each sample's rank, token ids, loss mask and advantages (not its behaviour
+    log-probs, whose last bits follow the batch the engine computed them in)."""
+    calls_digest: str
+    """Digest of its model calls (prompts and outputs, call by call) and of its reward."""
 
 
 @attrs.frozen(eq=False)
 class RunWork:
-    """What one configuration's run trained, group by group, and when (equal-work mode)."""
+    """What one configuration's run trained, execution by execution, and when (equal-work mode)."""
 
     name: str
     """The configuration (RunSpec.name)."""
     step_times_s: dict[int, float]
     """Applied step id -> seconds from the run monitor's start (run.json)."""
-    groups: dict[str, GroupWork]
-    """Group id -> what the applied steps trained of it."""
+    executions: dict[str, ExecutionWork]
+    """Execution id -> what the applied steps trained of it."""
 
 
 def async_splits(cells: Sequence[str], core_cell: str) -> tuple[tuple[str, ...], ...]:
@@ -277,7 +280,7 @@ def _digest(parts: Sequence[object]) -> str:
 
 
 def read_work(report_dir: Path, spec: RunSpec) -> RunWork:
-    """What a finished run trained of each group, from its run.json (step times) and REPORT/events.glog (the
+    """What a finished run trained of each execution, from its run.json (step times) and REPORT/events.glog (the
     micro-steps granted, the model calls, the rewards). Micro-steps of steps the run monitor did not record as
     applied (the one under way when the run stopped) are left out; a micro-step granted twice (released by a cell
     that switched away, then granted again) counts once."""
@@ -319,76 +322,71 @@ def read_work(report_dir: Path, spec: RunSpec) -> RunWork:
     step_of: dict[str, int] = {}
     for (step_id, _), samples in sorted(samples_by_microstep.items()):
         for sample in samples:
-            trained.setdefault(sample.group_id, []).append(sample)
-            step_of[sample.group_id] = step_id
-    executions_of: dict[str, list[str]] = {}
-    for execution, group in group_of.items():
-        executions_of.setdefault(group, []).append(execution)
-    groups = {}
-    for group, samples in trained.items():
-        samples.sort(key=lambda sample: (sample.execution_id, sample.trajectory_rank))
-        groups[group] = GroupWork(
-            step_id=step_of[group], samples=len(samples), tokens=sum(len(sample.token_ids) for sample in samples),
-            samples_digest=_digest([(sample.execution_id, sample.trajectory_rank, sample.token_ids, sample.loss_mask,
-                                     sample.advantages) for sample in samples]),
-            executions=tuple((execution, _digest([*sorted(calls[execution].items()), rewards.get(execution)]))
-                             for execution in sorted(executions_of.get(group, ()))),
+            trained.setdefault(sample.execution_id, []).append(sample)
+            step_of[sample.execution_id] = step_id
+    executions = {}
+    for execution, samples in trained.items():
+        samples.sort(key=lambda sample: sample.trajectory_rank)
+        executions[execution] = ExecutionWork(
+            group_id=samples[0].group_id, step_id=step_of[execution], samples=len(samples),
+            tokens=sum(len(sample.token_ids) for sample in samples),
+            samples_digest=_digest([(sample.trajectory_rank, sample.token_ids, sample.loss_mask, sample.advantages)
+                                    for sample in samples]),
+            calls_digest=_digest([*sorted(calls.get(execution, {}).items()), rewards.get(execution)]),
         )
-    return RunWork(spec.name, step_times, groups)
+    return RunWork(spec.name, step_times, executions)
 
 
-def compare_work(works: Sequence[RunWork], max_extra_share: float = 0.1) -> dict[str, Any]:
+def compare_work(works: Sequence[RunWork], tolerance: float = 0.05) -> dict[str, Any]:
     """How equal the work of one round's runs was, and each run's time for the work they share.
 
-    The fixed work is the groups every run trained. `runs[name]` gives each run's totals (groups, samples, tokens
-    trained in its applied steps), its `fixed_work_s` (the time of the step that trained the last common group),
-    the samples and tokens of the common groups as it trained them, and `extra_share`: of the tokens it had trained
-    by then, the share that belongs to other groups. `groups_identical` counts the common groups trained alike in
-    every run (same samples: token ids, loss masks, advantages), `executions_identical` their executions whose model
-    calls and reward were the same in every run. `work_equal` is true when every common group is identical and no
-    run's extra share passes `max_extra_share`; `why_unequal` says what failed."""
+    The fixed work is the executions every run trained. `runs[name]` gives each run's totals (groups, executions,
+    samples, tokens trained in its applied steps), its `fixed_work_s` (the time of the step that trained the last
+    common execution), the samples and tokens of the common executions as it trained them, `tokens_by_fixed_work`
+    (all it had trained by then) and `extra_share` (the share of those that were other executions'). Of the common
+    executions, `executions_identical` were trained alike in every run (same samples: token ids, loss masks,
+    advantages) and `calls_identical` made the same model calls and got the same reward. `work_equal` holds when
+    every common execution was trained alike and the runs' `tokens_by_fixed_work` lie within `tolerance` of the
+    least; `why_unequal` says what failed."""
     if not works:
         raise ValueError("compare_work needs at least one run")
-    common = sorted(set.intersection(*(set(work.groups) for work in works)))
-    identical = [group for group in common if len({work.groups[group].samples_digest for work in works}) == 1]
-    executions = 0
-    executions_identical = 0
-    for group in common:
-        digests_by_run = [dict(work.groups[group].executions) for work in works]
-        for execution in sorted(set().union(*digests_by_run)):
-            executions += 1
-            executions_identical += len({digests.get(execution) for digests in digests_by_run}) == 1
+    common = sorted(set.intersection(*(set(work.executions) for work in works)))
+    differing = [e for e in common if len({work.executions[e].samples_digest for work in works}) > 1]
+    calls_identical = sum(len({work.executions[e].calls_digest for work in works}) == 1 for e in common)
     runs: dict[str, dict[str, Any]] = {}
-    why: list[str] = []
     for work in works:
-        groups = work.groups.values()
-        row: dict[str, Any] = {"groups": len(work.groups), "samples": sum(g.samples for g in groups),
-                               "tokens": sum(g.tokens for g in groups)}
+        done = work.executions.values()
+        row: dict[str, Any] = {"groups": len({e.group_id for e in done}), "executions": len(work.executions),
+                               "samples": sum(e.samples for e in done), "tokens": sum(e.tokens for e in done)}
         if common:
-            fixed_step = max(work.groups[group].step_id for group in common)
-            done_by_then = [group for group, g in work.groups.items() if g.step_id <= fixed_step]
-            tokens_by_then = sum(work.groups[group].tokens for group in done_by_then)
-            fixed_tokens = sum(work.groups[group].tokens for group in common)
+            fixed_step = max(work.executions[e].step_id for e in common)
+            by_then = sum(e.tokens for e in done if e.step_id <= fixed_step)
+            fixed_tokens = sum(work.executions[e].tokens for e in common)
             row.update(fixed_work_s=work.step_times_s[fixed_step], fixed_work_step=fixed_step,
-                       fixed_work_samples=sum(work.groups[group].samples for group in common),
-                       fixed_work_tokens=fixed_tokens,
-                       extra_share=(tokens_by_then - fixed_tokens) / tokens_by_then if tokens_by_then else 0.0)
-            if row["extra_share"] > max_extra_share:
-                why.append(f"{work.name}: {row['extra_share']:.0%} of the tokens it trained by its fixed-work time "
-                           f"(step {fixed_step}) were other groups' (at most {max_extra_share:.0%})")
+                       fixed_work_samples=sum(work.executions[e].samples for e in common),
+                       fixed_work_tokens=fixed_tokens, tokens_by_fixed_work=by_then,
+                       extra_share=(by_then - fixed_tokens) / by_then if by_then else 0.0)
         runs[work.name] = row
+    why: list[str] = []
     if not common:
-        why.insert(0, "no group was trained by every run")
-    elif len(identical) < len(common):
-        differing = [group for group in common if group not in identical]
-        why.insert(0, f"{len(differing)} of the {len(common)} groups every run trained were trained differently "
-                   f"(first: {differing[0]}; executions with the same calls and reward in every run: "
-                   f"{executions_identical} of {executions})")
+        why.append("no execution was trained by every run")
+    else:
+        if differing:
+            why.append(f"{len(differing)} of the {len(common)} executions every run trained were trained differently "
+                       f"(first: {differing[0]}; {calls_identical} of the {len(common)} made the same calls and got the "
+                       f"same reward)")
+        by_then = {name: row["tokens_by_fixed_work"] for name, row in runs.items()}
+        least, most = min(by_then.values()), max(by_then.values())
+        if most > least * (1.0 + tolerance):
+            why.append(f"by their fixed-work times the runs had trained {least} to {most} tokens "
+                       f"({most / least - 1.0:.0%} apart, more than {tolerance:.0%}): "
+                       + ", ".join(f"{name} {tokens}" for name, tokens in by_then.items()))
+    groups = [{e.group_id for e in work.executions.values()} for work in works]
     return {
-        "work_equal": not why, "why_unequal": why, "common_groups": len(common),
-        "same_groups": all(set(work.groups) == set(works[0].groups) for work in works),
-        "groups_identical": len(identical), "executions": executions, "executions_identical": executions_identical,
-        "runs": runs,
+        "work_equal": not why, "why_unequal": why, "common_executions": len(common),
+        "executions_identical": len(common) - len(differing), "calls_identical": calls_identical,
+        "same_executions": all(set(work.executions) == set(works[0].executions) for work in works),
+        "same_groups": all(g == groups[0] for g in groups), "runs": runs,
     }
 
 
@@ -526,11 +524,11 @@ def run_policy_bench(
                         works.append(work_reader(report, spec))
                     cells, core = cells or run.cells, core or run.core_cell
             if config.equal_work:
-                check = compare_work(works, config.max_extra_share)
+                check = compare_work(works, config.work_tolerance)
                 checks.append(check)
                 runs = [attrs.evolve(run, fixed_work_s=check["runs"][run.name].get("fixed_work_s")) for run in runs]
                 log.info("policy_round_work", round=round_index, work_equal=check["work_equal"],
-                         common_groups=check["common_groups"], why_unequal=check["why_unequal"])
+                         common_executions=check["common_executions"], why_unequal=check["why_unequal"])
             rounds.append(runs)
             figures = {**_round_summary(runs), **(_round_summary(runs, "fixed_work_s") if config.equal_work else {})}
             log.info("policy_round_done", round=round_index, **{
@@ -554,9 +552,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="every run on the same work: the topology's --frozen-policy (learning rate 0, a fixed "
                         "task order), then the time each took for the groups all of a round trained, and a check "
                         "that the work was equal (samples, tokens, the same groups trained alike)")
-    parser.add_argument("--max-extra-share", type=float, default=defaults.max_extra_share,
-                        help="with --equal-work: the most of a run's tokens trained by its fixed-work time that may "
-                        "be other groups' for the work to count as equal")
+    parser.add_argument("--work-tolerance", type=float, default=defaults.work_tolerance,
+                        help="with --equal-work: how far apart (a share of the least) the tokens the runs had trained "
+                        "by their fixed-work times may be for the work to count as equal")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=_command, accepts_extra_args=True)
 
@@ -569,7 +567,7 @@ def _command(args: argparse.Namespace) -> int:
         config = PolicyBenchConfig(
             topology=args.topology, steps=args.steps, out_dir=args.out,
             policies=tuple(p for p in args.policies.split(",") if p), topology_args=tuple(args.passthrough),
-            repeats=args.repeats, equal_work=args.equal_work, max_extra_share=args.max_extra_share,
+            repeats=args.repeats, equal_work=args.equal_work, work_tolerance=args.work_tolerance,
         )
     except ValueError as error:
         print(f"gyre bench policies: {error}", file=sys.stderr)
@@ -604,6 +602,7 @@ def _command(args: argparse.Namespace) -> int:
                       + (f" (median of the rounds: {rounds})" if result["rounds"] > 1 else ""))
     for index, check in enumerate(result.get("equal_work_by_round", ())):
         verdict = "equal" if check["work_equal"] else "NOT equal: " + "; ".join(check["why_unequal"])
-        print(f"round {index} work {verdict} ({check['common_groups']} groups trained by every run, "
-              f"{check['groups_identical']} of them alike; same groups: {check['same_groups']})")
+        print(f"round {index} work {verdict} ({check['common_executions']} executions trained by every run, "
+              f"{check['executions_identical']} of them alike; same executions: {check['same_executions']}, same "
+              f"groups: {check['same_groups']})")
     return 0

@@ -39,9 +39,9 @@ def test_a_frozen_run_trains_without_changing_the_weights_and_its_work_is_read_b
     work = read_work(report, RunSpec("elastic"))
     steps = json.loads((report / "run.json").read_text())["steps"]
     for step in steps:
-        trained = [group for group in work.groups.values() if group.step_id == step["step"]]
-        assert (sum(g.samples for g in trained), sum(g.tokens for g in trained)) == (step["samples"], step["tokens"])
-    assert len(work.groups) == 2 and all(len(group.executions) == 2 for group in work.groups.values())
+        trained = [e for e in work.executions.values() if e.step_id == step["step"]]
+        assert (sum(e.samples for e in trained), sum(e.tokens for e in trained)) == (step["samples"], step["tokens"])
+        assert len(trained) == 2  # a step is groups_per_step * group_size executions
     (check,) = result["equal_work_by_round"]
     assert check["work_equal"] and check["runs"]["elastic"]["fixed_work_s"] == steps[-1]["t_s"]
     assert result["elastic_fixed_work_s"] == steps[-1]["t_s"] and result["work_equal"]

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from gyre.benchmarks.policies import (
-    GroupWork,
+    ExecutionWork,
     PolicyBenchConfig,
     PolicyBenchError,
     PolicyRun,
@@ -118,9 +118,9 @@ def test_repeats_run_every_configuration_each_round_into_its_own_folder(tmp_path
         PolicyBenchConfig(repeats=0)
 
 
-def test_equal_work_times_each_round_on_the_groups_all_its_runs_trained(tmp_path):
-    # Each run trained g0..g3 in two steps; its steps come at the times below (elastic fastest on the fixed work,
-    # though async[core+sat1] has the best s/step), and round 1's colocate trained one group differently.
+def test_equal_work_times_each_round_on_the_executions_all_its_runs_trained(tmp_path):
+    # Each run trained e0..e3 in two steps; its steps come at the times below (elastic fastest on the fixed work,
+    # though async[core+sat1] has the best s/step), and round 1's colocate trained one execution differently.
     step_times = {"elastic": (4.0, 8.0), "colocate": (6.0, 12.0), "async[core]": (5.0, 11.0),
                   "async[core+sat1]": (9.0, 11.0)}
     calls = []
@@ -128,15 +128,14 @@ def test_equal_work_times_each_round_on_the_groups_all_its_runs_trained(tmp_path
     def run_one(config, spec, folder, cwd):
         calls.append(spec.name)
         first, last = step_times[spec.name]
-        run = PolicyRun(spec.name, spec.policy, spec.train_cells, 2, last - first, first, last, 8, 800, 0,
-                        ("core", "sat1", "sat2"), "core")
-        return run
+        return PolicyRun(spec.name, spec.policy, spec.train_cells, 2, last - first, first, last, 8, 800, 0,
+                         ("core", "sat1", "sat2"), "core")
 
     def work_reader(folder, spec):
         unequal = spec.name == "colocate" and folder.parent.name == "round1"
-        groups = {f"g{i}": GroupWork(i // 2, 2, 200, "other" if unequal and i == 3 else "same", (("e", "c"),))
-                  for i in range(4)}
-        return RunWork(spec.name, dict(enumerate(step_times[spec.name])), groups)
+        executions = {f"e{i}": ExecutionWork("g0", i // 2, 2, 200, "other" if unequal and i == 3 else "same", "c")
+                      for i in range(4)}
+        return RunWork(spec.name, dict(enumerate(step_times[spec.name])), executions)
 
     config = PolicyBenchConfig(steps=2, out_dir=str(tmp_path), repeats=2, equal_work=True)
     result = run_policy_bench(config, cwd=tmp_path, run_one=run_one, work_reader=work_reader)
@@ -150,8 +149,8 @@ def test_equal_work_times_each_round_on_the_groups_all_its_runs_trained(tmp_path
     assert result["async_best_split"] == ["core", "sat1"] and result["elastic_speedup_vs_async"] == 0.5
     assert not result["work_equal"]
     first, second = result["equal_work_by_round"]
-    assert first["work_equal"] and first["groups_identical"] == 4
-    assert not second["work_equal"] and "first: g3" in second["why_unequal"][0]
+    assert first["work_equal"] and first["executions_identical"] == 4
+    assert not second["work_equal"] and "(first: e3;" in second["why_unequal"][0]
     assert PolicyBenchConfig().equal_work is False and "fixed_work_s" not in summarize([_run("e", "elastic", 1.0)])
 
 
@@ -208,4 +207,4 @@ def test_the_command_line_refuses_a_missing_topology_and_bad_policies(tmp_path, 
     monkeypatch.chdir(tmp_path)  # no examples/agent_rl.py here: the default topology is missing
     assert main(["bench", "policies", "--steps", "2"]) == 2
     assert main(["bench", "policies", "--policies", "elastic,greedy"]) == 2
-    assert main(["bench", "policies", "--equal-work", "--max-extra-share", "1.5"]) == 2
+    assert main(["bench", "policies", "--equal-work", "--work-tolerance", "1.5"]) == 2

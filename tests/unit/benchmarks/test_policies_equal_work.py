@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.benchmarks.policies import GroupWork, PolicyBenchError, RunSpec, RunWork, compare_work, read_work
+from gyre.benchmarks.policies import ExecutionWork, PolicyBenchError, RunSpec, RunWork, compare_work, read_work
 from gyre.messages.model_calls import ModelCallCompleted
 from gyre.messages.samples import ExecutionScored, TrainingSample
 from gyre.messages.training import ClaimGranted
@@ -80,36 +80,38 @@ def _run_records(output_of_e1: tuple[int, ...] = (7, 8), tokens_of_e3: tuple[int
     ]
 
 
-def test_read_work_takes_the_applied_steps_groups_once_each(tmp_path: Path) -> None:
+def test_read_work_takes_the_applied_steps_executions_once_each(tmp_path: Path) -> None:
     work = read_work(_report(tmp_path / "r", [10.0, 14.0], _run_records()), RunSpec("elastic"))
     assert work.name == "elastic" and work.step_times_s == {0: 10.0, 1: 14.0}
-    assert sorted(work.groups) == ["g1", "g2"]  # g3's step was not applied
-    g1, g2 = work.groups["g1"], work.groups["g2"]
-    assert (g1.step_id, g1.samples, g1.tokens) == (0, 2, 9)
-    assert (g2.step_id, g2.samples, g2.tokens) == (1, 1, 4)
-    assert [execution for execution, _ in g1.executions] == ["e1", "e2"]
+    assert sorted(work.executions) == ["e1", "e2", "e3"]  # e4's step was not applied
+    e1, e2, e3 = (work.executions[e] for e in ("e1", "e2", "e3"))
+    assert (e1.group_id, e1.step_id, e1.samples, e1.tokens) == ("g1", 0, 1, 5)
+    assert (e2.group_id, e2.step_id, e2.tokens) == ("g1", 0, 4)
+    assert (e3.group_id, e3.step_id, e3.tokens) == ("g2", 1, 4)
+    assert len({e1.calls_digest, e2.calls_digest, e3.calls_digest}) == 3
 
 
 def test_the_same_run_read_twice_is_equal_work_and_one_token_makes_it_unequal(tmp_path: Path) -> None:
     same = [read_work(_report(tmp_path / name, [10.0, 14.0], _run_records()), RunSpec(name))
             for name in ("elastic", "colocate")]
     check = compare_work(same)
-    assert check["work_equal"] and check["why_unequal"] == [] and check["same_groups"]
-    assert (check["common_groups"], check["groups_identical"], check["executions_identical"]) == (2, 2, 3)
+    assert check["work_equal"] and check["why_unequal"] == [] and check["same_executions"] and check["same_groups"]
+    assert (check["common_executions"], check["executions_identical"], check["calls_identical"]) == (3, 3, 3)
     assert check["runs"]["colocate"]["fixed_work_s"] == 14.0 and check["runs"]["elastic"]["extra_share"] == 0.0
-    # The same groups, but e1 sampled another token: its call and the sample it became differ.
+    # The same executions, but e1 sampled another token: its call and the sample it became differ.
     other = read_work(_report(tmp_path / "async", [10.0, 16.0], _run_records(output_of_e1=(7, 5))),
                       RunSpec("async[core]"))
     check = compare_work([same[0], other])
-    assert not check["work_equal"] and check["same_groups"]
-    assert (check["groups_identical"], check["executions"], check["executions_identical"]) == (1, 3, 2)
-    assert "1 of the 2 groups every run trained were trained differently (first: g1" in check["why_unequal"][0]
-    # What was trained can differ where the calls do not: g2's call is alike, its sample not.
+    assert not check["work_equal"] and check["same_executions"]
+    assert (check["executions_identical"], check["calls_identical"]) == (2, 2)
+    assert check["why_unequal"][0].startswith("1 of the 3 executions every run trained were trained differently "
+                                              "(first: e1; 2 of the 3 made the same calls")
+    # What was trained can differ where the calls do not: e3's call is alike, its sample not.
     trimmed = read_work(_report(tmp_path / "trimmed", [10.0, 16.0], _run_records(tokens_of_e3=(1, 2, 3, 5))),
                         RunSpec("colocate"))
     check = compare_work([same[0], trimmed])
-    assert not check["work_equal"] and check["groups_identical"] == 1 and "first: g2" in check["why_unequal"][0]
-    assert check["executions_identical"] == 3
+    assert not check["work_equal"] and "(first: e3; 3 of the 3 made the same calls" in check["why_unequal"][0]
+    assert (check["executions_identical"], check["calls_identical"]) == (2, 3)
 
 
 def test_read_work_says_when_a_run_left_no_event_log(tmp_path: Path) -> None:
@@ -122,35 +124,40 @@ def test_read_work_says_when_a_run_left_no_event_log(tmp_path: Path) -> None:
         read_work(folder, RunSpec("elastic"))
 
 
-def _group(step: int, tokens: int, digest: str = "same", executions=(("e", "calls"),)) -> GroupWork:
-    return GroupWork(step_id=step, samples=tokens // 10, tokens=tokens, samples_digest=digest,
-                     executions=tuple(executions))
+def _execution(group: str, step: int, tokens: int, digest: str = "same") -> ExecutionWork:
+    return ExecutionWork(group_id=group, step_id=step, samples=tokens // 10, tokens=tokens, samples_digest=digest,
+                         calls_digest="calls")
 
 
 def test_the_fixed_work_is_what_every_run_trained_and_its_time_the_step_that_finished_it() -> None:
-    # elastic trained g0, g1 in step 0 and g2, g4 in step 1; colocate g0, g2 then g1, g3: g0-g2 are common.
+    # elastic trained e0, e1 in step 0 and e2, e4 in step 1; colocate e0, e2 then e1, e3 (e3 a longer one):
+    # e0-e2 are the common work, done at each run's step 1, beside one execution of other work each.
     elastic = RunWork("elastic", {0: 5.0, 1: 9.0}, {
-        "g0": _group(0, 100), "g1": _group(0, 100), "g2": _group(1, 100), "g4": _group(1, 100)})
+        "e0": _execution("g0", 0, 100), "e1": _execution("g0", 0, 100), "e2": _execution("g1", 1, 100),
+        "e4": _execution("g2", 1, 100)})
     colocate = RunWork("colocate", {0: 6.0, 1: 12.0}, {
-        "g0": _group(0, 100), "g2": _group(0, 100), "g1": _group(1, 100), "g3": _group(1, 100)})
-    check = compare_work([elastic, colocate], max_extra_share=0.3)
-    assert check["common_groups"] == 3 and not check["same_groups"] and check["work_equal"]
-    assert check["runs"]["elastic"] == {"groups": 4, "samples": 40, "tokens": 400, "fixed_work_s": 9.0,
+        "e0": _execution("g0", 0, 100), "e2": _execution("g1", 0, 100), "e1": _execution("g0", 1, 100),
+        "e3": _execution("g1", 1, 120)})
+    check = compare_work([elastic, colocate], tolerance=0.05)
+    assert check["common_executions"] == 3 and not check["same_executions"] and not check["same_groups"]
+    assert check["runs"]["elastic"] == {"groups": 3, "executions": 4, "samples": 40, "tokens": 400, "fixed_work_s": 9.0,
                                         "fixed_work_step": 1, "fixed_work_samples": 30, "fixed_work_tokens": 300,
-                                        "extra_share": 0.25}
+                                        "tokens_by_fixed_work": 400, "extra_share": 0.25}
     assert check["runs"]["colocate"]["fixed_work_s"] == 12.0
-    # The same runs judged with a tighter bound on the other work done by the fixed-work time: unequal, and why.
-    tight = compare_work([elastic, colocate], max_extra_share=0.1)
+    assert check["runs"]["colocate"]["tokens_by_fixed_work"] == 420
+    # By their fixed-work times the runs had trained 400 and 420 tokens: 5% apart, equal within 5%, not within 4%.
+    assert check["work_equal"]
+    tight = compare_work([elastic, colocate], tolerance=0.04)
     assert not tight["work_equal"]
-    assert [line.split(":")[0] for line in tight["why_unequal"]] == ["elastic", "colocate"]
-    assert "25% of the tokens" in tight["why_unequal"][0]
+    assert tight["why_unequal"] == ["by their fixed-work times the runs had trained 400 to 420 tokens (5% apart, more "
+                                    "than 4%): elastic 400, colocate 420"]
 
 
 def test_runs_with_nothing_in_common_are_unequal_work() -> None:
-    a = RunWork("elastic", {0: 1.0}, {"g0": _group(0, 10)})
-    b = RunWork("colocate", {0: 1.0}, {"g1": _group(0, 10)})
+    a = RunWork("elastic", {0: 1.0}, {"e0": _execution("g0", 0, 10)})
+    b = RunWork("colocate", {0: 1.0}, {"e1": _execution("g0", 0, 10)})
     check = compare_work([a, b])
-    assert not check["work_equal"] and check["why_unequal"] == ["no group was trained by every run"]
-    assert "fixed_work_s" not in check["runs"]["elastic"]
+    assert not check["work_equal"] and check["why_unequal"] == ["no execution was trained by every run"]
+    assert "fixed_work_s" not in check["runs"]["elastic"] and check["same_groups"]
     with pytest.raises(ValueError):
         compare_work([])

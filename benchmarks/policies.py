@@ -7,7 +7,8 @@ runs a training topology file (by default the main job, `examples/agent_rl.py`) 
 
 The topology file must accept these flags (the main job does): `--report DIR`, `--policy elastic|async|colocate`,
 `--async-train-cells A,B` (the cells that train under async), `--steps N` and `--skip-eval`; and its run monitor must
-record `cells` and `core_cell` in run.json. Any further flags given after `--` go to every run unchanged.
+record `cells` and `core_cell` in run.json. Any further flags given after `--` go to every run unchanged. With
+`--equal-work` it must also accept `--frozen-policy` and write its event log to REPORT/events.glog.
 
 Async runs at every split that keeps the core training and leaves at least one cell rolling out: with a core and
 two satellites, 1 train + 2 rollout and 2 train + 1 rollout. The headline figure per configuration is the steady
@@ -30,6 +31,9 @@ actors/serving/routing.py `call_seed`), and the engine draws each token's noise 
 (engines/sampling.py), so the same weights give the same tokens whatever the batching, up to the last bits of the
 logits; SGLang gets there only with `--enable-deterministic-inference` (docs.sglang.io, "Deterministic Inference").
 The staleness bound stays as configured: nothing is stale in content, but the scheduling is the one being compared.
+Measured on the embedded engine (`gyre bench policies --steps 2 --equal-work -- --group-size 4 --groups-per-step 2
+--train-tasks 20 --min-reward-spread 0`): all four configurations trained the same 16 executions, token for token;
+the core's weights after two steps at learning rate 0 equal the warm start's bit for bit.
 
 The bench then reads each run's event log (REPORT/events.glog): which executions every applied step trained
 (`ClaimGranted`: the claimer fills a step with `groups_per_step * group_size` executions, so a group can straddle
@@ -372,9 +376,9 @@ def compare_work(works: Sequence[RunWork], tolerance: float = 0.05) -> dict[str,
         why.append("no execution was trained by every run")
     else:
         if differing:
-            why.append(f"{len(differing)} of the {len(common)} executions every run trained were trained differently "
-                       f"(first: {differing[0]}; {calls_identical} of the {len(common)} made the same calls and got the "
-                       f"same reward)")
+            why.append(f"{len(differing)} of the {len(common)} executions every run trained were trained "
+                       f"differently (first: {differing[0]}; {calls_identical} of the {len(common)} made the same "
+                       f"calls and got the same reward)")
         by_then = {name: row["tokens_by_fixed_work"] for name, row in runs.items()}
         least, most = min(by_then.values()), max(by_then.values())
         if most > least * (1.0 + tolerance):

@@ -4,6 +4,7 @@
     gyre run examples/agent_rl.py --report report --policy async    # the baselines, same cells and staleness
     gyre run examples/agent_rl.py --report report --policy colocate
     gyre run examples/agent_rl.py --report report --cell-cpu-cores 0.4  # each cell capped: a device of its own
+    gyre run examples/agent_rl.py --report report --frozen-policy --skip-eval  # lr 0, fixed task order: equal work
     gyre run examples/agent_rl.py --report report --checkpoint-every 2  # full checkpoints every 2 steps
     gyre run examples/agent_rl.py --report report --resume              # after a crash: continue from the newest
     gyre run examples/agent_rl.py --report report --restart-processes sat1,sat2  # a dead satellite restarts in place
@@ -152,6 +153,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "585-738 s after the prepare and +10.7 to +12.9 sampled in three runs, against 754-981 s and "
                         "+9.6 to +11.4 for signal in four; from the shipped warm start, session 23: BENCHMARKS.md); "
                         "signal: the same rule over groups drawn; epoch: every training task in turn")
+    parser.add_argument("--frozen-policy", action="store_true",
+                        help="every optimizer step runs at learning rate 0, so the weights (and what the rollouts "
+                        "sample) never change, and the tasks come in a fixed seeded order (--task-sampling epoch): "
+                        "runs at the same seed run the same executions whatever their scheduling policy (each call "
+                        "is sampled with a seed of its execution and call index), so `gyre bench policies "
+                        "--equal-work` times the policies on equal work. Learns nothing; refuses --lr, "
+                        "--lr-warmup-steps and --task-sampling other than epoch")
     parser.add_argument("--train-tasks", type=int, default=400)
     parser.add_argument("--train-kinds", default="", help="comma-separated task kinds RL trains on (default: all; "
                         "held-out evaluation always covers every kind)")
@@ -256,6 +264,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = set(c for c in args.async_train_cells.split(",") if c) - set(args.cell_names)
     if unknown:
         parser.error(f"--async-train-cells names cells the run does not have: {', '.join(sorted(unknown))}")
+    if args.frozen_policy:
+        # A frozen run exists to run the same executions as another frozen run at the same seed: a learning rate
+        # would drift the rollouts, and an adaptive task sampler would follow the order in which groups land.
+        conflicting = [f"--{name.replace('_', '-')}" for name in ("lr", "lr_warmup_steps", "task_sampling")
+                       if getattr(args, name) != parser.get_default(name)
+                       and not (name == "task_sampling" and args.task_sampling == "epoch")]
+        if conflicting:
+            parser.error(f"--frozen-policy sets the learning rate to 0 and the task order to epoch; drop "
+                         f"{', '.join(conflicting)}")
+        args.lr, args.task_sampling = 0.0, "epoch"
     if args.lr_warmup_steps < 0:
         parser.error(f"--lr-warmup-steps must be >= 0 (0: none), got {args.lr_warmup_steps}")
     if args.checkpoint_every < 0:
@@ -696,6 +714,7 @@ def finish(argv: list[str], run_result) -> int:
         "cell_cpu_cores": args.cell_cpu_cores,
         "engine_kind": args.engine_kind,
         "task_sampling": args.task_sampling, "lr": args.lr, "lr_warmup_steps": args.lr_warmup_steps,
+        "frozen_policy": args.frozen_policy,
         "sft_epochs": args.sft_epochs,
         "weight_average_decay": args.weight_average_decay, "scored_model": final_model.name,
         "warm_start": prepared["model_dir"], "exit_reason": run_result.reason,

@@ -9,10 +9,12 @@ import attrs
 import pytest
 
 from gyre.benchmarks.policies import (
+    ExecutionWork,
     PolicyBenchConfig,
     PolicyBenchError,
     PolicyRun,
     RunSpec,
+    RunWork,
     async_splits,
     read_run,
     run_policy_bench,
@@ -41,10 +43,12 @@ def _write_run(folder: Path, step_times: list[float], role_changes=()) -> Path:
 
 
 def test_read_run_measures_steady_steps_and_counts_switches(tmp_path):
-    changes = [{"cell": "core", "previous": ""}, {"cell": "sat1", "previous": ""},
-               {"cell": "sat1", "previous": "rollout"}, {"cell": "sat1", "previous": "train"}]
+    changes = [{"cell": "core", "previous": "", "t_s": 3.0}, {"cell": "sat1", "previous": "", "t_s": 4.5},
+               {"cell": "sat1", "previous": "rollout", "t_s": 9.0}, {"cell": "sat1", "previous": "train", "t_s": 12.0}]
     run = read_run(_write_run(tmp_path / "r", [10.0, 14.0, 20.0], changes), RunSpec("elastic"))
     assert run.steady_s_per_step == pytest.approx(5.0)
+    assert run.steady_tokens_per_s == pytest.approx(100 / 10.0)  # the two steps after the first, 50 tokens each
+    assert run.cells_ready_s == 4.5 and run.fixed_work_s is None
     assert run.first_step_s == 10.0
     assert (run.samples, run.tokens, run.role_switches) == (9, 150, 2)
     assert (run.cells, run.core_cell) == (("core", "sat1"), "core")
@@ -114,6 +118,51 @@ def test_repeats_run_every_configuration_each_round_into_its_own_folder(tmp_path
         PolicyBenchConfig(repeats=0)
 
 
+def test_equal_work_times_each_round_on_the_executions_all_its_runs_trained(tmp_path):
+    # Each run trained e0..e3 in two steps; its steps come at the times below (elastic fastest on the fixed work,
+    # though async[core+sat1] has the best s/step), and round 1's colocate trained one execution differently.
+    step_times = {"elastic": (4.0, 8.0), "colocate": (6.0, 12.0), "async[core]": (5.0, 11.0),
+                  "async[core+sat1]": (9.0, 11.0)}
+    calls = []
+
+    def run_one(config, spec, folder, cwd):
+        calls.append(spec.name)
+        first, last = step_times[spec.name]
+        return PolicyRun(spec.name, spec.policy, spec.train_cells, 2, last - first, first, last, 8, 800, 0,
+                         ("core", "sat1", "sat2"), "core")
+
+    def work_reader(folder, spec):
+        unequal = spec.name == "colocate" and folder.parent.name == "round1"
+        executions = {f"e{i}": ExecutionWork("g0", i // 2, 2, 200, "other" if unequal and i == 3 else "same", "c")
+                      for i in range(4)}
+        return RunWork(spec.name, dict(enumerate(step_times[spec.name])), executions)
+
+    config = PolicyBenchConfig(steps=2, out_dir=str(tmp_path), repeats=2, equal_work=True)
+    result = run_policy_bench(config, cwd=tmp_path, run_one=run_one, work_reader=work_reader)
+    assert len(calls) == 8
+    assert [run["fixed_work_s"] for run in result["runs"][:4]] == [8.0, 12.0, 11.0, 11.0]
+    assert result["elastic_fixed_work_s"] == 8.0 and result["colocate_fixed_work_s"] == 12.0
+    assert result["async_fixed_work_s"] == 11.0 and result["async_fixed_work_best_split"] == ["core"]
+    assert result["elastic_fixed_work_speedup_vs_async"] == pytest.approx(11.0 / 8.0)
+    assert result["elastic_fixed_work_speedup_vs_colocate_by_round"] == pytest.approx([1.5, 1.5])
+    # s/step still says what it said: async[core+sat1]'s 2 s a step beats elastic's 4.
+    assert result["async_best_split"] == ["core", "sat1"] and result["elastic_speedup_vs_async"] == 0.5
+    assert not result["work_equal"]
+    first, second = result["equal_work_by_round"]
+    assert first["work_equal"] and first["executions_identical"] == 4
+    assert not second["work_equal"] and "(first: e3;" in second["why_unequal"][0]
+    assert PolicyBenchConfig().equal_work is False and "fixed_work_s" not in summarize([_run("e", "elastic", 1.0)])
+
+
+def test_equal_work_runs_the_topology_frozen(tmp_path):
+    echo = tmp_path / "echo.py"
+    echo.write_text("def topology(argv):\n    raise SystemExit('argv: ' + ' '.join(argv))\n")
+    config = PolicyBenchConfig(topology=str(echo), steps=2, out_dir=str(tmp_path / "out"), policies=("colocate",),
+                               equal_work=True, topology_args=("--group-size", "8"))
+    with pytest.raises(PolicyBenchError, match="--policy colocate --frozen-policy --group-size 8"):
+        run_policy_bench(config, cwd=tmp_path)
+
+
 def test_config_refuses_unknown_policies_and_single_step_runs():
     with pytest.raises(ValueError, match="subset"):
         PolicyBenchConfig(policies=("elastic", "greedy"))
@@ -158,3 +207,4 @@ def test_the_command_line_refuses_a_missing_topology_and_bad_policies(tmp_path, 
     monkeypatch.chdir(tmp_path)  # no examples/agent_rl.py here: the default topology is missing
     assert main(["bench", "policies", "--steps", "2"]) == 2
     assert main(["bench", "policies", "--policies", "elastic,greedy"]) == 2
+    assert main(["bench", "policies", "--equal-work", "--work-tolerance", "1.5"]) == 2

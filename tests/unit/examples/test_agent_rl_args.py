@@ -63,6 +63,24 @@ def test_the_task_source_samples_with_the_chosen_policy(agent_rl, tmp_path: Path
     assert type(topology.spec("task_source").config.sampling).__name__ == policy
 
 
+def test_a_frozen_policy_trains_at_learning_rate_0_on_tasks_in_a_fixed_order(agent_rl, tmp_path: Path) -> None:
+    args = agent_rl.parse_args(["--frozen-policy"])
+    assert (args.lr, args.lr_warmup_steps, args.task_sampling) == (0.0, 0, "epoch")
+    assert agent_rl.parse_args(["--frozen-policy", "--task-sampling", "epoch"]).task_sampling == "epoch"
+    assert not agent_rl.parse_args([]).frozen_policy  # off by default
+    (tmp_path / "prepare.json").write_text('{"model_dir": "unused: the topology is only built"}')
+    topology = agent_rl.topology(["--report", str(tmp_path), "--frozen-policy"])
+    assert type(topology.spec("task_source").config.sampling).__name__ == "EpochOrder"
+    assert {topology.spec(cell).config.trainer.lr for cell in ("core", "sat1", "sat2")} == {0.0}
+
+
+@pytest.mark.parametrize("argv", [["--lr", "1e-4"], ["--lr-warmup-steps", "2"], ["--task-sampling", "signal"]])
+def test_a_frozen_policy_refuses_flags_that_would_change_the_work(agent_rl, argv, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        agent_rl.parse_args(["--frozen-policy", *argv])
+    assert exited.value.code == 2 and f"drop {argv[0]}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [
     ["--cell-cpu-cores", "-1"],
     ["--clip-low", "-0.1"],

@@ -470,9 +470,11 @@ def summarize(runs: Sequence[PolicyRun], rounds: Sequence[Sequence[PolicyRun]] =
 
 
 def _run_one(config: PolicyBenchConfig, spec: RunSpec, report_dir: Path, cwd: Path) -> PolicyRun:
+    # Everything after the bare "--" is the topology's own (gyre run would otherwise take an option it also has,
+    # such as --seed, for itself).
     argv = [
-        *GYRE_RUN, *config.run_options, config.topology, "--report", str(report_dir), "--steps", str(config.steps), "--skip-eval",
-        *spec.argv(), *(("--frozen-policy",) if config.equal_work else ()), *config.topology_args,
+        *GYRE_RUN, *config.run_options, config.topology, "--", "--report", str(report_dir), "--steps", str(config.steps),
+        "--skip-eval", *spec.argv(), *(("--frozen-policy",) if config.equal_work else ()), *config.topology_args,
     ]
     log.info("policy_run_started", run=spec.name, argv=argv[4:])
     started = time.perf_counter()

@@ -119,7 +119,8 @@ class StepApplied:
     num_samples: int
     """Samples trained in the step."""
     stale_samples_dropped: int
-    """Samples refused by the staleness bound."""
+    """Samples of the step that the core refused as too stale (0 from Gyre's cells: the claimer refuses stale samples
+    before a micro-step forms and announces them in LandingsLost, why "stale", which the run monitor counts)."""
     skipped: bool = False
     """The gradients were not finite: no update was applied and `version` is the unchanged one."""
 

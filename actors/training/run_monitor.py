@@ -21,6 +21,7 @@ import attrs
 from gyre.messages.cells import RoleChanged, SwitchRole
 from gyre.messages.checkpoints import CheckpointAsked, CheckpointCommitted, CheckpointState
 from gyre.messages.executions import GroupDone
+from gyre.messages.samples import LandingsLost
 from gyre.messages.training import StepApplied
 from gyre.runtime import Actor, handler
 from gyre.runtime.checkpoint import encode_json, read_actor_state
@@ -48,7 +49,7 @@ class RunMonitor(Actor):
     """Collects the run's timeline; stops the topology when the configured number of steps has been applied."""
 
     config_cls = RunMonitorConfig
-    subscriptions = (RoleChanged, StepApplied, GroupDone, SwitchRole, CheckpointCommitted)
+    subscriptions = (RoleChanged, StepApplied, GroupDone, SwitchRole, CheckpointCommitted, LandingsLost)
 
     async def on_start(self) -> None:
         self.started_s = self.clock.now()
@@ -58,6 +59,9 @@ class RunMonitor(Actor):
         self.groups: list[dict] = []
         self.switch_requests = 0
         self.checkpoints: list[dict] = []
+        # Samples the claimer refused as too stale since the last step (its LandingsLost "stale"): the core never
+        # sees them, so StepApplied cannot count them.
+        self.stale_samples = 0
         self.resumes: list[dict] = []
         if self.config.resume_from:
             state, checkpoint = await self.offload(read_actor_state, self.config.resume_from, self.name)
@@ -127,6 +131,11 @@ class RunMonitor(Actor):
         })
         self._refresh()
 
+    @handler(LandingsLost)
+    def on_landings_lost(self, msg: LandingsLost) -> None:
+        if msg.why == "stale":
+            self.stale_samples += msg.samples
+
     @handler(StepApplied)
     def on_step(self, msg: StepApplied) -> None:
         if self.steps and msg.step_id <= self.steps[-1]["step"]:
@@ -136,8 +145,9 @@ class RunMonitor(Actor):
         self.steps.append({
             "t_s": self._elapsed(), "step": msg.step_id, "version": msg.version, "loss": msg.loss,
             "grad_norm": msg.grad_norm, "tokens": msg.num_tokens, "samples": msg.num_samples,
-            "stale_dropped": msg.stale_samples_dropped, "skipped": msg.skipped,
+            "stale_dropped": msg.stale_samples_dropped + self.stale_samples, "skipped": msg.skipped,
         })
+        self.stale_samples = 0
         if self.bar is not None:
             self.bar.update(1)
         self._refresh()

@@ -68,7 +68,7 @@ from gyre.engines import parallel
 from gyre.engines.errors import EngineError, TrainerError
 from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember
 from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
-from gyre.engines.trainer import LossFn, MegatronTrainer, TrainerConfig, checkpoint_state_digest
+from gyre.engines.trainer import LossFn, MegatronTrainer, TrainerConfig, checkpoint_state_digest, trainer_device
 from gyre.engines.weight_buckets import HFBuckets
 from gyre.runtime.errors import ConfigError
 
@@ -434,7 +434,7 @@ class TrainerGroup:
         if self.world_size < 2:
             raise ConfigError("a TrainerGroup has at least two ranks; world size 1 is the in-process MegatronTrainer")
         config.check_parallel_fits(self.spec)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = trainer_device(config)  # checked here, before any worker starts
         if self.device.type == "cuda" and torch.cuda.device_count() < self.world_size:
             raise ConfigError(f"a trainer of {self.world_size} ranks needs {self.world_size} GPUs (one per rank); "
                               f"this machine has {torch.cuda.device_count()}")

@@ -104,7 +104,8 @@ class TrainerHost:
     reduction rounds.
 
     Registered with Mooncake: the live flat parameter buffer (the core serves pulls from it; a satellite pulls into
-    it) and, on the core, the fence. Gradients never go through Mooncake: a satellite's stay summed in its trainer
+    it), or, for device weights the agent cannot register, a core's host copy of it (`ServedParams`), and, on the
+    core, the fence. Gradients never go through Mooncake: a satellite's stay summed in its trainer
     until a round (engines/grad_exchange.py) reduces them into the core's `reduced` buffer; the core's rendezvous
     store is where each round's members meet. Every method blocks: the cell calls them off the event loop, the
     compute ones one at a time (under its compute lock), the round ones on the host's own reduction thread.

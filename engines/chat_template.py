@@ -334,6 +334,33 @@ class ChatTemplate:
         """The text of a stop token (None for any other id)."""
         return self._stop_texts.get(token_id)
 
+    def turn_text_after(
+        self, messages: Sequence[Mapping[str, Any]], index: int, tools: Sequence[Mapping[str, Any]] | None = None,
+        *, marker: str, stop_id: int | None = None,
+    ) -> str | None:
+        """The template's text after assistant message `index` of `messages`, generation prompt included: the
+        conversation rendered with that message replaced by an assistant message whose content is `marker` (a
+        random string the caller draws), and what follows the marker. None unless the marker is in the render
+        exactly once (a template that rewrites assistant content, say upper-cases it, hides where the turn ends).
+
+        `stop_id`, the last token of the generated turn: where it is a stop token it stands for the template's own
+        turn end, and a leading turn end (its text, or any other stop token's) is dropped, so the prompt never gets
+        two turn ends in a row (a model may end with `<|endoftext|>` where the template writes `<|im_end|>`); any
+        other token (an output cut short) drops nothing. The proxy's keep_generated
+        rule (actors/serving/sessions.py) and SFT's targets of a checkpoint's template (engines/sft.py) both read a
+        turn's context this way. A template that refuses the conversation raises ChatTemplateError."""
+        probe = [*messages[:index], {"role": "assistant", "content": marker}, *messages[index + 1 :]]
+        text = self.render_text(probe, tools, True)
+        at = text.find(marker)
+        if at < 0 or text.find(marker, at + len(marker)) >= 0:
+            return None
+        after = text[at + len(marker) :]
+        if stop_id is not None and self.stop_text(stop_id) is not None:
+            for stop in (self.stop_text(stop_id), *(self.stop_text(i) for i in self.stop_token_ids)):
+                if stop and after.startswith(stop):
+                    return after[len(stop) :]
+        return after
+
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ChatTemplate":
         """Load tokenizer.json and the template (tokenizer_config.json's chat_template, or chat_template.jinja)."""

@@ -46,8 +46,8 @@ from gyre.engines.errors import TrainerError
 from gyre.engines.model_format import ModelSpec
 
 __all__ = ["ParallelSizes", "backend_for", "bucket_plan", "checkpoint_part_name", "gather_buckets", "gather_state",
-           "init_parallel", "is_expert_param", "is_first_replica", "shard_rank", "shard_state", "split_dim",
-           "unshard_state"]
+           "host_copy", "init_parallel", "is_expert_param", "is_first_replica", "shard_rank", "shard_state",
+           "split_dim", "unshard_state"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -112,6 +112,12 @@ class ParallelSizes:
                             "expert-parallel ranks out of the data-parallel ones)")
         if problems:
             raise TrainerError("; ".join(problems))
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of `tensor`, detached: one copy whether it lies on the host (`.cpu()` would alias it) or on a
+    device (`.cpu().clone()` would copy twice)."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def backend_for(device: str) -> str:
@@ -320,6 +326,7 @@ def gather_state(local: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str
     import torch.distributed as dist
 
     sizes = current_sizes()
+    # On the host: all_gather_object pickles them, and a device tensor would unpickle onto the sender's device index.
     mine = {k: v.detach().cpu() for k, v in local.items() if not k.endswith("._extra_state")}
     if sizes.tensor == sizes.pipeline == sizes.expert == 1:
         return unshard_state({(0, 0, 0): mine}, spec, 1, 1)
@@ -444,7 +451,7 @@ def gather_buckets(local: Mapping[str, torch.Tensor], spec: ModelSpec, bucket_by
         dist.all_gather_object(layout, (tp_rank, {n: tuple(t.shape) for n, t in held.items()}), group=group)
     for bucket in plan:
         if single:
-            yield {name: held[name].cpu().clone() for name in bucket} if first else {}
+            yield {name: host_copy(held[name]) for name in bucket} if first else {}
             continue
         if not first:
             yield {}

@@ -172,20 +172,17 @@ def _render(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], tools
 def _text_after_turn(template: ChatTemplate, messages: Sequence[Mapping[str, Any]], index: int, stop: int,
                      tools: Any) -> str:
     """The template's text after assistant message `index` of `messages`, generation prompt included, as the
-    proxy's keep_generated rule finds it: the turn replaced by a marker message, the text after the marker, its
-    leading turn end dropped (the generated stop token `stop` stands for it, whichever stop token each is)."""
-    marker = "gyre-sft-marker-" + secrets.token_hex(8)
-    probe = [*messages[:index], {"role": "assistant", "content": marker}, *messages[index + 1 :]]
-    text = _render(template, probe, tools, True)
-    at = text.find(marker)
-    if at < 0 or text.find(marker, at + len(marker)) >= 0:
+    proxy's keep_generated rule finds it (`ChatTemplate.turn_text_after`: a marker in the turn's place, its leading
+    turn end dropped since the generated stop token `stop` stands for it)."""
+    try:
+        after = template.turn_text_after(messages, index, tools, marker="gyre-sft-marker-" + secrets.token_hex(8),
+                                         stop_id=stop)
+    except ValueError as error:  # ChatTemplateError: the template refused the conversation
+        raise SFTError(f"the chat template cannot render this demonstration: {error}") from None
+    if after is None:
         raise SFTError(
             f"message {index} (assistant): the template rewrites assistant content (a marker put in its place is "
             "not in the render once), so the text after the turn cannot be told apart")
-    after = text[at + len(marker) :]
-    for stop_text in (template.stop_text(stop), *(template.stop_text(i) for i in template.stop_token_ids)):
-        if stop_text and after.startswith(stop_text):
-            return after[len(stop_text) :]
     return after
 
 

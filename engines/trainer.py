@@ -30,7 +30,11 @@ the cells use it today.
 
 Core attention is torch's scaled_dot_product_attention by default (memory linear in sequence length, so long
 agent trajectories fit); megatron's own DotProductAttention stays available as `core_attention="local"`. With
-CUDA present the model and buffers live on the GPU and megatron runs unpatched; that path has not been run yet.
+CUDA present the model and buffers live on the GPU and megatron runs unpatched (a CPU trainer is then refused:
+`trainer_device`); a trainer of several processes reduces over NCCL (engines/parallel.py), and one process runs no
+collective at all (`ensure_parallel_state`). Every buffer is made on the trainer's device, everything that leaves
+for the host (log-probs, checkpoints, digests, published weights) is copied there once, and no hot path reads a
+device tensor through numpy. `gyre bench gpu` (benchmarks/gpu.py) is the prepared check of this path on a GPU.
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ from gyre.engines.weight_convert import hf_to_megatron, megatron_to_hf
 from gyre.runtime.errors import ConfigError
 
 __all__ = ["MegatronTrainer", "ParamSlot", "TrainerConfig", "TrainerError", "build_gpt_model",
-           "checkpoint_state_digest", "ema_update",
-           "ensure_parallel_state", "token_logprobs"]
+           "checkpoint_state_digest", "ema_update", "ensure_parallel_state", "token_logprobs",
+           "trainer_device"]
 
 log = structlog.get_logger(__name__)
 
@@ -183,12 +187,33 @@ class ParamSlot:
     """Number of elements."""
 
 
+def trainer_device(config: TrainerConfig) -> torch.device:
+    """The device a trainer of `config` runs on: its `device`, or CUDA where present. TrainerError for "cpu" on a
+    machine with CUDA: megatron-core's CPU shims (engines/megatron_cpu.py) are installed only without CUDA, since
+    they are process-wide and would take the CUDA paths from a GPU trainer in the same process, and unpatched
+    megatron moves RoPE's frequencies and builds masks on the GPU, so a CPU trainer there would fail at its first
+    forward with a device mismatch."""
+    if config.device == "cpu" and torch.cuda.is_available():
+        raise TrainerError("TrainerConfig.device='cpu' on a machine with CUDA: megatron-core runs unpatched there "
+                           "and puts parts of a CPU model on the GPU; train on the GPU (device None or 'cuda'), or "
+                           "hide the GPUs (CUDA_VISIBLE_DEVICES='') to train on the CPU")
+    return torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 _setup_lock = threading.Lock()
 
 
 def ensure_parallel_state() -> None:
     """Make sure torch.distributed and megatron's parallel state exist (a gloo group of one if nobody set up
-    one, with `gyre.engines.parallel.init_parallel` for more)."""
+    one, with `gyre.engines.parallel.init_parallel` for more).
+
+    A group of one is gloo on CUDA too, and no tensor ever goes through it: at world size 1 there is nothing to
+    reduce, so the trainer runs no collective (`reduce_grads` returns at once, `grad_norm` sums locally, weights are
+    gathered without one; megatron itself skips its collectives at size 1, and Gyre sets none of the options that
+    would run one, such as an auxiliary MoE loss), which tests/unit/engines/test_trainer.py checks by making every
+    collective raise. The group only satisfies megatron's parallel state. Why not NCCL of one: it would build a
+    communicator (GPU memory, seconds) for nothing, and tie the process's one group to one device kind, while a
+    process may hold several trainers (a core and a satellite in a test, a CPU reference beside a GPU trainer)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -394,7 +419,7 @@ class MegatronTrainer:
         self.spec = ModelSpec.from_model_dir(self.model_dir)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = trainer_device(config)
         prepare_training_runtime()
         self.sizes = parallel.current_sizes()
         """Tensor / pipeline / data parallel sizes of the process group this trainer is part of."""
@@ -537,6 +562,8 @@ class MegatronTrainer:
             def loss_func(logits):
                 logprobs = token_logprobs(logits, input_ids, lengths, temperatures)
                 if loss_fn is None:
+                    # On the host: broadcast_object_list pickles it, and a device tensor would unpickle onto the
+                    # sender's device index on every stage.
                     found["logprobs"] = logprobs.detach().cpu()
                     return logits.sum() * 0.0, torch.ones((), dtype=torch.int), {}
                 loss, metrics = self._check_loss(loss_fn(logprobs))
@@ -660,6 +687,9 @@ class MegatronTrainer:
         zeroed; `optimizer_step` calls it. A no-op in a single process."""
         if self._grads_reduced:
             return
+        if self.sizes.world_size == 1:  # nothing to sum, and no collective on the group of one (ensure_parallel_state)
+            self._grads_reduced = True
+            return
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -696,9 +726,12 @@ class MegatronTrainer:
         if self.sizes.tensor == self.sizes.pipeline == self.sizes.expert == 1:
             # Squares summed in float64, a bounded chunk at a time: fp32's own norm of a large buffer is off by ~1e-4
             # relative (3.39034 against 3.39061 for the tiny model's 1.3M gradients), enough to set one process's
-            # clipping apart from a tensor-parallel trainer's float64 sum over its shards.
-            squares = sum(float(chunk.double().square().sum()) for chunk in self._grads.split(1 << 22))
-            return math.sqrt(squares)
+            # clipping apart from a tensor-parallel trainer's float64 sum over its shards. The sum stays where the
+            # gradients are, read once at the end (one device sync per step, not one per chunk).
+            squares = torch.zeros((), dtype=torch.float64, device=self._grads.device)
+            for chunk in self._grads.split(1 << 22):
+                squares += chunk.double().square().sum()
+            return math.sqrt(float(squares))
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -849,13 +882,14 @@ class MegatronTrainer:
         return {
             "num_params": self._params.numel(),
             "version": self.version,
-            "params": self._params.detach().cpu().clone(),
+            "params": parallel.host_copy(self._params),
             "optimizer": {
-                "state": {index: {key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-                                  for key, value in entry.items()} for index, entry in optimizer["state"].items()},
+                "state": {index: {key: (parallel.host_copy(value) if isinstance(value, torch.Tensor) else value)
+                                  for key, value in entry.items()}
+                          for index, entry in optimizer["state"].items()},
                 "param_groups": optimizer["param_groups"],
             },
-            "average": None if self._average is None else self._average.detach().cpu().clone(),
+            "average": None if self._average is None else parallel.host_copy(self._average),
         }
 
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
@@ -872,7 +906,7 @@ class MegatronTrainer:
         self.zero_grads()
         average = state.get("average")
         if self.config.average_decay > 0:
-            self._average = (average.to(self.device).clone() if average is not None
+            self._average = (average.to(self.device, copy=True) if average is not None
                              else self._params.detach().clone())
 
     # -- weight average ----------------------------------------------------------------------------------------
@@ -899,19 +933,33 @@ class MegatronTrainer:
 
 
 def checkpoint_state_digest(state: Mapping[str, Any]) -> str:
-    """SHA-256 over a `checkpoint_state`'s weights, its AdamW moments and step counts, and its version."""
+    """SHA-256 over a `checkpoint_state`'s weights, its AdamW moments and step counts, and its version (the bytes as
+    they lie in memory: host tensors are hashed in place, device ones through bounded host copies)."""
     import hashlib
 
     digest = hashlib.sha256(f"version={state['version']}".encode())
-    digest.update(state["params"].numpy().tobytes())
+    _hash_tensor(digest, state["params"])
     optimizer = state["optimizer"]["state"]
     for index in sorted(optimizer):
         entry = optimizer[index]
         for key in ("exp_avg", "exp_avg_sq"):
-            digest.update(entry[key].numpy().tobytes())
+            _hash_tensor(digest, entry[key])
         step = entry.get("step")
         digest.update(repr(float(step)).encode() if step is not None else b"-")
     return digest.hexdigest()
+
+
+def _hash_tensor(digest: Any, tensor: torch.Tensor) -> None:
+    """Feed `tensor`'s bytes to `digest`: a host tensor in place (no copy), a device one HASH_CHUNK_BYTES at a time
+    (hashlib reads host memory only, and a whole-buffer copy would cost a model's worth of host memory)."""
+    from gyre.engines.transfer import HASH_CHUNK_BYTES
+
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        digest.update(flat.numpy())
+        return
+    for start in range(0, flat.numel(), HASH_CHUNK_BYTES):
+        digest.update(flat[start : start + HASH_CHUNK_BYTES].cpu().numpy())
 
 
 def ema_update(average: torch.Tensor, params: torch.Tensor, decay: float) -> None:

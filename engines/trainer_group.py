@@ -22,8 +22,11 @@ folder, through runtime.checkpoint's atomic writes and checksums; the first repl
 replica reads), `reduce_lane` / `add_lane_sum` / `drop_lanes`
 (gradient rounds between cells of one layout, lane by lane: rank g reduces its shard with rank g of the other cells
 over a group of its own, engines/grad_exchange.py; `reduce_lanes`), `shard_source` / `pull_shard` (each worker's
-own transfer agent with its shard registered; another cell of the same layout pulls shard g into its rank g:
-`shard_sources`, `pull_shards`), `set_version` and `shutdown`.
+own transfer agent with its shard served as rank 0 serves its own, `ServedParams`: registered in place, or, for device
+memory that a Mooncake build without CUDA cannot register, a host copy that every command changing the weights
+(`optimizer_step`, `load_shard`, `load_part`, `pull_shard`) refreshes before it answers, so inside the caller's fence
+window; another cell of the same layout pulls shard g into its rank g: `shard_sources`, `pull_shards`),
+`set_version` and `shutdown`.
 
 Failures. Every wait is bounded: the start (`group_start_timeout_s`: spawn, megatron's import, the rendezvous, the
 build) and each command (`group_timeout_s`, also the process group's collective timeout). A worker that dies or fails
@@ -65,11 +68,12 @@ from gyre.engines import parallel
 from gyre.engines.errors import EngineError, TrainerError
 from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember
 from gyre.engines.model_format import ModelSpec, load_hf_state_dict, save_model_dir
-from gyre.engines.trainer import LossFn, MegatronTrainer, TrainerConfig, checkpoint_state_digest
+from gyre.engines.trainer import LossFn, MegatronTrainer, TrainerConfig, checkpoint_state_digest, trainer_device
 from gyre.engines.weight_buckets import HFBuckets
 from gyre.runtime.errors import ConfigError
 
-__all__ = ["TrainerGroup", "TrainerGroupCommandError", "TrainerGroupError", "build_trainer", "load_part", "save_part"]
+__all__ = ["ServedParams", "TrainerGroup", "TrainerGroupCommandError", "TrainerGroupError", "build_trainer",
+           "load_part", "save_part"]
 
 log = structlog.get_logger(__name__)
 
@@ -121,6 +125,85 @@ def _tail(path: Path) -> str:
             return handle.read().decode(errors="replace").strip() or "(no output)"
     except OSError as error:
         return f"(output unreadable: {error})"
+
+
+SERVED_HOW = ("live", "copy", "none")
+"""How a rank's parameters are served to peers (`ServedParams.how`)."""
+
+
+class ServedParams:
+    """One rank's parameters as peers pull them through a transfer agent, and as pulls land in them.
+
+    `how` is "live" where the agent can register the parameters (host memory, or device memory with Mooncake's CUDA
+    build): peers read them in place, and pulls land in place. Where it cannot (device memory, a build without CUDA)
+    a rank that serves (a core's) registers a host copy instead, pinned where CUDA is present ("copy"), and a rank
+    that does not ("none": a satellite's) registers nothing, its pulls staged by the agent. A copy holds the weights
+    of its last `refresh`: whoever changes the weights refreshes it before the fence shows the new version (the cell's
+    TrainerHost for rank 0 of a one-process trainer, the TrainerGroup commands that change weights for every rank of a
+    group), so a peer never reads a copy older than the version the fence shows. One choice per cell: rank 0 makes it
+    (`choose`) and a group's other ranks, on the same machine with the same Mooncake build, follow it."""
+
+    def __init__(self, params: torch.Tensor, agent: Any, how: str, version: int) -> None:
+        if how not in SERVED_HOW:
+            raise ValueError(f"how must be one of {SERVED_HOW}, got {how!r}")
+        self.params = params
+        self.agent = agent
+        self.how = how
+        self.version = version
+        """The trainer version the served buffer holds (a copy's: the version of its last refresh)."""
+        self.buffer: torch.Tensor | None = None
+        """The registered buffer: the parameters ("live"), their host copy ("copy"), or None ("none")."""
+        if how == "live":
+            agent.register_tensor(params)
+            self.buffer = params
+        elif how == "copy":
+            copy = torch.empty(params.shape, dtype=params.dtype, pin_memory=torch.cuda.is_available())
+            copy.copy_(params)
+            agent.register_tensor(copy)
+            self.buffer = copy
+            log.warning("weights_served_from_host_copy", bytes=copy.numel() * copy.element_size(),
+                        reason="the transfer agent cannot register device memory (Mooncake without CUDA): every "
+                        "change of the weights copies them to the host; Mooncake's CUDA build serves them in place")
+
+    @staticmethod
+    def choose(params: torch.Tensor, agent: Any, serve: bool) -> str:
+        """"live" where `agent` can register `params`, else "copy" for a rank that serves peers, "none" for one
+        that only pulls."""
+        if agent.can_register(params):
+            return "live"
+        return "copy" if serve else "none"
+
+    def source(self) -> tuple[str, int, int]:
+        """(peer, address, bytes) peers pull these weights from: the registered buffer's (the parameters' own where
+        nothing is registered: a rank that does not serve, which nobody pulls from)."""
+        buffer = self.params if self.buffer is None else self.buffer
+        return (self.agent.peer, int(buffer.data_ptr()), buffer.numel() * buffer.element_size())
+
+    def stale(self, version: int) -> bool:
+        """Whether a copy holds another version than `version` (the trainer's now)."""
+        return self.how == "copy" and self.version != version
+
+    def refresh(self, version: int) -> None:
+        """The weights changed (to `version`): bring a copy up to them. The copy is synchronous (no non_blocking):
+        the caller sets the fence to the new version right after, and a peer may read the copy from then on."""
+        if self.how == "copy":
+            assert self.buffer is not None
+            with torch.no_grad():
+                self.buffer.copy_(self.params)
+        self.version = version
+
+    def close(self) -> None:
+        """Unregister the buffer (peers' transfers into it fail from now on). Idempotent."""
+        if self.buffer is not None:
+            self.agent.unregister_tensor(self.buffer)
+            self.buffer = None
+
+
+def _refresh(served: ServedParams | None, trainer: MegatronTrainer) -> None:
+    """A command changed this rank's weights: its served copy (if it serves one) takes them before the command
+    answers, so inside the fence window of whoever asked for the change."""
+    if served is not None:
+        served.refresh(trainer.version)
 
 
 # ---- what every rank runs for a command (rank 0 in the calling process, the others in `_worker_main`) ----------
@@ -202,20 +285,27 @@ def _set_version(trainer: MegatronTrainer, version: int) -> None:
 
 
 _SHARD_AGENT: dict[str, Any] = {}
-"""A worker's own transfer agent ("agent"), its parameter shard registered: peers pull that shard from it, and
-it pulls its shard of a core's weights into it (rank 0 uses its cell's agent)."""
+"""A worker's own transfer agent ("agent") and its parameter shard as served through it ("served", a ServedParams):
+peers pull that shard from it, and it pulls its shard of a core's weights into it (rank 0 uses its cell's agent and
+the cell's ServedParams)."""
 
 
-def _shard_source(trainer: MegatronTrainer, hostname: str, protocol: str) -> tuple[str, int, int]:
-    """This worker's shard as a pull source (peer, address, bytes), its agent started on first use."""
-    from gyre.engines.transfer import TransferAgent, TransferConfig
+def _shard_source(trainer: MegatronTrainer, config: Any, how: str) -> tuple[str, int, int]:
+    """This worker's shard as a pull source (peer, address, bytes): its agent started on first use with rank 0's
+    TransferConfig `config`, the shard served as rank 0 serves its own (`how`, ServedParams)."""
+    from gyre.engines.transfer import TransferAgent
 
     agent = _SHARD_AGENT.get("agent")
-    params = trainer.param_buffer()
     if agent is None:
-        agent = _SHARD_AGENT["agent"] = TransferAgent(TransferConfig(hostname=hostname, protocol=protocol))
-        agent.register_tensor(params)
-    return agent.peer, int(params.data_ptr()), params.numel() * params.element_size()
+        agent = _SHARD_AGENT["agent"] = TransferAgent(config)
+    served = _SHARD_AGENT.get("served")
+    if served is None:
+        served = _SHARD_AGENT["served"] = ServedParams(trainer.param_buffer(), agent, how, trainer.version)
+    return served.source()
+
+
+def _worker_served() -> ServedParams | None:
+    return _SHARD_AGENT.get("served")
 
 
 def pull_shard(trainer: MegatronTrainer, agent: Any, shard: tuple[str, int, int]) -> int:
@@ -232,7 +322,28 @@ def _pull_shard_worker(trainer: MegatronTrainer, shard: tuple[str, int, int]) ->
     agent = _SHARD_AGENT.get("agent")
     if agent is None:
         raise TrainerError("this rank has no transfer agent (shard_sources was never called)")
-    return pull_shard(trainer, agent, shard)
+    moved = pull_shard(trainer, agent, shard)
+    _refresh(_worker_served(), trainer)
+    return moved
+
+
+def _optimizer_step(trainer: MegatronTrainer, served: ServedParams | None, lr: float | None) -> dict:
+    result = trainer.optimizer_step(lr)
+    if not result["skipped"]:  # a skipped step leaves the weights as they were
+        _refresh(served, trainer)
+    return result
+
+
+def _load_shard(trainer: MegatronTrainer, served: ServedParams | None, shard: Mapping[str, torch.Tensor],
+                version: int | None) -> None:
+    trainer.load_shard(shard, version)
+    _refresh(served, trainer)
+
+
+def _load_part(trainer: MegatronTrainer, served: ServedParams | None, checkpoint_path: str) -> str:
+    digest = load_part(trainer, checkpoint_path)
+    _refresh(served, trainer)
+    return digest
 
 
 _LANE: dict[str, Any] = {}
@@ -291,13 +402,13 @@ def _ranks(trainer: MegatronTrainer) -> dict:
 COMMANDS = {
     "forward_backward": _forward_backward,
     "logprobs": _logprobs,
-    "optimizer_step": lambda trainer, lr: trainer.optimizer_step(lr),
+    "optimizer_step": lambda trainer, lr: _optimizer_step(trainer, _worker_served(), lr),
     "zero_grads": lambda trainer: trainer.zero_grads(),
     "grad_norm": lambda trainer: (trainer.reduce_grads(), trainer.grad_norm())[1],
-    "load_shard": lambda trainer, shard, version: trainer.load_shard(shard, version),
+    "load_shard": lambda trainer, shard, version: _load_shard(trainer, _worker_served(), shard, version),
     "hf_buckets": _hf_buckets,
     "save_part": save_part,
-    "load_part": load_part,
+    "load_part": lambda trainer, checkpoint_path: _load_part(trainer, _worker_served(), checkpoint_path),
     "set_version": _set_version,
     "snapshot": _snapshot,
     "snapshot_buckets": _snapshot_buckets,
@@ -323,7 +434,7 @@ class TrainerGroup:
         if self.world_size < 2:
             raise ConfigError("a TrainerGroup has at least two ranks; world size 1 is the in-process MegatronTrainer")
         config.check_parallel_fits(self.spec)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = trainer_device(config)  # checked here, before any worker starts
         if self.device.type == "cuda" and torch.cuda.device_count() < self.world_size:
             raise ConfigError(f"a trainer of {self.world_size} ranks needs {self.world_size} GPUs (one per rank); "
                               f"this machine has {torch.cuda.device_count()}")
@@ -332,6 +443,9 @@ class TrainerGroup:
                 f"this process already has a torch.distributed group (world size {dist.get_world_size()}): another "
                 "trainer lives here, and a trainer group's rank 0 needs a process whose first group is the group's")
         self._lock = threading.Lock()
+        self._served: ServedParams | None = None
+        """Rank 0's shard as the cell serves it (`shard_sources`): the group's commands that change weights refresh it
+        with the workers' own."""
         self._publications = 0
         self._broken = ""
         self._closed = False
@@ -578,7 +692,10 @@ class TrainerGroup:
         return mine
 
     def optimizer_step(self, lr: float | None = None) -> dict:
-        mine, _ = self._run("optimizer_step", self._same_for_all(lr), lambda: self._trainer.optimizer_step(lr))
+        """AdamW on every shard; each rank's served copy (if it serves one) takes the new weights before this
+        returns."""
+        mine, _ = self._run("optimizer_step", self._same_for_all(lr),
+                            lambda: _optimizer_step(self._trainer, self._served, lr))
         return mine
 
     def grad_buffer(self) -> torch.Tensor:
@@ -599,16 +716,16 @@ class TrainerGroup:
         """Elements of each global rank's flat gradient buffer (lane g of a round reduces rank g's)."""
         return tuple(int(rank["num_params"]) for rank in self.ranks)
 
-    def shard_sources(self, agent: Any) -> list[tuple[str, int, int]]:
-        """Every rank's parameter shard as a pull source (peer, address, bytes), global rank order: rank 0's
-        through `agent` (the cell's, where its shard is registered already), each worker's through its own agent
-        (started now, on the same host and protocol, its shard registered). Peers pull rank g's shard into their
-        rank g (`pull_shards`)."""
-        params = self._trainer.param_buffer()
-        mine = (agent.peer, int(params.data_ptr()), params.numel() * params.element_size())
-        _, others = self._run("shard_source", self._same_for_all(agent.config.hostname, agent.config.protocol),
-                              lambda: None)
-        return [mine] + others
+    def shard_sources(self, agent: Any, served: ServedParams) -> list[tuple[str, int, int]]:
+        """Every rank's parameter shard as a pull source (peer, address, bytes), global rank order: rank 0's as
+        `served` serves it (through `agent`, the cell's), each worker's through its own agent (started now with
+        `agent`'s TransferConfig) and served the same way (`served.how`: in place, or a host copy that the group's
+        steps and loads refresh). Peers pull rank g's shard into their rank g (`pull_shards`)."""
+        if served.params is not self._trainer.param_buffer():
+            raise TrainerError("the served parameters are not this group's rank 0 shard")
+        _, others = self._run("shard_source", self._same_for_all(agent.config, served.how), lambda: None)
+        self._served = served
+        return [served.source()] + others
 
     def pull_shards(self, agent: Any, shards: Sequence[tuple[str, int, int]]) -> int:
         """Each rank pulls its shard of another cell's weights (`shards`: that cell's `shard_sources`, same layout)
@@ -616,8 +733,12 @@ class TrainerGroup:
         shard of another size, TrainerGroupCommandError when a worker's pull failed."""
         if len(shards) != self.world_size:
             raise TrainerError(f"{len(shards)} weight shards for a trainer of {self.world_size} ranks")
-        mine, others = self._run("pull_shard", [(tuple(shard),) for shard in shards[1:]],
-                                 lambda: pull_shard(self._trainer, agent, tuple(shards[0])))
+        def pull_mine() -> int:
+            moved = pull_shard(self._trainer, agent, tuple(shards[0]))
+            _refresh(self._served, self._trainer)
+            return moved
+
+        mine, others = self._run("pull_shard", [(tuple(shard),) for shard in shards[1:]], pull_mine)
         return mine + sum(others)
 
     def reduce_lanes(self, member: ReductionMember, host: str, port: int, group_id: int, rank: int,
@@ -668,7 +789,7 @@ class TrainerGroup:
                                                    self.sizes.pipeline, key[2], self.sizes.expert)
         del full
         args = [(shards[_shard_key(self.ranks[r])], version) for r in range(1, self.world_size)]
-        self._run("load_shard", args, lambda: self._trainer.load_shard(shards[(0, 0, 0)], version))
+        self._run("load_shard", args, lambda: _load_shard(self._trainer, self._served, shards[(0, 0, 0)], version))
 
     def load_model_dir(self, model_dir: str | Path, version: int | None = None) -> None:
         self.load_hf_state_dict(load_hf_state_dict(Path(model_dir)), version)
@@ -752,7 +873,7 @@ class TrainerGroup:
         """Every rank restores its shard from the committed checkpoint; returns the digest `save_sharded_checkpoint`
         gave when the state was saved."""
         mine, others = self._run("load_part", self._same_for_all(str(checkpoint_path)),
-                                 lambda: load_part(self._trainer, str(checkpoint_path)))
+                                 lambda: _load_part(self._trainer, self._served, str(checkpoint_path)))
         return _group_digest(self.ranks, [mine] + others)
 
     # ---- closing ----------------------------------------------------------------------------------------------

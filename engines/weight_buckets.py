@@ -75,14 +75,15 @@ def write_safetensors(path: str | os.PathLike, buckets: HFBuckets | Mapping[str,
                 for name, tensor in bucket.items():
                     if name in header:
                         raise ValueError(f"tensor {name} comes twice")
-                    t = tensor.detach().cpu().contiguous()
+                    t = tensor.detach().cpu().contiguous()  # a device tensor comes over once, a bucket's part
                     if t.dtype not in _DTYPES:
                         raise ValueError(f"tensor {name} has dtype {t.dtype}, which this writer does not write")
-                    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-                    data.write(raw)
+                    nbytes = t.numel() * t.element_size()
+                    if nbytes:
+                        data.write(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's memory, no bytes copy
                     header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                                    "data_offsets": [offset, offset + len(raw)]}
-                    offset += len(raw)
+                                    "data_offsets": [offset, offset + nbytes]}
+                    offset += nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # safetensors pads the header to 8 bytes
         with open(path, "wb") as out, open(data_name, "rb") as data:

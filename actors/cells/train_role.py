@@ -59,7 +59,7 @@ from gyre.actors.cells.weight_pull import pull_weight_shards, pull_weights, sour
 from gyre.actors.errors import ActorError
 from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember, RendezvousServer
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
-from gyre.engines.trainer_group import TrainerGroup, build_trainer
+from gyre.engines.trainer_group import ServedParams, TrainerGroup, build_trainer
 from gyre.engines.transfer import host_sha256
 from gyre.messages.gradient_rounds import FlushGradients, GradientsHeld, JoinReduction, RoundEnded
 from gyre.messages.cell_internal import WeightSource
@@ -104,7 +104,8 @@ class TrainerHost:
     reduction rounds.
 
     Registered with Mooncake: the live flat parameter buffer (the core serves pulls from it; a satellite pulls into
-    it) and, on the core, the fence. Gradients never go through Mooncake: a satellite's stay summed in its trainer
+    it), or, for device weights the agent cannot register, a core's host copy of it (`ServedParams`), and, on the
+    core, the fence. Gradients never go through Mooncake: a satellite's stay summed in its trainer
     until a round (engines/grad_exchange.py) reduces them into the core's `reduced` buffer; the core's rendezvous
     store is where each round's members meet. Every method blocks: the cell calls them off the event loop, the
     compute ones one at a time (under its compute lock), the round ones on the host's own reduction thread.
@@ -118,21 +119,12 @@ class TrainerHost:
         self.fence_scratch = fence_scratch
         self.params = trainer.param_buffer()
         self._registered: list[torch.Tensor] = []
-        self.served = self.params
-        """The buffer peers pull this trainer's weights from: the live parameters, or, where they lie in device
-        memory the agent cannot register (a Mooncake build without CUDA), a host copy that takes every applied step
-        under the fence. A satellite's own pulls into device parameters need no registration (they stage)."""
-        if agent.can_register(self.params):
-            self._register(self.params)
-        elif is_core:
-            self.served = torch.empty(self.params.shape, dtype=self.params.dtype,
-                                      pin_memory=torch.cuda.is_available())
-            self.served.copy_(self.params)
-            self._register(self.served)
-            log.warning("weights_served_from_host_copy", bytes=self.served.numel() * self.served.element_size(),
-                        reason="the transfer agent cannot register device memory (Mooncake without CUDA): every "
-                        "step copies the weights to the host; Mooncake's CUDA build serves them in place")
-        self._served_version = trainer.version
+        self._served = ServedParams(self.params, agent, ServedParams.choose(self.params, agent, serve=is_core),
+                                    trainer.version)
+        """How peers pull these weights (engines/trainer_group.py's ServedParams, the same for every rank of a
+        trainer group): the live parameters, registered, or, where they lie in device memory the agent cannot
+        register (a Mooncake build without CUDA), a host copy that takes every applied step and load under the
+        fence. A satellite's own pulls into device parameters need no registration (they stage)."""
         self.fence = torch.full((1,), trainer.version, dtype=torch.int64)
         if is_core:
             self._register(self.fence)
@@ -144,7 +136,7 @@ class TrainerHost:
         self.sharded = isinstance(trainer, TrainerGroup)
         """A trainer of several processes: its rounds run lane by lane, each rank its own shard (reduce_lanes), and
         its weights move shard by shard (every rank registered with an agent of its own: `shards`)."""
-        self.shards = trainer.shard_sources(agent) if isinstance(trainer, TrainerGroup) else []
+        self.shards = trainer.shard_sources(agent, self._served) if isinstance(trainer, TrainerGroup) else []
         """Every rank's parameter shard as a pull source (peer, address, bytes), global rank order."""
         self.reduced = torch.zeros_like(self.params) if is_core and not self.sharded else None
         """Core of one process: the satellites' sum from the last round (added to the trainer only once the round
@@ -156,6 +148,12 @@ class TrainerHost:
         address: str = "127.0.0.1", reduce_timeout_s: float = 60.0,
     ) -> TrainerHost:
         return cls(build_trainer(model_dir, config), agent, is_core, fence_scratch, address, reduce_timeout_s)
+
+    @property
+    def served(self) -> torch.Tensor:
+        """The buffer peers pull this trainer's weights (rank 0's shard) from: the live parameters or their host
+        copy."""
+        return self.params if self._served.buffer is None else self._served.buffer
 
     def _register(self, buffer: torch.Tensor) -> None:
         self.agent.register_tensor(buffer)
@@ -254,25 +252,25 @@ class TrainerHost:
         pull from one) change."""
         self.fence[0] = -1
         try:
-            result = self.trainer.optimizer_step()
-            self._copy_served()
+            result = self.trainer.optimizer_step()  # a trainer group refreshes every rank's copy in the step
+            self._refresh_served()
             return result
         finally:
             self.fence[0] = self.trainer.version
 
-    def _copy_served(self) -> None:
-        if self.served is not self.params:
-            self.served.copy_(self.params)
-            self._served_version = self.trainer.version
+    def _refresh_served(self) -> None:
+        if self._served.stale(self.trainer.version):
+            self._served.refresh(self.trainer.version)
 
     def sync_served(self) -> None:
-        """Core: bring a host copy of device parameters (`served`) up to the live ones if they changed outside a
-        step (a restored checkpoint), under the fence; nothing to do when peers pull the live buffer."""
-        if self.served is self.params or self._served_version == self.trainer.version:
+        """Core: bring a host copy of device parameters up to the live ones if they changed outside a step (a
+        checkpoint restored into the one-process trainer), under the fence; nothing to do when peers pull the live
+        buffer, or after a trainer group's loads (which refresh every rank's copy themselves)."""
+        if not self._served.stale(self.trainer.version):
             return
         self.fence[0] = -1
         try:
-            self._copy_served()
+            self._refresh_served()
         finally:
             self.fence[0] = self.trainer.version
 
@@ -303,6 +301,7 @@ class TrainerHost:
 
     def close(self) -> None:
         """Unregister every buffer (peers' transfers into them fail from now on), leave the round group."""
+        self._served.close()
         for buffer in self._registered:
             self.agent.unregister_tensor(buffer)
         self._registered.clear()

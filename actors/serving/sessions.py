@@ -92,6 +92,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures
+import functools
 import hashlib
 import hmac
 import inspect
@@ -900,19 +901,23 @@ class ExecutionSession:
         template: Any = self._template
         system_part = len(full) - len(messages)
         at = system_part + count
-        marker = {"role": "assistant", "content": self._sentinel}
+        output = base.output or ()
+        stop = template.stop_text(output[-1]) if output else None
+        # The generated turn end (if the output has one) stands for the template's: turn_text_after drops it.
+        after_turn = functools.partial(template.turn_text_after, tools=tools, marker=self._sentinel,
+                                       stop_id=output[-1] if output else None)
         check = self._window_check
         if not self._config.window_renders or check.disabled or at == system_part:
-            after = self._after_marker([*full[:at], marker, *full[at + 1 :]], tools)
+            after = after_turn(full, at)
         else:
             # Only the system message, the marker and what follows it: the text after the marker is the same for
             # templates that render a message from itself and its neighbours (checked: see WindowCheck).
             try:
-                after = self._after_marker([*full[:system_part], marker, *full[at + 1 :]], tools)
+                after = after_turn([*full[:system_part], *full[at:]], system_part)
             except ValueError:
                 after = None
             if after is None or check.due():
-                whole = self._after_marker([*full[:at], marker, *full[at + 1 :]], tools)
+                whole = after_turn(full, at)
                 if whole is not None and whole != after:
                     check.disabled = True
                     log.warning("chat_template_window_disabled", execution_id=self.execution_id,
@@ -921,15 +926,6 @@ class ExecutionSession:
             check.windowed += 1
         if after is None:
             return None
-        output = base.output or ()
-        stop = template.stop_text(output[-1]) if output else None
-        if stop is not None:
-            # The generated turn end stands for the template's, whichever stop token each is (a model may end
-            # with <|endoftext|> where the template writes <|im_end|>): never two turn ends in a row.
-            for text in (stop, *(template.stop_text(i) for i in template.stop_token_ids)):
-                if text and after.startswith(text):
-                    after = after[len(text) :]
-                    break
         rest, rest_cuts = template.encode_with_cuts(after)
         rest = tuple(rest)
         hasher = base.hasher.copy()
@@ -948,14 +944,6 @@ class ExecutionSession:
             cuts or (), base.reused_turns + 1,
         )
         return self._whole_prompt(path, base, messages, tokens)
-
-    def _after_marker(self, probe: list[Mapping[str, Any]], tools: list[Any] | None) -> str | None:
-        """The template's text after the marker message in `probe`; None unless the marker is in it once."""
-        text = self._template.render_text(probe, tools, True)
-        at = text.find(self._sentinel)
-        if at < 0 or text.find(self._sentinel, at + len(self._sentinel)) >= 0:
-            return None
-        return text[at + len(self._sentinel) :]
 
     def _whole_prompt(
         self, path: _Path, base: _Path | None, messages: Sequence[Mapping[str, Any]], reused_tokens: int

@@ -9,7 +9,9 @@ steps in one process (world size 1) and compares: log-probs, each step's loss an
 after the steps within 1e-5; the weights published bucket by bucket equal the group's whole weights exactly and
 never sit whole in one bucket; the checkpoint gives back the same weights and AdamW moments (digests over both, every shard)
 after a step that moved them; a publication (the core's path to engine servers) streams a snapshot of the
-version it was taken at, bucket by bucket, into the safetensors file an engine server loads. A worker killed mid-run makes the next call fail at once with an
+version it was taken at, bucket by bucket, into the safetensors file an engine server loads; where the core's agent
+cannot register its weights (device memory, Mooncake without CUDA) every rank serves a host copy that each step and
+load refreshes. A worker killed mid-run makes the next call fail at once with an
 error that names the rank, and every later call too; a worker that exits at start or never answers fails the start
 (bounded) with its rank and output.
 """
@@ -131,6 +133,20 @@ def check_published_and_checkpoint(got: dict, want: dict) -> None:
     assert publication["sizes"] == buckets["sizes"] and len(publication["sizes"]) == publication["num_buckets"]
     assert sum(publication["sizes"]) == publication["total_bytes"] == total
     assert max_diff(got["loaded"]["weights"], whole) == 0.0 and got["loaded"]["version"] == 11  # loaded by shard
+    check_served_copies(got)
+
+
+def check_served_copies(got: dict) -> None:
+    """Device weights on a Mooncake build without CUDA, every rank: the shard peers pull is a host copy, and it holds
+    the weights of the last step or load, never older ones."""
+    served = got["served"]
+    assert served["how"] == "copy" and served["copy_apart"]
+    assert served["sizes"] == [4 * n for n in got["lane_numels"]]
+    ranks = len(got["lane_numels"])
+    assert served["after_steps"] == [0.0] * ranks  # each rank's copy: exactly its checkpoint part's weights
+    assert min(served["after_step_moved"]) > driver().LR / 2  # one more step: every rank's copy took it
+    assert served["after_step_rank0"] == 0.0
+    assert served["after_restore"] == served["after_load"] == [0.0] * ranks  # loads reach every copy too
 
 
 def test_tensor_parallel_group_trains_like_one_process(records, reference):

@@ -6,8 +6,10 @@ them (engines/trainer_group.py). For each layout (`LAYOUTS`) it trains STEPS opt
 of `step_samples` with Gyre's loss (policies.loss, as the cell computes micro-steps), and records what the test
 compares with a one-process trainer: the log-probs, each step's loss and gradient norm, the HF weights after the
 steps (whole, and bucket by bucket as a publisher gets them), and a sharded checkpoint's round trip (saved after the
-steps, one more step taken, restored: the digests of weights and AdamW moments, and the weights), and a
-publication (a snapshot taken, a step applied, the snapshot streamed into a safetensors file). "kill" starts a
+steps, one more step taken, restored: the digests of weights and AdamW moments, and the weights), a
+publication (a snapshot taken, a step applied, the snapshot streamed into a safetensors file), and every rank's shard
+as a peer pulls it from the host copy a core serves where its agent cannot register the weights (`ServedShards`:
+after the steps, after one more step, after the restore and after a load by name). "kill" starts a
 tensor-parallel group, kills rank 1 and records the error the next micro-step raises; "bad_start" records the
 errors of groups whose worker exits at start or never answers. Saves the records (torch.save).
 """
@@ -88,6 +90,62 @@ def train(trainer, data: int) -> dict:
     return out
 
 
+class ServedShards:
+    """Every rank's shard served as a core serves device weights on a Mooncake build without CUDA: rank 0's agent
+    cannot register the parameters (this machine has no GPU, so host memory stands in for device memory), so rank 0
+    serves a host copy (ServedParams "copy") and the workers follow it; a second agent pulls each shard as a peer
+    does, to compare it with the rank's weights."""
+
+    def __init__(self, group) -> None:
+        from gyre.engines.trainer_group import ServedParams
+        from gyre.engines.transfer import TransferAgent
+
+        class CannotRegisterLargeBuffers(TransferAgent):
+            def can_register(self, buffer) -> bool:
+                return buffer.numel() <= 1
+
+        self.group = group
+        self.agent = CannotRegisterLargeBuffers()
+        params = group.param_buffer()
+        self.served = ServedParams(params, self.agent, ServedParams.choose(params, self.agent, serve=True),
+                                   group.version)
+        self.sources = group.shard_sources(self.agent, self.served)
+        self.reader = TransferAgent()
+        self.into = [torch.zeros(nbytes // 4) for _, _, nbytes in self.sources]
+        for tensor in self.into:
+            self.reader.register_tensor(tensor)
+
+    def pull(self) -> list[torch.Tensor]:
+        """Every rank's served shard, as a peer reads it now."""
+        for (peer, addr, _), into in zip(self.sources, self.into):
+            self.reader.pull_tensor(peer, addr, into)
+        return [tensor.clone() for tensor in self.into]
+
+    def diffs(self, want: list[torch.Tensor]) -> list[float]:
+        """Per rank: the largest difference between its served shard and `want[rank]`."""
+        return [float((got - w).abs().max()) for got, w in zip(self.pull(), want)]
+
+    def close(self) -> None:
+        self.served.close()
+        self.agent.close()
+        self.reader.close()
+
+
+def saved_shards(group, path: str) -> list[torch.Tensor]:
+    """Every rank's flat weights as its part of the committed checkpoint at `path` holds them."""
+    import io
+
+    from gyre.runtime.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    out = []
+    for rank in group.ranks:
+        name = f"core.tp{rank['tensor']}.pp{rank['pipeline']}"
+        name += f".ep{rank['expert']}.pt" if group.sizes.expert > 1 else ".pt"
+        out.append(torch.load(io.BytesIO(checkpoint.read_part(name)), weights_only=True)["params"])
+    return out
+
+
 def run_layout(model_dir: str, name: str, workdir: str) -> dict:
     from gyre.engines.trainer import TrainerConfig
     from gyre.engines.trainer_group import TrainerGroup
@@ -100,6 +158,7 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
     group = TrainerGroup(model_dir, TrainerConfig(lr=LR, num_threads=1, tensor_parallel=tensor,
                                                   pipeline_parallel=pipeline, data_parallel=data,
                                                   expert_parallel=expert))
+    served = ServedShards(group)
     try:
         out = train(group, data)
         out["ranks"], out["lane_numels"] = group.ranks, list(group.lane_numels)
@@ -110,10 +169,17 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
         records, saved_digest = group.save_sharded_checkpoint(staging_dir(root, 0))
         path = commit(root, 0, {r.name: r for r in records}, {"weight_version": group.version}, keep=2)
         saved_version = group.version
+        saved = saved_shards(group, path)
+        checks = {"how": served.served.how, "sizes": [nbytes for _, _, nbytes in served.sources],
+                  "copy_apart": served.served.buffer.data_ptr() != group.param_buffer().data_ptr(),
+                  "after_steps": served.diffs(saved)}
         group.forward_backward(*share(step_samples(7), 4))
         group.optimizer_step()
+        checks["after_step_moved"] = served.diffs(saved)
+        checks["after_step_rank0"] = served.diffs([group.param_buffer()])[0]
         moved = group.hf_state_dict()
         restored_digest = group.load_sharded_checkpoint(path)
+        checks["after_restore"] = served.diffs(saved)
         out["checkpoint"] = {"parts": sorted(r.name for r in records), "saved_digest": saved_digest,
                              "restored_digest": restored_digest, "moved": moved, "restored": group.hf_state_dict(),
                              "saved_version": saved_version, "restored_version": group.version}
@@ -130,7 +196,10 @@ def run_layout(model_dir: str, name: str, workdir: str) -> dict:
         # New weights by name: each rank gets only its shard of them.
         group.load_hf_state_dict(out["weights"], version=11)
         out["loaded"] = {"weights": group.hf_state_dict(), "version": group.version}
+        checks["after_load"] = served.diffs(saved)  # the weights of the three steps again, after another step
+        out["served"] = checks
     finally:
+        served.close()
         group.close()
     return out
 

@@ -169,6 +169,35 @@ def test_cut_short_output_gets_its_turn_end(chat_template):
     assert eot == turn
 
 
+UPPER_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ (m.content | upper) if m.role == 'assistant' else m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_text_after_a_turn_is_read_through_a_marker_in_its_place(chat_template):
+    """What the proxy's keep_generated rule and SFT both put after a generated turn (ChatTemplate.turn_text_after)."""
+    user, answer = {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}
+    messages = [user, answer, {"role": "user", "content": "And 3 + 3?"}]
+    after = chat_template.turn_text_after(messages, 1, marker="gyre-m-1")
+    assert after == "<|im_end|>\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_template.render_text(messages) == chat_template.render_text([user]) + "4" + after
+    # A generated stop token, whichever it is, stands for the template's turn end; an output cut short (its last
+    # token no stop token) keeps the template's.
+    for stop in chat_template.stop_token_ids:
+        assert chat_template.turn_text_after(messages, 1, marker="gyre-m-1", stop_id=stop) == after[len("<|im_end|>"):]
+    four = chat_template.encode("4")[-1]
+    assert chat_template.turn_text_after(messages, 1, marker="gyre-m-1", stop_id=four) == after
+    # The marker must be in the render once: not where the conversation holds it too, nor where the template
+    # rewrites assistant content.
+    echoed = [*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "gyre-m-1"}]
+    assert chat_template.turn_text_after(echoed, 1, marker="gyre-m-1") is None
+    upper = ChatTemplate(chat_template.tokenizer, source=UPPER_TEMPLATE)
+    assert upper.turn_text_after(messages, 1, marker="gyre-m-1") is None
+    assert upper.turn_text_after(messages, 1, marker="GYRE-M-1") == after
+
+
 @pytest.mark.parametrize(
     "bad",
     [

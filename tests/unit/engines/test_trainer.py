@@ -350,3 +350,45 @@ def test_preparing_the_training_runtime_sets_up_megatron_once_for_later_trainers
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all",
+               "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather",
+               "gather_object", "irecv", "isend", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "scatter", "send")
+
+
+def test_one_process_runs_no_collective(fresh, monkeypatch):
+    """World size 1 keeps a gloo group of one on CUDA too (ensure_parallel_state): safe only because nothing goes
+    through it. Every torch.distributed collective raises here while a trainer computes, steps, publishes and
+    checkpoints."""
+    import torch.distributed as dist
+
+    a, _ = fresh
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective ran in a one-process trainer")
+
+    for name in COLLECTIVES:
+        monkeypatch.setattr(dist, name, refuse)
+    ids, lengths = batch(5, [9, 4])
+    a.logprobs(ids, lengths)
+    a.forward_backward(ids, lengths, summed_nll)
+    a.reduce_grads()
+    assert a.grad_norm() > 0
+    assert not a.optimizer_step()["skipped"]
+    assert a.hf_state_dict().keys() == {k for bucket in a.iter_hf_buckets(bucket_bytes=1 << 20) for k in bucket}
+    a.load_checkpoint_state(a.checkpoint_state())
+
+
+def test_a_cpu_trainer_is_refused_where_cuda_is(monkeypatch):
+    """megatron-core's CPU shims go in only without CUDA: a CPU trainer beside a GPU would put parts of its model on
+    the GPU. Refused with the way out (the GPU is faked present: this machine has none)."""
+    from gyre.engines.trainer import trainer_device
+
+    assert trainer_device(TrainerConfig(device="cpu")).type == "cpu"
+    assert trainer_device(TrainerConfig()).type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert trainer_device(TrainerConfig()).type == trainer_device(TrainerConfig(device="cuda")).type == "cuda"
+    with pytest.raises(TrainerError, match="CUDA_VISIBLE_DEVICES"):
+        trainer_device(TrainerConfig(device="cpu"))

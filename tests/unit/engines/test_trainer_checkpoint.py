@@ -62,3 +62,25 @@ def test_the_state_of_another_model_is_refused(tiny_model_dir):
     state["num_params"] += 1
     with pytest.raises(TrainerError, match="another model or another parallel layout"):
         trainer.load_checkpoint_state(state)
+
+
+def test_the_state_digest_is_over_the_bytes_in_memory(tiny_model_dir):
+    """checkpoint_state_digest hashes host tensors in place (no bytes copy of a model-sized buffer); the digest is the
+    one of the tensors' bytes, as checkpoints written before recorded it."""
+    import hashlib
+
+    from gyre.engines.trainer import checkpoint_state_digest
+
+    trainer = MegatronTrainer(tiny_model_dir, TrainerConfig(lr=0.01))
+    _step(trainer, 3)
+    state = trainer.checkpoint_state()
+    assert state["params"].device.type == "cpu" and state["params"].data_ptr() != trainer.param_buffer().data_ptr()
+    want = hashlib.sha256(f"version={state['version']}".encode())
+    want.update(state["params"].numpy().tobytes())
+    for index in sorted(state["optimizer"]["state"]):
+        entry = state["optimizer"]["state"][index]
+        want.update(entry["exp_avg"].numpy().tobytes() + entry["exp_avg_sq"].numpy().tobytes())
+        want.update(repr(float(entry["step"])).encode())
+    assert checkpoint_state_digest(state) == want.hexdigest()
+    state["optimizer"]["state"][0]["exp_avg"][7] += 1e-3
+    assert checkpoint_state_digest(state) != want.hexdigest()

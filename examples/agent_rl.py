@@ -71,12 +71,14 @@ from gyre.actors.executions.task_source import TaskSource, TaskSourceConfig  # n
 from gyre.actors.training.trajectory_builder import TrajectoryBuilder, TrajectoryBuilderConfig  # noqa: E402
 from gyre.actors.cells.weight_broker import WeightBroker, WeightBrokerConfig  # noqa: E402
 from gyre.engines.embedded_engine import EngineConfig  # noqa: E402
+from gyre.engines.model_format import ModelSpec  # noqa: E402
 from gyre.engines.trainer import TrainerConfig  # noqa: E402
 from gyre.messages.executions import TaskSpec  # noqa: E402
 from gyre.policies.scheduling import AsyncPolicy, ColocatePolicy, ElasticPolicy  # noqa: E402
 from gyre.policies.staleness import MaxVersionLag  # noqa: E402
 from gyre.policies.task_sampling import EpochOrder, SignalPerToken, SignalWeighted  # noqa: E402
 from gyre.runtime import RestartPolicy, Topology  # noqa: E402
+from gyre.runtime.errors import ConfigError  # noqa: E402
 SHIPPED_WARM_START = HERE / "warm_start"
 """The warm start that ships with the project (`--warm-start shipped`, the default): examples/warm_start/README.md
 says what built it; its manifest holds the files' digests, the command and commit, and its held-out scores."""
@@ -103,6 +105,16 @@ def parse_resources(text: str) -> dict[str, float]:
                                              f"once, got {text!r}")
         resources[name.strip()] = value
     return resources
+
+def parse_layout(text: str) -> tuple[int, int, int, int]:
+    """--trainer-layout: "TP,PP,DP,EP", e.g. "2,1,2,1" -> (2, 1, 2, 1): every cell's trainer as tensor x pipeline x
+    data processes (one per device), experts split over EP of the data-parallel ranks."""
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) != 4 or not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise argparse.ArgumentTypeError(f"expected TP,PP,DP,EP as four integers >= 1, got {text!r}")
+    tensor, pipeline, data, expert = (int(part) for part in parts)
+    return tensor, pipeline, data, expert
+
 
 TASK_SAMPLING = {"signal": SignalWeighted, "signal-per-token": SignalPerToken, "epoch": EpochOrder}
 """--task-sampling's choices: policies/task_sampling.py."""
@@ -199,6 +211,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--copy-gap-items", type=int, default=40, help="longest gap of those steps, in items")
     parser.add_argument("--copy-expression-share", type=float, default=0.2,
                         help="share of the gap stage's items that are calculator expressions like 53-8 (0: none)")
+    parser.add_argument("--trainer-layout", type=parse_layout, default=(1, 1, 1, 1), metavar="TP,PP,DP,EP",
+                        help="every cell's trainer: tensor, pipeline and data-parallel processes (one per device; "
+                        "their product is the cell's world size) and the expert-parallel size of a qwen3_moe model; "
+                        "the cells of a step share one layout (default 1,1,1,1: one process)")
+    parser.add_argument("--trainer-precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16 computes in bfloat16 with fp32 master weights (for GPUs; fp32 is the CPU setting)")
     parser.add_argument("--cells", type=int, default=3,
                         help="cells: the core and N-1 satellites (3 on this machine; as many as the cluster has)")
     parser.add_argument("--cell-resources", type=parse_resources, default={}, metavar="CPU=N,GPU=N,NAME=N",
@@ -260,6 +278,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.agents_at_once = 2 * args.group_size
     if args.cells < 1:
         parser.error(f"--cells must be >= 1 (the core), got {args.cells}")
+    if args.trainer_layout[2] % args.trainer_layout[3]:
+        parser.error(f"--trainer-layout: the expert-parallel size {args.trainer_layout[3]} must divide the "
+                     f"data-parallel size {args.trainer_layout[2]} (megatron takes the expert ranks out of the "
+                     "data-parallel ones)")
     args.cell_names = cell_names(args.cells)
     unknown = set(c for c in args.async_train_cells.split(",") if c) - set(args.cell_names)
     if unknown:
@@ -611,7 +633,15 @@ def topology(argv: list[str]) -> Topology:
     resume = args.resume_from
     engine = cell_engine(args)
     engine_server = EngineServerConfig(preset=args.engine_preset, extra_args=tuple(args.engine_arg))
-    trainer = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, num_threads=1, seed=args.seed)
+    tensor, pipeline, data, expert = args.trainer_layout
+    trainer = TrainerConfig(lr=args.lr, lr_warmup_steps=args.lr_warmup_steps, num_threads=1, seed=args.seed,
+                            tensor_parallel=tensor, pipeline_parallel=pipeline, data_parallel=data,
+                            expert_parallel=expert, precision=args.trainer_precision)
+    if args.trainer_layout != (1, 1, 1, 1):  # one process fits any model
+        try:
+            trainer.check_parallel_fits(ModelSpec.from_model_dir(model_dir))  # here, not in a cell mid-run
+        except ConfigError as error:
+            raise SystemExit(f"agent_rl: --trainer-layout {','.join(map(str, args.trainer_layout))}: {error}") from None
     report = Path(args.report)
     for name in args.cell_names:
         # Satellites import megatron while they start rolling out, so a first switch into training is quick.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,33 @@ def test_the_headline_is_the_sampled_score_when_measured_else_the_greedy_one(age
     assert greedy_only["extra"]["success_measure"] == "greedy" and "sampled_temperature" not in greedy_only["extra"]
     nothing = agent_rl.headline_scores(agent_rl.NOT_SCORED, agent_rl.NOT_SCORED, None, None)  # --skip-eval
     assert nothing["extra"]["success_measure"] == "not scored"
+
+
+def test_every_cells_trainer_takes_the_layout_and_precision_asked_for(agent_rl, tmp_path: Path) -> None:
+    from gyre.engines.model_format import init_model_dir
+
+    model = init_model_dir(tmp_path / "tiny-moe", "tiny-moe", seed=0)
+    (tmp_path / "prepare.json").write_text(json.dumps({"model_dir": str(model)}))
+    default = agent_rl.topology(["--report", str(tmp_path)]).spec("core").config.trainer
+    assert default.parallel.world_size == 1 and default.precision == "fp32"
+    topology = agent_rl.topology(["--report", str(tmp_path), "--trainer-layout", "1,2,2,2", "--trainer-precision",
+                                  "bf16"])
+    trainers = {topology.spec(cell).config.trainer for cell in ("core", "sat1", "sat2")}
+    assert len(trainers) == 1  # the cells of a step share one layout
+    (trainer,) = trainers
+    assert (trainer.tensor_parallel, trainer.pipeline_parallel, trainer.data_parallel, trainer.expert_parallel,
+            trainer.precision) == (1, 2, 2, 2, "bf16")
+    # A layout the model cannot take is refused before any process starts, naming what does not divide.
+    with pytest.raises(SystemExit, match="--trainer-layout 1,1,3,3: .*num_experts 8"):
+        agent_rl.topology(["--report", str(tmp_path), "--trainer-layout", "1,1,3,3"])
+
+
+@pytest.mark.parametrize("argv", [["--trainer-layout", "2,1,1"], ["--trainer-layout", "0,1,1,1"],
+                                  ["--trainer-layout", "1,1,a,1"], ["--trainer-layout", "1,1,2,4"]])
+def test_bad_trainer_layouts_are_refused(agent_rl, argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        agent_rl.parse_args(argv)
+    assert exited.value.code == 2 and "--trainer-layout" in capsys.readouterr().err
 
 
 def test_the_cells_come_from_the_arguments_three_by_default(agent_rl) -> None:

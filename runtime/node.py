@@ -412,10 +412,12 @@ class Node:
         if self._capture is not None:
             self._capture.append((self._envelope(slot, "", topic, _EVENT), msg))
             return
-        # One id for all copies: the log shows one published message delivered to several subscribers.
+        # One id for all copies: the log shows one published message delivered to several subscribers. Each copy is
+        # built directly (attrs.evolve re-reads the class's fields on every call: a tenth of a virtual run's bus time).
         base = self._envelope(slot, "", topic, _EVENT)
+        msg_id, sender, time_s, causation = base.msg_id, base.sender, base.time_s, base.causation_id
         for subscriber in subscribers:
-            self._route(attrs.evolve(base, receiver=subscriber), msg)
+            self._route(Envelope(msg_id, sender, subscriber, topic, time_s, 0, causation, _EVENT), msg)
 
     async def ask_from(self, slot: Any, to: str, msg: Any, timeout_s: float | None) -> Any:
         envelope = self._envelope(slot, to, "", _ASK)
@@ -438,20 +440,22 @@ class Node:
     def schedule_self(self, slot: ActorSlot, delay_s: float, msg: Any) -> asyncio.TimerHandle:
         causation = slot.current_msg_id
         # The id is taken now, not when the timer fires, so ids do not depend on how firing interleaves with other
-        # messages (replay and virtual runs rely on that).
-        msg_id = slot.next_id()
+        # messages (replay and virtual runs rely on that). A bound method and its arguments rather than a closure:
+        # timers are most of a virtual run's messages, and a closure costs a function object and five cells each.
+        # `call_at(time() + delay)` is what `call_later(delay)` does, one call less.
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + max(0.0, delay_s), self._fire_timer, slot, slot.next_id(), causation, msg)
 
-        def fire() -> None:
-            if not slot.alive:
-                return
-            envelope = Envelope(msg_id, slot.name, slot.name, "", self.clock.now(), 0, causation, _TELL)
-            try:
-                self._route(envelope, msg)
-            except Backpressure:
-                # A timer must not vanish: try again shortly (the mailbox is the actor's own, so it drains).
-                asyncio.get_running_loop().call_later(0.001, fire)
-
-        return asyncio.get_running_loop().call_later(max(0.0, delay_s), fire)
+    def _fire_timer(self, slot: ActorSlot, msg_id: int, causation: int, msg: Any) -> None:
+        if not slot.alive:
+            return
+        name = slot.name
+        envelope = Envelope(msg_id, name, name, "", self.clock.now(), 0, causation, _TELL)
+        try:
+            self._route(envelope, msg)
+        except Backpressure:
+            # A timer must not vanish: try again shortly (the mailbox is the actor's own, so it drains).
+            asyncio.get_running_loop().call_later(0.001, self._fire_timer, slot, msg_id, causation, msg)
 
     async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.config.offload_inline:
@@ -521,11 +525,14 @@ class Node:
 
     def _enqueue(self, slot: ActorSlot, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
         if self._shuffle is not None and frames is None:
-            pending = self._batched_for[slot.name]
-            if slot.mailbox.qsize() + pending >= slot.mailbox.maxsize:
-                raise Backpressure(f"mailbox of {slot.name} is full ({slot.mailbox.maxsize})")
+            name = slot.name
+            batched_for = self._batched_for
+            pending = batched_for.get(name, 0)
+            mailbox = slot.mailbox
+            if len(mailbox._items) + pending >= mailbox.maxsize:
+                raise Backpressure(f"mailbox of {name} is full ({mailbox.maxsize})")
             self._batch.append((envelope, msg))
-            self._batched_for[slot.name] += 1
+            batched_for[name] = pending + 1
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 asyncio.get_running_loop().call_soon(self._flush_batch)
@@ -538,18 +545,34 @@ class Node:
     def _flush_batch(self) -> None:
         """Deliver the messages that became ready together in a seeded interleaving that keeps each sender's order."""
         self._flush_scheduled = False
-        by_sender: dict[str, collections.deque] = {}
-        for envelope, msg in self._batch:
-            by_sender.setdefault(envelope.sender, collections.deque()).append((envelope, msg))
-        self._batch.clear()
+        batch = self._batch
+        self._batch = []
         self._batched_for.clear()
+        getrandbits = self._shuffle.getrandbits
+        slots = self.slots
+        if len(batch) == 1:  # the common case under virtual time: one message, one sender (the draw is still made)
+            _randbelow(getrandbits, 1)
+            envelope, msg = batch[0]
+            slot = slots[envelope.receiver]
+            if slot.alive:
+                slot.mailbox.put_nowait((envelope, msg, None))
+            else:
+                self._refuse(slot, envelope, msg)
+            return
+        by_sender: dict[str, collections.deque] = {}
+        for item in batch:
+            queue = by_sender.get(item[0].sender)
+            if queue is None:
+                by_sender[item[0].sender] = queue = collections.deque()
+            queue.append(item)
         queues = [by_sender[name] for name in sorted(by_sender)]
         while queues:
-            queue = queues[self._shuffle.randrange(len(queues))]
+            index = _randbelow(getrandbits, len(queues))
+            queue = queues[index]
             envelope, msg = queue.popleft()
             if not queue:
-                queues.remove(queue)
-            slot = self.slots[envelope.receiver]
+                del queues[index]
+            slot = slots[envelope.receiver]
             if slot.alive:
                 slot.mailbox.put_nowait((envelope, msg, None))
             else:
@@ -684,6 +707,9 @@ class Node:
 
     # ---- the mailbox loop -----------------------------------------------------------------------------------------
     async def _run_mailbox(self, slot: ActorSlot) -> None:
+        mailbox = slot.mailbox
+        items = mailbox._items
+        loop = asyncio.get_running_loop()
         while True:
             if slot.restarting is not None and not slot.restarting.done():
                 # The new instance's on_start comes before its first message (waiting before taking one, so a
@@ -691,7 +717,16 @@ class Node:
                 await asyncio.wait([slot.restarting])
                 if not slot.alive:
                     return
-            envelope, msg, frames = await slot.mailbox.get()
+            # Mailbox.get, inline: the coroutine it would create per message is a measurable share of a virtual run.
+            while not items:
+                getter = loop.create_future()
+                mailbox._getter = getter
+                try:
+                    await getter
+                finally:
+                    if mailbox._getter is getter:
+                        mailbox._getter = None
+            envelope, msg, frames = mailbox.get_nowait()
             if msg is _STARTED:  # a handler the transport started while this loop was idle: finish it here
                 running = frames
             else:
@@ -727,7 +762,8 @@ class Node:
         except Exception as error:
             self._handler_failed(slot, envelope, error)
             return None
-        if asyncio.iscoroutine(result):
+        # Most handlers return None; asyncio.iscoroutine(None) walks an ABC check first.
+        if result is not None and asyncio.iscoroutine(result):
             return result  # still the message being handled (current_msg_id stays) until _finish
         self._handler_done(slot, envelope, result)
         return None
@@ -837,6 +873,17 @@ class Node:
             self._fail_actor(slot, error)
             return
         self._ensure_mailbox_task(slot)
+
+
+def _randbelow(getrandbits: Callable[[int], int], n: int) -> int:
+    """`random.Random.randrange(n)` for n >= 1, draw for draw: CPython's `_randbelow_with_getrandbits` (rejection
+    sampling on `n.bit_length()` bits), without randrange's argument checks and two Python calls per message. The
+    shuffled delivery order of a seed depends on it drawing exactly as randrange does (test_node_shuffle)."""
+    k = n.bit_length()
+    r = getrandbits(k)
+    while r >= n:
+        r = getrandbits(k)
+    return r
 
 
 def _expire_ask(future: asyncio.Future, to: str, msg: Any, timeout_s: float) -> None:

@@ -422,6 +422,8 @@ def check_decisions(view: SchedulerView, decisions: object) -> tuple[SwitchRole,
     """Raise PolicyContractError unless `decisions` is a valid answer to `view`; returns them."""
     if not isinstance(decisions, tuple):
         raise PolicyContractError(f"decisions must be a tuple of SwitchRole, got {type(decisions).__qualname__}")
+    if not decisions:  # most evaluations decide nothing: no index of the cells to build
+        return decisions
     known = {cell.name: cell for cell in view.cells}
     named: set[str] = set()
     for decision in decisions:

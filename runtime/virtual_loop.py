@@ -8,12 +8,19 @@ clock", and a loop with no timers and nothing ready means the whole topology is 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import selectors
 
 from gyre.runtime.clock import VirtualClock
 from gyre.runtime.errors import Quiescent
 
 __all__ = ["Quiescent", "VirtualEventLoop", "run_virtual"]
+
+# asyncio's own bounds (base_events.py), which _run_once below keeps: a heap of over 100 timers, more than half of
+# them cancelled, is rebuilt; no select waits longer than a day.
+_MIN_SCHEDULED_TIMER_HANDLES = 100
+_MIN_CANCELLED_FRACTION = 0.5
+_MAXIMUM_SELECT_TIMEOUT = 24 * 3600
 
 
 class _TimeJumpSelector(selectors.BaseSelector):
@@ -69,6 +76,55 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
 
     def time(self) -> float:
         return self.virtual_clock.now()
+
+    def _run_once(self) -> None:
+        """One turn of the loop: asyncio's `BaseEventLoop._run_once` (Python 3.11), step for step in the same order,
+        less what a loop without file descriptors never needs: with a callback ready the base loop polls its
+        selector with timeout 0 and processes no events, which here does nothing; it is skipped. A virtual run
+        turns this loop once or twice per message, so the saved calls show (BENCHMARKS.md, gyre simulate, session
+        26). Debug mode keeps the base loop's own turn (slow-callback warnings)."""
+        if self._debug:
+            super()._run_once()
+            return
+        scheduled = self._scheduled
+        count = len(scheduled)
+        if count > _MIN_SCHEDULED_TIMER_HANDLES and self._timer_cancelled_count / count > _MIN_CANCELLED_FRACTION:
+            # Too many cancelled timers: drop them all and rebuild the heap.
+            kept = []
+            for handle in scheduled:
+                if handle._cancelled:
+                    handle._scheduled = False
+                else:
+                    kept.append(handle)
+            heapq.heapify(kept)
+            self._scheduled = scheduled = kept
+            self._timer_cancelled_count = 0
+        else:
+            while scheduled and scheduled[0]._cancelled:
+                self._timer_cancelled_count -= 1
+                handle = heapq.heappop(scheduled)
+                handle._scheduled = False
+        ready = self._ready
+        if not ready and not self._stopping:
+            # Nothing to run: the selector jumps the clock to the earliest timer, or raises Quiescent if none is left.
+            timeout = None
+            if scheduled:
+                timeout = min(max(0, scheduled[0]._when - self.time()), _MAXIMUM_SELECT_TIMEOUT)
+            self._selector.select(timeout)
+        end_time = self.time() + self._clock_resolution
+        while scheduled:
+            if scheduled[0]._when >= end_time:
+                break
+            handle = heapq.heappop(scheduled)
+            handle._scheduled = False
+            ready.append(handle)
+        # Only what is ready now runs in this turn; what these callbacks schedule runs in the next one.
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if handle._cancelled:
+                continue
+            handle._run()
+        handle = None  # break the cycle an exception's traceback would make
 
 
 def run_virtual(main, clock: VirtualClock):

@@ -150,6 +150,8 @@ class EmulatedCell(Actor):
         self.version = 0
         self.loading_until_s = 0.0
         self.capacity = self.model.capacity_sessions(cfg.mean_context_tokens)
+        # Read at every report; kv_capacity_tokens is a property computed anew each time (the model is frozen).
+        self.kv_blocks = max(1, self.model.kv_capacity_tokens // 64)
         self.generation = 0  # bumps on every role change: stale timers of the old role are ignored
         self.claim: tuple[int, int] | None = None
         self.claim_at_s: float | None = None
@@ -198,7 +200,7 @@ class EmulatedCell(Actor):
         self.last_report_s = now
         engine = self.engine
         role = SWITCHING if self.target_role else self.role
-        kv_blocks = max(1, self.model.kv_capacity_tokens // 64)
+        kv_blocks = self.kv_blocks
         free = max(0, kv_blocks - int(engine.held_context_tokens // 64))
         rolling = self.role == ROLLOUT and not self.target_role
         self.publish(LoadReport(

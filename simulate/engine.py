@@ -140,9 +140,10 @@ class Engine:
             self.output_tokens += produced
             session.remaining_tokens = session.remaining_tokens - produced
         out = sorted(self.sessions, key=lambda s: s.plan.execution_id)
+        waiting = set(self._waiting)
         for session in out:
             session.kv_cached = keep_kv
-            if session in self._waiting_set():
+            if session in waiting:
                 session.phase = DECODE  # waiting to decode: it keeps its remaining output
         self.sessions = set()
         self._timers, self._prefill, self._decode, self._waiting = [], [], [], []
@@ -229,21 +230,23 @@ class Engine:
         return finished
 
     def _pop_due(self, finished: list[Session]) -> bool:
-        now = self.now_s
-        eps = 1e-9
+        timers, prefill, decode, heappop = self._timers, self._prefill, self._decode, heapq.heappop
+        due_s = self.now_s + 1e-9  # the clock and services do not move in here
         moved = False
-        while self._timers and self._timers[0][0] <= now + eps:
-            _, _, session = heapq.heappop(self._timers)
+        while timers and timers[0][0] <= due_s:
+            _, _, session = heappop(timers)
             moved = True
             self._timer_done(session, finished)
-        while self._prefill and self._prefill[0][0] <= self._prefill_service + 1e-6:
-            target, _, session = heapq.heappop(self._prefill)
+        due_prefill = self._prefill_service + 1e-6
+        while prefill and prefill[0][0] <= due_prefill:
+            target, _, session = heappop(prefill)
             moved = True
             self._prefill_target_sum -= target
             session.prefill_tokens_done += session.remaining_tokens
             self._start_decode(session, session.decode_after_prefill)
-        while self._decode and self._decode[0][0] <= self._decode_service + 1e-6:
-            _, _, session = heapq.heappop(self._decode)
+        due_decode = self._decode_service + 1e-6
+        while decode and decode[0][0] <= due_decode:
+            _, _, session = heappop(decode)
             moved = True
             self._decode_done(session)
         return moved
@@ -319,5 +322,3 @@ class Engine:
         self._seq += 1
         heapq.heappush(self._timers, (end_s, self._seq, session))
 
-    def _waiting_set(self) -> set[Session]:
-        return set(self._waiting)

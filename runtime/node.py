@@ -260,6 +260,9 @@ class Node:
         self._capture: list[tuple[Envelope, Any]] | None = None
         self._flush_scheduled = False
         self._debug = False
+        #: The loop the node was started on, for the paths every message takes (asyncio.get_running_loop() costs
+        #: ~0.2 us a call, several times a message's share of a virtual run); None before start.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.fault_injector: Any = None
         """Tests only (gyre.runtime.faults, gyre.runtime.testing.run_with_faults): decides each local delivery's
         fate under a fault plan; None (always, outside fault runs) delivers as usual."""
@@ -272,7 +275,7 @@ class Node:
 
     async def start(self) -> None:
         self._debug = _debug_enabled()  # checked once: per-message lines are free when off
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.stop_requested = loop.create_future()
         if self.transport is not None:
             self.transport.start(self._on_frames, self._on_refused)
@@ -443,7 +446,7 @@ class Node:
         # messages (replay and virtual runs rely on that). A bound method and its arguments rather than a closure:
         # timers are most of a virtual run's messages, and a closure costs a function object and five cells each.
         # `call_at(time() + delay)` is what `call_later(delay)` does, one call less.
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         return loop.call_at(loop.time() + max(0.0, delay_s), self._fire_timer, slot, slot.next_id(), causation, msg)
 
     def _fire_timer(self, slot: ActorSlot, msg_id: int, causation: int, msg: Any) -> None:
@@ -535,7 +538,7 @@ class Node:
             batched_for[name] = pending + 1
             if not self._flush_scheduled:
                 self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush_batch)
+                (self._loop or asyncio.get_running_loop()).call_soon(self._flush_batch)
             return
         try:
             slot.mailbox.put_nowait((envelope, msg, frames))

@@ -260,7 +260,7 @@ class Engine:
             return
         # TOOL: the observation joins the context and the next call starts, or the execution is over.
         session.turn += 1
-        if session.turn >= plan.turns:
+        if session.turn >= len(plan.output_tokens):  # plan.turns, without the property call
             session.phase = DONE
             session.finished_s = self.now_s
             self.sessions.discard(session)
@@ -312,10 +312,12 @@ class Engine:
         self._held_context += produced
         session.remaining_tokens = 0.0
         session.phase = TOOL
-        self._push_timer(self.now_s + session.plan.tool_s[session.turn], session)
-        while self._waiting and (not self._decode or self._decode_context + self._waiting[0].context_tokens
-                                 <= self.kv_capacity):
-            self._push_decode(self._waiting.pop(0))
+        end_s = session.phase_end_s = self.now_s + session.plan.tool_s[session.turn]  # _push_timer, inline
+        self._seq += 1
+        heapq.heappush(self._timers, (end_s, self._seq, session))
+        waiting = self._waiting
+        while waiting and (not self._decode or self._decode_context + waiting[0].context_tokens <= self.kv_capacity):
+            self._push_decode(waiting.pop(0))
 
     def _push_timer(self, end_s: float, session: Session) -> None:
         session.phase_end_s = end_s

@@ -113,6 +113,9 @@ class Scheduler(Actor):
         self.counts = {"evaluations": 0, "switches_sent": 0, "to_train": 0, "to_rollout": 0, "switch_timeouts": 0}
         self._names_sorted: list[str] = []  # self.cells' names, sorted (view)
         self._built_views: dict[str, tuple[tuple, CellView]] = {}  # cell -> (its view's fields, the view built)
+        # Cells whose view may have changed since it was built. A load report changes its cell's alone and a tick
+        # none (most evaluations); everything else marks them all.
+        self._stale_views: set[str] = set()
         self._all_expected_announced = not self.config.expected_cells
         if self.config.tick_s is not None:
             self.send_later(self.config.tick_s, SchedulerTick())
@@ -120,6 +123,7 @@ class Scheduler(Actor):
     # ---- the view -------------------------------------------------------------------------------------------------
     def _cell(self, name: str) -> _CellState:
         """The cell's state, marked as heard from now (every caller handles a message from or about it)."""
+        self._stale_views.add(name)
         if name not in self.cells:
             self.cells[name] = _CellState(name, role_since_s=self.clock.now())
         state = self.cells[name]
@@ -140,6 +144,7 @@ class Scheduler(Actor):
             self.switch_seconds[msg.role].append(msg.switch_s)
         cell.role = msg.role
         cell.switching_to = ""
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(LoadReport)
@@ -153,6 +158,7 @@ class Scheduler(Actor):
     @handler(CallsWaitingForCell)
     def on_calls_waiting(self, msg: CallsWaitingForCell) -> None:
         self.calls_waiting_for_cell = msg.calls
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(TrainingBacklog)
@@ -172,6 +178,7 @@ class Scheduler(Actor):
             microstep_s=_mean(self.microstep_seconds),
         )
         self.claims_by_cell = dict(msg.claims_by_cell)
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     def _measure_claims(self, msg: TrainingBacklog) -> None:
@@ -199,6 +206,7 @@ class Scheduler(Actor):
     def on_step_ready(self, msg: StepReady) -> None:
         if msg.step_id == self.backlog.step_id:
             self.backlog = attrs.evolve(self.backlog, step_fixed=True)
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(StepApplied)
@@ -212,6 +220,7 @@ class Scheduler(Actor):
                 self.claim_ended_s[cell] = self.clock.now()
                 self.claim_started_s.pop(cell, None)
             self.claims_by_cell = {}
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(SchedulerTick)
@@ -224,7 +233,8 @@ class Scheduler(Actor):
         now = self.clock.now()
         cells = []
         limit = self.config.cell_silence_limit_s
-        claims_by_cell, claim_ended_s, built = self.claims_by_cell, self.claim_ended_s, self._built_views
+        claims_by_cell, claim_ended_s, built, stale = (self.claims_by_cell, self.claim_ended_s, self._built_views,
+                                                       self._stale_views)
         if len(self._names_sorted) != len(self.cells):  # cells are only ever added
             self._names_sorted = sorted(self.cells)
         for name in self._names_sorted:
@@ -234,6 +244,10 @@ class Scheduler(Actor):
                     self.log.warning("cell_silent_left_out_of_the_view", cell=name, silent_s=now - state.last_heard_s)
                     state.silent = True
                 continue
+            if name not in stale and name in built:
+                cells.append(built[name][1])
+                continue
+            stale.discard(name)
             load = state.load
             claims = claims_by_cell.get(name, 0)
             switching_to = state.switching_to
@@ -269,6 +283,7 @@ class Scheduler(Actor):
                 if state.load is not None and state.load.role in (ROLLOUT, TRAIN):
                     state.role = state.load.role
                 state.role_since_s = now
+                self._stale_views.add(state.name)
         if not self._all_expected_announced:  # once true, for good: cells are never forgotten nor unannounced
             if any(name not in self.cells or not self.cells[name].announced for name in self.config.expected_cells):
                 return
@@ -295,6 +310,7 @@ class Scheduler(Actor):
         self.log.info("switch", cell=decision.cell, role=decision.role, reason=decision.reason)
         state.switching_to = decision.role
         state.switch_sent_s = now
+        self._stale_views.add(decision.cell)
         self.counts["switches_sent"] += 1
         self.counts["to_train" if decision.role == TRAIN else "to_rollout"] += 1
 

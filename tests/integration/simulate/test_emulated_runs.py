@@ -7,6 +7,9 @@ import json
 import attrs
 import pytest
 
+from gyre.actors.training.scheduler import Scheduler
+from gyre.messages.cells import SWITCHING, TRAIN
+from gyre.policies.scheduling import CellView, SchedulerView
 from gyre.runtime.cli import main as gyre_main
 from gyre.simulate.harness import Setup, compare, lower_bound, policy_variants, run_policy
 
@@ -84,6 +87,47 @@ def test_figures_are_exactly_the_pinned_ones(result: dict) -> None:
         figures = tuple(summary[field] for field in PINNED_FIELDS)
         assert figures == pytest.approx(PINNED[run.name], rel=1e-9, abs=0), run.name
         assert figures[6:] == PINNED[run.name][6:], run.name  # the counts exactly
+
+
+def _fresh_cells(scheduler: Scheduler, now: float) -> tuple[CellView, ...]:
+    """Every cell's view built from the scheduler's state alone, as it was before views were kept between
+    evaluations."""
+    cells = []
+    for name in sorted(scheduler.cells):
+        state = scheduler.cells[name]
+        if now - state.last_heard_s > scheduler.config.cell_silence_limit_s:
+            continue
+        load, claims = state.load, scheduler.claims_by_cell.get(name, 0)
+        idle_since = None
+        if state.role == TRAIN and not state.switching_to and claims == 0:
+            idle_since = max(state.role_since_s, scheduler.claim_ended_s.get(name, state.role_since_s))
+        cells.append(CellView(
+            name=name, role=SWITCHING if state.switching_to else state.role, is_core=state.is_core,
+            live_sessions=load.live_sessions if load else 0, running_requests=load.running_requests if load else 0,
+            waiting_requests=load.waiting_requests if load else 0,
+            capacity_requests=load.capacity_requests if load else 0,
+            role_since_s=state.switch_sent_s if state.switching_to else state.role_since_s,
+            switching_to=state.switching_to, claims=claims, idle_since_s=idle_since,
+        ))
+    return tuple(cells)
+
+
+def test_the_schedulers_kept_views_are_the_views_built_afresh(monkeypatch) -> None:
+    """The scheduler keeps each cell's view between evaluations and rebuilds only those marked stale: in runs that
+    switch often (elastic-sessions, colocate), every view the policy got is the one its state gives."""
+    kept_view = Scheduler.view
+    checked = []
+
+    def view(self: Scheduler) -> SchedulerView:
+        got = kept_view(self)
+        assert got.cells == _fresh_cells(self, got.time_s)
+        checked.append(got.time_s)
+        return got
+
+    monkeypatch.setattr(Scheduler, "view", view)
+    for variant in policy_variants(SMALL)[1:3]:
+        assert run_policy(SMALL, *variant).switches > 0
+    assert len(checked) > 1000
 
 
 def test_no_policy_beats_the_lower_bound(result: dict) -> None:

@@ -198,7 +198,7 @@ class ActorSlot:
         self.current_envelope: Envelope | None = None
         #: A restart's on_start in progress; the mailbox waits for it before handing the new instance a message.
         self.restarting: asyncio.Task | None = None
-        self.status = "new"  # new -> running -> (stopped | dead)
+        self.status = "new"  # new -> running -> (stopped | dead); sets `alive`
         self.incarnation = 0
         self.restarts = 0
         self.actor: Actor | None = None
@@ -223,8 +223,14 @@ class ActorSlot:
         self.node._fail_actor(self, task.exception())
 
     @property
-    def alive(self) -> bool:
-        return self.status in ("new", "running")
+    def status(self) -> str:
+        return self._status
+
+    @status.setter
+    def status(self, value: str) -> None:
+        self._status = value
+        #: "new" or "running": kept as a plain attribute, read several times per message, set a few times per life.
+        self.alive = value in ("new", "running")
 
 
 class Node:

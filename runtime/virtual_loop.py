@@ -77,6 +77,30 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self.virtual_clock.now()
 
+    # call_soon and call_at as asyncio's, less two calls each (_check_closed, _call_soon): every message takes one
+    # or two of them (the node's flush, a mailbox task's wake-up, a timer). Debug mode keeps asyncio's own checks.
+    def call_soon(self, callback, *args, context=None):  # noqa: ANN001, ANN201 - asyncio's signature
+        if self._debug:
+            return super().call_soon(callback, *args, context=context)
+        if self._closed:
+            raise RuntimeError("Event loop is closed")
+        handle = asyncio.Handle(callback, args, self, context)
+        self._ready.append(handle)
+        return handle
+
+    def call_at(self, when, callback, *args, context=None):  # noqa: ANN001, ANN201 - asyncio's signature
+        if self._debug or when is None:
+            return super().call_at(when, callback, *args, context=context)
+        if self._closed:
+            raise RuntimeError("Event loop is closed")
+        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        heapq.heappush(self._scheduled, timer)
+        timer._scheduled = True
+        return timer
+
+    def create_future(self) -> asyncio.Future:
+        return asyncio.Future(loop=self)
+
     def _run_once(self) -> None:
         """One turn of the loop: asyncio's `BaseEventLoop._run_once` (Python 3.11), step for step in the same order,
         less what a loop without file descriptors never needs: with a callback ready the base loop polls its

@@ -31,7 +31,7 @@ from gyre.runtime.actor import Actor
 from gyre.runtime.clock import Clock
 from gyre.runtime.codec import Codec
 from gyre.runtime.config_codec import class_source, encode_config
-from gyre.runtime.envelope import ID_STRIDE, Envelope, Kind
+from gyre.runtime.envelope import ID_STRIDE, Envelope, Kind, _new_envelope
 from gyre.runtime.errors import (
     ActorDead,
     AskTimeout,
@@ -356,7 +356,7 @@ class Node:
 
     # ---- sending --------------------------------------------------------------------------------------------------
     def _envelope(self, sender: Any, to: str, topic: str, kind: Kind, correlation: int = 0) -> Envelope:
-        return Envelope(
+        return _new_envelope(
             sender.next_id(), sender.name, to, topic, self.clock.now(), correlation,
             getattr(sender, "current_msg_id", 0), kind,
         )
@@ -426,7 +426,7 @@ class Node:
         base = self._envelope(slot, "", topic, _EVENT)
         msg_id, sender, time_s, causation = base.msg_id, base.sender, base.time_s, base.causation_id
         for subscriber in subscribers:
-            self._route(Envelope(msg_id, sender, subscriber, topic, time_s, 0, causation, _EVENT), msg)
+            self._route(_new_envelope(msg_id, sender, subscriber, topic, time_s, 0, causation, _EVENT), msg)
 
     async def ask_from(self, slot: Any, to: str, msg: Any, timeout_s: float | None) -> Any:
         envelope = self._envelope(slot, to, "", _ASK)
@@ -459,7 +459,7 @@ class Node:
         if not slot.alive:
             return
         name = slot.name
-        envelope = Envelope(msg_id, name, name, "", self.clock.now(), 0, causation, _TELL)
+        envelope = _new_envelope(msg_id, name, name, "", self.clock.now(), 0, causation, _TELL)
         try:
             self._route(envelope, msg)
         except Backpressure:
@@ -677,7 +677,7 @@ class Node:
             entry[0].set_exception(error)
 
     def _reply(self, slot: Any, ask: Envelope, msg: Any) -> None:
-        envelope = Envelope(
+        envelope = _new_envelope(
             slot.next_id(), slot.name, ask.sender, "", self.clock.now(), ask.msg_id, ask.msg_id, _REPLY
         )
         try:
@@ -735,7 +735,7 @@ class Node:
                 finally:
                     if mailbox._getter is getter:
                         mailbox._getter = None
-            envelope, msg, frames = mailbox.get_nowait()
+            envelope, msg, frames = items.popleft() if not mailbox._putters else mailbox.get_nowait()
             if msg is _STARTED:  # a handler the transport started while this loop was idle: finish it here
                 running = frames
             else:
@@ -774,7 +774,10 @@ class Node:
         # Most handlers return None; asyncio.iscoroutine(None) walks an ABC check first.
         if result is not None and asyncio.iscoroutine(result):
             return result  # still the message being handled (current_msg_id stays) until _finish
-        self._handler_done(slot, envelope, result)
+        if envelope.kind == _ASK:
+            self._handler_done(slot, envelope, result)
+        else:  # _handler_done for a tell, inline (most messages)
+            slot.current_msg_id, slot.current_envelope = 0, None
         return None
 
     async def _finish(self, slot: ActorSlot, envelope: Envelope, running: Any) -> None:
@@ -887,7 +890,7 @@ class Node:
 def _randbelow(getrandbits: Callable[[int], int], n: int) -> int:
     """`random.Random.randrange(n)` for n >= 1, draw for draw: CPython's `_randbelow_with_getrandbits` (rejection
     sampling on `n.bit_length()` bits), without randrange's argument checks and two Python calls per message. The
-    shuffled delivery order of a seed depends on it drawing exactly as randrange does (test_node_shuffle)."""
+    shuffled delivery order of a seed depends on it drawing exactly as randrange does (test_virtual_path.py)."""
     k = n.bit_length()
     r = getrandbits(k)
     while r >= n:

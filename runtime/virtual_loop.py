@@ -8,6 +8,7 @@ clock", and a loop with no timers and nothing ready means the whole topology is 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import selectors
 
@@ -21,6 +22,17 @@ __all__ = ["Quiescent", "VirtualEventLoop", "run_virtual"]
 _MIN_SCHEDULED_TIMER_HANDLES = 100
 _MIN_CANCELLED_FRACTION = 0.5
 _MAXIMUM_SELECT_TIMEOUT = 24 * 3600
+
+# Handles are built slot by slot below where asyncio's are the ones this was written against (CPython 3.11): their
+# __init__ and the get_debug() it calls are two Python calls per callback, and a virtual run schedules two or three
+# callbacks per message. Any other layout of the classes is built by asyncio's own constructors.
+_SLOTTED_HANDLES = (
+    tuple(asyncio.Handle.__slots__) == ("_callback", "_args", "_cancelled", "_loop", "_source_traceback", "_repr",
+                                        "__weakref__", "_context")
+    and tuple(asyncio.TimerHandle.__slots__) == ("_scheduled", "_when")
+)
+_Handle, _TimerHandle, _copy_context, _object_new = (asyncio.Handle, asyncio.TimerHandle, contextvars.copy_context,
+                                                     object.__new__)
 
 
 class _TimeJumpSelector(selectors.BaseSelector):
@@ -77,23 +89,40 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self.virtual_clock.now()
 
-    # call_soon and call_at as asyncio's, less two calls each (_check_closed, _call_soon): every message takes one
-    # or two of them (the node's flush, a mailbox task's wake-up, a timer). Debug mode keeps asyncio's own checks.
+    # call_soon and call_at as asyncio's, without its four Python calls per callback (_check_closed, _call_soon,
+    # Handle.__init__ and the get_debug() in it): every message takes two or three of them (a timer, the node's
+    # flush, a mailbox task's wake-up). The handle gets Handle.__init__'s fields, in its order; the source traceback
+    # it records only in debug mode, which keeps asyncio's own path.
     def call_soon(self, callback, *args, context=None):  # noqa: ANN001, ANN201 - asyncio's signature
-        if self._debug:
+        if self._debug or not _SLOTTED_HANDLES:
             return super().call_soon(callback, *args, context=context)
         if self._closed:
             raise RuntimeError("Event loop is closed")
-        handle = asyncio.Handle(callback, args, self, context)
+        handle = _object_new(_Handle)
+        handle._context = _copy_context() if context is None else context
+        handle._loop = self
+        handle._callback = callback
+        handle._args = args
+        handle._cancelled = False
+        handle._repr = None
+        handle._source_traceback = None
         self._ready.append(handle)
         return handle
 
     def call_at(self, when, callback, *args, context=None):  # noqa: ANN001, ANN201 - asyncio's signature
-        if self._debug or when is None:
+        if self._debug or when is None or not _SLOTTED_HANDLES:
             return super().call_at(when, callback, *args, context=context)
         if self._closed:
             raise RuntimeError("Event loop is closed")
-        timer = asyncio.TimerHandle(when, callback, args, self, context)
+        timer = _object_new(_TimerHandle)
+        timer._context = _copy_context() if context is None else context
+        timer._loop = self
+        timer._callback = callback
+        timer._args = args
+        timer._cancelled = False
+        timer._repr = None
+        timer._source_traceback = None
+        timer._when = when
         heapq.heappush(self._scheduled, timer)
         timer._scheduled = True
         return timer

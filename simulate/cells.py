@@ -165,6 +165,7 @@ class EmulatedCell(Actor):
         self.last_report_s = -1e9
         self.record: RunRecord | None = cfg.record
         self.tick_token = 0
+        self.tick = CellTick(0)  # the current chain's tick, sent again and again (messages are immutable)
         self.fast_ticks = False
         if cfg.boot_s > 0:
             self.target_role = cfg.initial_role  # not serving nor training until it has booted
@@ -224,13 +225,14 @@ class EmulatedCell(Actor):
         and ticking it every `tick_s` was most of a long run's events."""
         self.fast_ticks = bool(self.engine.sessions)
         delay = self.config.tick_s if self.fast_ticks else max(self.config.tick_s, self.config.report_every_s)
-        self.send_later(delay, CellTick(self.tick_token))
+        self.send_later(delay, self.tick)
 
     def _fast_ticks_now(self) -> None:
         if not self.fast_ticks and self.engine.sessions:
             self.tick_token += 1
+            self.tick = CellTick(self.tick_token)
             self.fast_ticks = True
-            self.send_later(self.config.tick_s, CellTick(self.tick_token))
+            self.send_later(self.config.tick_s, self.tick)
 
     def _advance(self) -> None:
         now = self.clock.now()

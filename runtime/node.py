@@ -422,9 +422,10 @@ class Node:
             self._capture.append((self._envelope(slot, "", topic, _EVENT), msg))
             return
         # One id for all copies: the log shows one published message delivered to several subscribers. Each copy is
-        # built directly (attrs.evolve re-reads the class's fields on every call: a tenth of a virtual run's bus time).
-        base = self._envelope(slot, "", topic, _EVENT)
-        msg_id, sender, time_s, causation = base.msg_id, base.sender, base.time_s, base.causation_id
+        # built directly, with the fields _envelope would give (attrs.evolve of one built first re-read the class's
+        # fields on every call: a tenth of a virtual run's bus time).
+        msg_id, sender, time_s = slot.next_id(), slot.name, self.clock.now()
+        causation = getattr(slot, "current_msg_id", 0)
         for subscriber in subscribers:
             self._route(_new_envelope(msg_id, sender, subscriber, topic, time_s, 0, causation, _EVENT), msg)
 
@@ -560,7 +561,8 @@ class Node:
         getrandbits = self._shuffle.getrandbits
         slots = self.slots
         if len(batch) == 1:  # the common case under virtual time: one message, one sender (the draw is still made)
-            _randbelow(getrandbits, 1)
+            while getrandbits(1):  # _randbelow(getrandbits, 1), inline: one bit at a time until a 0
+                pass
             envelope, msg = batch[0]
             slot = slots[envelope.receiver]
             if slot.alive:

@@ -11,7 +11,9 @@ from gyre.actors.training.scheduler import Scheduler
 from gyre.messages.cells import SWITCHING, TRAIN
 from gyre.policies.scheduling import CellView, SchedulerView
 from gyre.runtime.cli import main as gyre_main
+from gyre.simulate import harness
 from gyre.simulate.harness import Setup, compare, lower_bound, policy_variants, run_policy
+from gyre.simulate.workloads import WORKLOADS
 
 SMALL = Setup(groups=4, group_size=8, steps=3, cells=4, gpus_per_cell=8)
 
@@ -128,6 +130,23 @@ def test_the_schedulers_kept_views_are_the_views_built_afresh(monkeypatch) -> No
     for variant in policy_variants(SMALL)[1:3]:
         assert run_policy(SMALL, *variant).switches > 0
     assert len(checked) > 1000
+
+
+def test_a_comparison_draws_its_groups_once_for_all_runs(result: dict) -> None:
+    assert harness._shared_plans == {}  # emptied once the comparison is over
+    try:
+        harness._draw_shared_plans(SMALL)
+        shared = harness._SharedPlans(SMALL.workload)
+        drawn = shared.plans("g000005", SMALL.group_size, SMALL.seed)
+        assert drawn == SMALL.workload.plans("g000005", SMALL.group_size, SMALL.seed)
+        assert drawn[0] is shared.plans("g000005", SMALL.group_size, SMALL.seed)[0]  # drawn once
+        beyond = f"g{SMALL.steps * SMALL.groups:06d}"  # a group after the last step: drawn when asked
+        assert shared.plans(beyond, SMALL.group_size, SMALL.seed)[0] is not shared.plans(
+            beyond, SMALL.group_size, SMALL.seed)[0]
+        other = harness._SharedPlans(WORKLOADS["swe"])  # another workload never gets these
+        assert other.plans("g000005", SMALL.group_size, SMALL.seed) != drawn
+    finally:
+        harness._shared_plans.clear()
 
 
 def test_no_policy_beats_the_lower_bound(result: dict) -> None:

@@ -386,13 +386,14 @@ class AsyncPolicy:
             raise SchedulingConfigError(f"train_cells must name distinct cells, got {self.train_cells!r}")
 
     def decide(self, view: SchedulerView) -> tuple[SwitchRole, ...]:
-        for cell in view.cells:
-            if cell.is_core and cell.name not in self.train_cells:
-                raise SchedulingConfigError(f"the core {cell.name!r} is not in train_cells {self.train_cells!r}")
         decisions = []
-        for cell in view.cells:
-            wanted = TRAIN if cell.name in self.train_cells else ROLLOUT
-            if cell.role in (ROLLOUT, TRAIN) and cell.role != wanted:
+        train_cells = self.train_cells
+        for cell in view.cells:  # one pass: a misplaced core raises whatever was decided before it
+            trains = cell.name in train_cells
+            if cell.is_core and not trains:
+                raise SchedulingConfigError(f"the core {cell.name!r} is not in train_cells {train_cells!r}")
+            wanted = TRAIN if trains else ROLLOUT
+            if cell.role != wanted and cell.role in (ROLLOUT, TRAIN):
                 decisions.append(_switch(cell, wanted, "fixed split"))
         return tuple(decisions)
 
@@ -422,6 +423,8 @@ def check_decisions(view: SchedulerView, decisions: object) -> tuple[SwitchRole,
     """Raise PolicyContractError unless `decisions` is a valid answer to `view`; returns them."""
     if not isinstance(decisions, tuple):
         raise PolicyContractError(f"decisions must be a tuple of SwitchRole, got {type(decisions).__qualname__}")
+    if not decisions:  # most evaluations decide nothing: no index of the cells to build
+        return decisions
     known = {cell.name: cell for cell in view.cells}
     named: set[str] = set()
     for decision in decisions:

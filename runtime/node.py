@@ -31,7 +31,7 @@ from gyre.runtime.actor import Actor
 from gyre.runtime.clock import Clock
 from gyre.runtime.codec import Codec
 from gyre.runtime.config_codec import class_source, encode_config
-from gyre.runtime.envelope import ID_STRIDE, Envelope, Kind
+from gyre.runtime.envelope import ID_STRIDE, Envelope, Kind, _new_envelope
 from gyre.runtime.errors import (
     ActorDead,
     AskTimeout,
@@ -53,6 +53,7 @@ _ERRORS_BY_NAME = {"ActorDead": ActorDead, "NoHandler": NoHandler, "UnknownAddre
 _TELL, _ASK, _REPLY, _EVENT = Kind.TELL, Kind.ASK, Kind.REPLY, Kind.EVENT
 #: Mailbox marker: (envelope, _STARTED, coroutine) is an async handler started outside the mailbox task.
 _STARTED = object()
+_Future = asyncio.Future
 
 
 class Transport(Protocol):
@@ -198,7 +199,7 @@ class ActorSlot:
         self.current_envelope: Envelope | None = None
         #: A restart's on_start in progress; the mailbox waits for it before handing the new instance a message.
         self.restarting: asyncio.Task | None = None
-        self.status = "new"  # new -> running -> (stopped | dead)
+        self.status = "new"  # new -> running -> (stopped | dead); sets `alive`
         self.incarnation = 0
         self.restarts = 0
         self.actor: Actor | None = None
@@ -223,8 +224,14 @@ class ActorSlot:
         self.node._fail_actor(self, task.exception())
 
     @property
-    def alive(self) -> bool:
-        return self.status in ("new", "running")
+    def status(self) -> str:
+        return self._status
+
+    @status.setter
+    def status(self, value: str) -> None:
+        self._status = value
+        #: "new" or "running": kept as a plain attribute, read several times per message, set a few times per life.
+        self.alive = value in ("new", "running")
 
 
 class Node:
@@ -260,6 +267,9 @@ class Node:
         self._capture: list[tuple[Envelope, Any]] | None = None
         self._flush_scheduled = False
         self._debug = False
+        #: The loop the node was started on, for the paths every message takes (asyncio.get_running_loop() costs
+        #: ~0.2 us a call, several times a message's share of a virtual run); None before start.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.fault_injector: Any = None
         """Tests only (gyre.runtime.faults, gyre.runtime.testing.run_with_faults): decides each local delivery's
         fate under a fault plan; None (always, outside fault runs) delivers as usual."""
@@ -272,7 +282,7 @@ class Node:
 
     async def start(self) -> None:
         self._debug = _debug_enabled()  # checked once: per-message lines are free when off
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.stop_requested = loop.create_future()
         if self.transport is not None:
             self.transport.start(self._on_frames, self._on_refused)
@@ -347,7 +357,7 @@ class Node:
 
     # ---- sending --------------------------------------------------------------------------------------------------
     def _envelope(self, sender: Any, to: str, topic: str, kind: Kind, correlation: int = 0) -> Envelope:
-        return Envelope(
+        return _new_envelope(
             sender.next_id(), sender.name, to, topic, self.clock.now(), correlation,
             getattr(sender, "current_msg_id", 0), kind,
         )
@@ -412,10 +422,13 @@ class Node:
         if self._capture is not None:
             self._capture.append((self._envelope(slot, "", topic, _EVENT), msg))
             return
-        # One id for all copies: the log shows one published message delivered to several subscribers.
-        base = self._envelope(slot, "", topic, _EVENT)
+        # One id for all copies: the log shows one published message delivered to several subscribers. Each copy is
+        # built directly, with the fields _envelope would give (attrs.evolve of one built first re-read the class's
+        # fields on every call: a tenth of a virtual run's bus time).
+        msg_id, sender, time_s = slot.next_id(), slot.name, self.clock.now()
+        causation = getattr(slot, "current_msg_id", 0)
         for subscriber in subscribers:
-            self._route(attrs.evolve(base, receiver=subscriber), msg)
+            self._route(_new_envelope(msg_id, sender, subscriber, topic, time_s, 0, causation, _EVENT), msg)
 
     async def ask_from(self, slot: Any, to: str, msg: Any, timeout_s: float | None) -> Any:
         envelope = self._envelope(slot, to, "", _ASK)
@@ -438,20 +451,22 @@ class Node:
     def schedule_self(self, slot: ActorSlot, delay_s: float, msg: Any) -> asyncio.TimerHandle:
         causation = slot.current_msg_id
         # The id is taken now, not when the timer fires, so ids do not depend on how firing interleaves with other
-        # messages (replay and virtual runs rely on that).
-        msg_id = slot.next_id()
+        # messages (replay and virtual runs rely on that). A bound method and its arguments rather than a closure:
+        # timers are most of a virtual run's messages, and a closure costs a function object and five cells each.
+        # `call_at(time() + delay)` is what `call_later(delay)` does, one call less.
+        loop = self._loop or asyncio.get_running_loop()
+        return loop.call_at(loop.time() + max(0.0, delay_s), self._fire_timer, slot, slot.next_id(), causation, msg)
 
-        def fire() -> None:
-            if not slot.alive:
-                return
-            envelope = Envelope(msg_id, slot.name, slot.name, "", self.clock.now(), 0, causation, _TELL)
-            try:
-                self._route(envelope, msg)
-            except Backpressure:
-                # A timer must not vanish: try again shortly (the mailbox is the actor's own, so it drains).
-                asyncio.get_running_loop().call_later(0.001, fire)
-
-        return asyncio.get_running_loop().call_later(max(0.0, delay_s), fire)
+    def _fire_timer(self, slot: ActorSlot, msg_id: int, causation: int, msg: Any) -> None:
+        if not slot.alive:
+            return
+        name = slot.name
+        envelope = _new_envelope(msg_id, name, name, "", self.clock.now(), 0, causation, _TELL)
+        try:
+            self._route(envelope, msg)
+        except Backpressure:
+            # A timer must not vanish: try again shortly (the mailbox is the actor's own, so it drains).
+            asyncio.get_running_loop().call_later(0.001, self._fire_timer, slot, msg_id, causation, msg)
 
     async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.config.offload_inline:
@@ -521,14 +536,17 @@ class Node:
 
     def _enqueue(self, slot: ActorSlot, envelope: Envelope, msg: Any, frames: tuple[bytes, bytes] | None) -> None:
         if self._shuffle is not None and frames is None:
-            pending = self._batched_for[slot.name]
-            if slot.mailbox.qsize() + pending >= slot.mailbox.maxsize:
-                raise Backpressure(f"mailbox of {slot.name} is full ({slot.mailbox.maxsize})")
+            name = slot.name
+            batched_for = self._batched_for
+            pending = batched_for.get(name, 0)
+            mailbox = slot.mailbox
+            if len(mailbox._items) + pending >= mailbox.maxsize:
+                raise Backpressure(f"mailbox of {name} is full ({mailbox.maxsize})")
             self._batch.append((envelope, msg))
-            self._batched_for[slot.name] += 1
+            batched_for[name] = pending + 1
             if not self._flush_scheduled:
                 self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush_batch)
+                (self._loop or asyncio.get_running_loop()).call_soon(self._flush_batch)
             return
         try:
             slot.mailbox.put_nowait((envelope, msg, frames))
@@ -538,18 +556,35 @@ class Node:
     def _flush_batch(self) -> None:
         """Deliver the messages that became ready together in a seeded interleaving that keeps each sender's order."""
         self._flush_scheduled = False
-        by_sender: dict[str, collections.deque] = {}
-        for envelope, msg in self._batch:
-            by_sender.setdefault(envelope.sender, collections.deque()).append((envelope, msg))
-        self._batch.clear()
+        batch = self._batch
+        self._batch = []
         self._batched_for.clear()
+        getrandbits = self._shuffle.getrandbits
+        slots = self.slots
+        if len(batch) == 1:  # the common case under virtual time: one message, one sender (the draw is still made)
+            while getrandbits(1):  # _randbelow(getrandbits, 1), inline: one bit at a time until a 0
+                pass
+            envelope, msg = batch[0]
+            slot = slots[envelope.receiver]
+            if slot.alive:
+                slot.mailbox.put_nowait((envelope, msg, None))
+            else:
+                self._refuse(slot, envelope, msg)
+            return
+        by_sender: dict[str, collections.deque] = {}
+        for item in batch:
+            queue = by_sender.get(item[0].sender)
+            if queue is None:
+                by_sender[item[0].sender] = queue = collections.deque()
+            queue.append(item)
         queues = [by_sender[name] for name in sorted(by_sender)]
         while queues:
-            queue = queues[self._shuffle.randrange(len(queues))]
+            index = _randbelow(getrandbits, len(queues))
+            queue = queues[index]
             envelope, msg = queue.popleft()
             if not queue:
-                queues.remove(queue)
-            slot = self.slots[envelope.receiver]
+                del queues[index]
+            slot = slots[envelope.receiver]
             if slot.alive:
                 slot.mailbox.put_nowait((envelope, msg, None))
             else:
@@ -645,7 +680,7 @@ class Node:
             entry[0].set_exception(error)
 
     def _reply(self, slot: Any, ask: Envelope, msg: Any) -> None:
-        envelope = Envelope(
+        envelope = _new_envelope(
             slot.next_id(), slot.name, ask.sender, "", self.clock.now(), ask.msg_id, ask.msg_id, _REPLY
         )
         try:
@@ -684,6 +719,9 @@ class Node:
 
     # ---- the mailbox loop -----------------------------------------------------------------------------------------
     async def _run_mailbox(self, slot: ActorSlot) -> None:
+        mailbox = slot.mailbox
+        items = mailbox._items
+        loop = asyncio.get_running_loop()
         while True:
             if slot.restarting is not None and not slot.restarting.done():
                 # The new instance's on_start comes before its first message (waiting before taking one, so a
@@ -691,7 +729,16 @@ class Node:
                 await asyncio.wait([slot.restarting])
                 if not slot.alive:
                     return
-            envelope, msg, frames = await slot.mailbox.get()
+            # Mailbox.get, inline: the coroutine it would create per message is a measurable share of a virtual run.
+            while not items:
+                getter = _Future(loop=loop)  # loop.create_future(), one call less
+                mailbox._getter = getter
+                try:
+                    await getter
+                finally:
+                    if mailbox._getter is getter:
+                        mailbox._getter = None
+            envelope, msg, frames = items.popleft() if not mailbox._putters else mailbox.get_nowait()
             if msg is _STARTED:  # a handler the transport started while this loop was idle: finish it here
                 running = frames
             else:
@@ -727,9 +774,13 @@ class Node:
         except Exception as error:
             self._handler_failed(slot, envelope, error)
             return None
-        if asyncio.iscoroutine(result):
+        # Most handlers return None; asyncio.iscoroutine(None) walks an ABC check first.
+        if result is not None and asyncio.iscoroutine(result):
             return result  # still the message being handled (current_msg_id stays) until _finish
-        self._handler_done(slot, envelope, result)
+        if envelope.kind == _ASK:
+            self._handler_done(slot, envelope, result)
+        else:  # _handler_done for a tell, inline (most messages)
+            slot.current_msg_id, slot.current_envelope = 0, None
         return None
 
     async def _finish(self, slot: ActorSlot, envelope: Envelope, running: Any) -> None:
@@ -837,6 +888,17 @@ class Node:
             self._fail_actor(slot, error)
             return
         self._ensure_mailbox_task(slot)
+
+
+def _randbelow(getrandbits: Callable[[int], int], n: int) -> int:
+    """`random.Random.randrange(n)` for n >= 1, draw for draw: CPython's `_randbelow_with_getrandbits` (rejection
+    sampling on `n.bit_length()` bits), without randrange's argument checks and two Python calls per message. The
+    shuffled delivery order of a seed depends on it drawing exactly as randrange does (test_virtual_path.py)."""
+    k = n.bit_length()
+    r = getrandbits(k)
+    while r >= n:
+        r = getrandbits(k)
+    return r
 
 
 def _expire_ask(future: asyncio.Future, to: str, msg: Any, timeout_s: float) -> None:

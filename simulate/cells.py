@@ -150,6 +150,8 @@ class EmulatedCell(Actor):
         self.version = 0
         self.loading_until_s = 0.0
         self.capacity = self.model.capacity_sessions(cfg.mean_context_tokens)
+        # Read at every report; kv_capacity_tokens is a property computed anew each time (the model is frozen).
+        self.kv_blocks = max(1, self.model.kv_capacity_tokens // 64)
         self.generation = 0  # bumps on every role change: stale timers of the old role are ignored
         self.claim: tuple[int, int] | None = None
         self.claim_at_s: float | None = None
@@ -163,6 +165,7 @@ class EmulatedCell(Actor):
         self.last_report_s = -1e9
         self.record: RunRecord | None = cfg.record
         self.tick_token = 0
+        self.tick = CellTick(0)  # the current chain's tick, sent again and again (messages are immutable)
         self.fast_ticks = False
         if cfg.boot_s > 0:
             self.target_role = cfg.initial_role  # not serving nor training until it has booted
@@ -198,7 +201,7 @@ class EmulatedCell(Actor):
         self.last_report_s = now
         engine = self.engine
         role = SWITCHING if self.target_role else self.role
-        kv_blocks = max(1, self.model.kv_capacity_tokens // 64)
+        kv_blocks = self.kv_blocks
         free = max(0, kv_blocks - int(engine.held_context_tokens // 64))
         rolling = self.role == ROLLOUT and not self.target_role
         self.publish(LoadReport(
@@ -222,13 +225,14 @@ class EmulatedCell(Actor):
         and ticking it every `tick_s` was most of a long run's events."""
         self.fast_ticks = bool(self.engine.sessions)
         delay = self.config.tick_s if self.fast_ticks else max(self.config.tick_s, self.config.report_every_s)
-        self.send_later(delay, CellTick(self.tick_token))
+        self.send_later(delay, self.tick)
 
     def _fast_ticks_now(self) -> None:
         if not self.fast_ticks and self.engine.sessions:
             self.tick_token += 1
+            self.tick = CellTick(self.tick_token)
             self.fast_ticks = True
-            self.send_later(self.config.tick_s, CellTick(self.tick_token))
+            self.send_later(self.config.tick_s, self.tick)
 
     def _advance(self) -> None:
         now = self.clock.now()

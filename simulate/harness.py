@@ -40,6 +40,10 @@ class SimulationError(GyreError, RuntimeError):
     """An emulated run that broke (an actor failed): a bug in the emulation or in the actor it drives."""
 
 
+SHARED_PLANS_MAX = 100_000
+"""Most executions whose plans a comparison draws once for all its runs (`compare`): ~4 KB each, so the preset's
+20k take ~80 MB, which forked workers inherit. A larger comparison lets each run draw its own, as a lone run does."""
+
 IDLE_POLL_S = 30.0
 """How long an emulated train cell that waits for a ClaimsOpen lets pass before asking again anyway. Wake-ups are
 never lost in virtual time, so this poll only bounds a missed case; at the claimer's 1 s default, idle trainers'
@@ -130,6 +134,43 @@ def policy_variants(setup: Setup) -> list[tuple[str, Any, bool, dict[str, str]]]
     return variants
 
 
+#: The plans a comparison drew once for all its runs (compare fills it before its runs start, or fork their workers,
+#: and empties it after): {"workload": the workload drawn from, "plans": {(group id, group size, seed): plans}}.
+_shared_plans: dict[str, Any] = {}
+
+
+@attrs.frozen
+class _SharedPlans:
+    """The emulated agents' workload in a comparison: a group's plans come from the comparison's draw when it drew
+    them (the same objects: plans are immutable), else from the workload. Every run of a comparison draws the same
+    groups, and drawing them (~50 us a plan with numpy) was 3-5% of a run."""
+
+    workload: Any
+
+    def plans(self, group_id: str, group_size: int, seed: int = 0) -> list[Any]:
+        drawn = _shared_plans.get("plans", {}).get((group_id, group_size, seed))
+        if drawn is None or _shared_plans.get("workload") is not self.workload:
+            return self.workload.plans(group_id, group_size, seed)
+        return list(drawn)
+
+
+def _step_groups(setup: Setup, step: int) -> list[str]:
+    """The group ids of a step, as the task source numbers them."""
+    return [f"g{step * setup.groups + g:06d}" for g in range(setup.groups)]
+
+
+def _draw_shared_plans(setup: Setup) -> None:
+    """Draw every step's groups once for a comparison's runs (module-level, so forked workers inherit them)."""
+    _shared_plans.clear()
+    if setup.steps * setup.groups * setup.group_size > SHARED_PLANS_MAX:
+        return
+    _shared_plans["workload"] = setup.workload
+    _shared_plans["plans"] = {
+        (group_id, setup.group_size, setup.seed): tuple(setup.workload.plans(group_id, setup.group_size, setup.seed))
+        for step in range(setup.steps) for group_id in _step_groups(setup, step)
+    }
+
+
 def build_topology(setup: Setup, policy: Any, streaming: bool, roles: dict[str, str], record: RunRecord) -> Topology:
     model = setup.cell_model()
     context = setup.mean_context_tokens()
@@ -153,7 +194,8 @@ def build_topology(setup: Setup, policy: Any, streaming: bool, roles: dict[str, 
         groups_per_step=setup.groups, max_groups_ahead_of_training=ahead, stop_topology_when_done=False,
         seed=setup.seed,
     ), restart=stop)
-    topology.add("agents", EmulatedAgents, EmulatedAgentsConfig(setup.workload, setup.seed, record=record,
+    workload = _SharedPlans(setup.workload) if _shared_plans.get("workload") is setup.workload else setup.workload
+    topology.add("agents", EmulatedAgents, EmulatedAgentsConfig(workload, setup.seed, record=record,
                                                                 admit_up_to_capacity=setup.admit_up_to_capacity),
                  restart=stop)
     for index, name in enumerate(names):
@@ -201,11 +243,11 @@ def lower_bound(setup: Setup) -> dict[str, float]:
     rollout_s = train_s = 0.0
     step_train_s: list[float] = []
     shortest_first_step = float("inf")
+    workload = _SharedPlans(setup.workload)
     for step in range(setup.steps):
         step_tokens = 0
-        for g in range(setup.groups):
-            group_id = f"g{step * setup.groups + g:06d}"
-            for plan in setup.workload.plans(group_id, setup.group_size, setup.seed):
+        for group_id in _step_groups(setup, step):
+            for plan in workload.plans(group_id, setup.group_size, setup.seed):
                 output = sum(plan.output_tokens)
                 prefill = plan.prompt_tokens + sum(plan.observation_tokens[:-1])
                 rollout_s += output / decode_rate + prefill / model.prefill_tokens_per_s
@@ -233,19 +275,25 @@ def compare(setup: Setup, only: tuple[str, ...] = (), jobs: int = 1) -> dict[str
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     started = time.perf_counter()
     chosen = [variant for variant in policy_variants(setup) if not only or variant[0].startswith(only)]
-    if jobs == 1 or len(chosen) < 2:
-        runs = [run_policy(setup, *variant) for variant in chosen]
-    else:
-        # fork, not spawn: the workers inherit the caller's log configuration and imports (no re-import per run).
-        context = multiprocessing.get_context("fork")
-        # Longest first, so that no long run starts last on an otherwise idle pool: a run's cost follows its virtual
-        # length, longest where rollout is starved (colocate's thrash, the splits with the fewest rollout cells).
-        order = sorted(range(len(chosen)), key=lambda i: _expected_cost(chosen[i]), reverse=True)
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(chosen)), mp_context=context) as pool:
-            futures = {i: pool.submit(_run_variant, (setup, chosen[i])) for i in order}
-            runs = [futures[i].result() for i in range(len(chosen))]
+    _draw_shared_plans(setup)
+    try:
+        bound = lower_bound(setup)
+        if jobs == 1 or len(chosen) < 2:
+            runs = [run_policy(setup, *variant) for variant in chosen]
+        else:
+            # fork, not spawn: the workers inherit the caller's log configuration, imports and drawn plans.
+            context = multiprocessing.get_context("fork")
+            # Longest first, so that no long run starts last on an otherwise idle pool: a run's cost follows its
+            # virtual length, longest where rollout is starved (colocate's thrash, the splits with the fewest rollout
+            # cells).
+            order = sorted(range(len(chosen)), key=lambda i: _expected_cost(chosen[i]), reverse=True)
+            with concurrent.futures.ProcessPoolExecutor(min(jobs, len(chosen)), mp_context=context) as pool:
+                futures = {i: pool.submit(_run_variant, (setup, chosen[i])) for i in order}
+                runs = [futures[i].result() for i in range(len(chosen))]
+    finally:
+        _shared_plans.clear()
     by_name = {run.name: run for run in runs}
-    result: dict[str, Any] = {"setup": _setup_summary(setup), **lower_bound(setup)}
+    result: dict[str, Any] = {"setup": _setup_summary(setup), **bound}
 
     def best(prefix: str) -> PolicyRun | None:
         candidates = [r for r in runs if r.name.startswith(prefix + "[") and r.finished]

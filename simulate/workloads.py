@@ -87,9 +87,9 @@ class Workload:
         reward_s = float(min(self.reward_cap_s, rng.lognormal(np.log(self.reward_median_s), self.reward_sigma)))
         # The last call's tool time is the reward: the agent stops after it and the scorer runs.
         tool[turns - 1] = reward_s
-        return ExecutionPlan(execution_id, setup_s, tuple(int(x) for x in out[:turns]),
-                             tuple(int(x) for x in obs[:turns]), tuple(float(x) for x in tool[:turns]),
-                             self.prompt_tokens)
+        # tolist() gives the Python ints and floats that int(x) and float(x) would, without a loop in Python.
+        return ExecutionPlan(execution_id, setup_s, tuple(out[:turns].tolist()), tuple(obs[:turns].tolist()),
+                             tuple(tool[:turns].tolist()), self.prompt_tokens)
 
 
 @attrs.frozen

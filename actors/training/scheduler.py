@@ -111,12 +111,19 @@ class Scheduler(Actor):
         self.switch_seconds: dict[str, collections.deque[float]] = {
             TRAIN: collections.deque(maxlen=MEASURED_WINDOW), ROLLOUT: collections.deque(maxlen=MEASURED_WINDOW)}
         self.counts = {"evaluations": 0, "switches_sent": 0, "to_train": 0, "to_rollout": 0, "switch_timeouts": 0}
+        self._names_sorted: list[str] = []  # self.cells' names, sorted (view)
+        self._built_views: dict[str, tuple[tuple, CellView]] = {}  # cell -> (its view's fields, the view built)
+        # Cells whose view may have changed since it was built. A load report changes its cell's alone and a tick
+        # none (most evaluations); everything else marks them all.
+        self._stale_views: set[str] = set()
+        self._all_expected_announced = not self.config.expected_cells
         if self.config.tick_s is not None:
             self.send_later(self.config.tick_s, SchedulerTick())
 
     # ---- the view -------------------------------------------------------------------------------------------------
     def _cell(self, name: str) -> _CellState:
         """The cell's state, marked as heard from now (every caller handles a message from or about it)."""
+        self._stale_views.add(name)
         if name not in self.cells:
             self.cells[name] = _CellState(name, role_since_s=self.clock.now())
         state = self.cells[name]
@@ -137,6 +144,7 @@ class Scheduler(Actor):
             self.switch_seconds[msg.role].append(msg.switch_s)
         cell.role = msg.role
         cell.switching_to = ""
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(LoadReport)
@@ -150,6 +158,7 @@ class Scheduler(Actor):
     @handler(CallsWaitingForCell)
     def on_calls_waiting(self, msg: CallsWaitingForCell) -> None:
         self.calls_waiting_for_cell = msg.calls
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(TrainingBacklog)
@@ -169,6 +178,7 @@ class Scheduler(Actor):
             microstep_s=_mean(self.microstep_seconds),
         )
         self.claims_by_cell = dict(msg.claims_by_cell)
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     def _measure_claims(self, msg: TrainingBacklog) -> None:
@@ -196,6 +206,7 @@ class Scheduler(Actor):
     def on_step_ready(self, msg: StepReady) -> None:
         if msg.step_id == self.backlog.step_id:
             self.backlog = attrs.evolve(self.backlog, step_fixed=True)
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(StepApplied)
@@ -209,6 +220,7 @@ class Scheduler(Actor):
                 self.claim_ended_s[cell] = self.clock.now()
                 self.claim_started_s.pop(cell, None)
             self.claims_by_cell = {}
+        self._stale_views.update(self.cells)
         self._evaluate()
 
     @handler(SchedulerTick)
@@ -221,31 +233,39 @@ class Scheduler(Actor):
         now = self.clock.now()
         cells = []
         limit = self.config.cell_silence_limit_s
-        for name in sorted(self.cells):
+        claims_by_cell, claim_ended_s, built, stale = (self.claims_by_cell, self.claim_ended_s, self._built_views,
+                                                       self._stale_views)
+        if len(self._names_sorted) != len(self.cells):  # cells are only ever added
+            self._names_sorted = sorted(self.cells)
+        for name in self._names_sorted:
             state = self.cells[name]
             if limit is not None and now - state.last_heard_s > limit:
                 if not state.silent:
                     self.log.warning("cell_silent_left_out_of_the_view", cell=name, silent_s=now - state.last_heard_s)
                     state.silent = True
                 continue
+            if name not in stale and name in built:
+                cells.append(built[name][1])
+                continue
+            stale.discard(name)
             load = state.load
-            claims = self.claims_by_cell.get(name, 0)
+            claims = claims_by_cell.get(name, 0)
+            switching_to = state.switching_to
             idle_since = None
-            if state.role == TRAIN and not state.switching_to and claims == 0:
-                idle_since = max(state.role_since_s, self.claim_ended_s.get(name, state.role_since_s))
-            cells.append(CellView(
-                name=name,
-                role=SWITCHING if state.switching_to else state.role,
-                is_core=state.is_core,
-                live_sessions=load.live_sessions if load else 0,
-                running_requests=load.running_requests if load else 0,
-                waiting_requests=load.waiting_requests if load else 0,
-                capacity_requests=load.capacity_requests if load else 0,
-                role_since_s=state.switch_sent_s if state.switching_to else state.role_since_s,
-                switching_to=state.switching_to,
-                claims=claims,
-                idle_since_s=idle_since,
-            ))
+            if state.role == TRAIN and not switching_to and claims == 0:
+                idle_since = max(state.role_since_s, claim_ended_s.get(name, state.role_since_s))
+            fields = (
+                SWITCHING if switching_to else state.role, state.is_core,
+                load.live_sessions if load else 0, load.running_requests if load else 0,
+                load.waiting_requests if load else 0, load.capacity_requests if load else 0,
+                state.switch_sent_s if switching_to else state.role_since_s, switching_to, claims, idle_since,
+            )
+            # A cell's view is rebuilt only when one of its fields changed: an evaluation follows every cell's load
+            # report, which changes that cell alone, and building the frozen CellViews was most of an evaluation.
+            previous = built.get(name)
+            if previous is None or previous[0] != fields:
+                previous = built[name] = (fields, CellView(name, *fields))
+            cells.append(previous[1])
         to_train, to_rollout = _mean(self.switch_seconds[TRAIN]), _mean(self.switch_seconds[ROLLOUT])
         return SchedulerView(time_s=now, cells=tuple(cells), backlog=self.backlog,
                              calls_waiting_for_cell=self.calls_waiting_for_cell,
@@ -263,8 +283,11 @@ class Scheduler(Actor):
                 if state.load is not None and state.load.role in (ROLLOUT, TRAIN):
                     state.role = state.load.role
                 state.role_since_s = now
-        if any(name not in self.cells or not self.cells[name].announced for name in self.config.expected_cells):
-            return
+                self._stale_views.add(state.name)
+        if not self._all_expected_announced:  # once true, for good: cells are never forgotten nor unannounced
+            if any(name not in self.cells or not self.cells[name].announced for name in self.config.expected_cells):
+                return
+            self._all_expected_announced = True
         view = self.view()
         if not view.cells:
             return
@@ -287,6 +310,7 @@ class Scheduler(Actor):
         self.log.info("switch", cell=decision.cell, role=decision.role, reason=decision.reason)
         state.switching_to = decision.role
         state.switch_sent_s = now
+        self._stale_views.add(decision.cell)
         self.counts["switches_sent"] += 1
         self.counts["to_train" if decision.role == TRAIN else "to_rollout"] += 1
 

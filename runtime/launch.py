@@ -24,7 +24,6 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 from pathlib import Path
 from typing import Protocol
 
@@ -41,7 +40,7 @@ from gyre.runtime.run_secrets import install_run_secret, run_secret
 from gyre.runtime.supervisor import Supervisor, SupervisorConfig
 from gyre.runtime.topology import SUPERVISOR, ActorSpec, Directory, RestartPolicy, Topology, load_topology_file
 from gyre.runtime.virtual_loop import Quiescent, VirtualEventLoop
-from gyre.runtime.zmq_transport import BusKeys, ZmqConfig, ZmqTransport, generate_bus_keys
+from gyre.runtime.zmq_transport import BusKeys, ZmqConfig, ZmqTransport, generate_bus_keys, ipc_socket_folder
 
 log = structlog.get_logger("gyre.launch")
 
@@ -275,7 +274,7 @@ class LocalProcessLauncher:
             cpu_groups.remove()
 
     def _run(self, topology: Topology, options: RunOptions, cpu_groups: RunCpuGroups) -> RunResult:
-        run_dir = Path(tempfile.mkdtemp(prefix="gyre-run-"))  # mode 0700: the ipc:// socket files are 0600 in it
+        run_dir = ipc_socket_folder("gyre-run-")  # mode 0700: the ipc:// socket files are 0600 in it
         groups = topology.processes()
         endpoints = _bus_endpoints(self.bus, run_dir, list(groups))
         # One fresh pair per process, handed through the spawn pipe: a child holds only its own secret key, so a

@@ -25,7 +25,6 @@ import collections
 import contextlib
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
@@ -41,7 +40,7 @@ from gyre.runtime.launch import LAUNCHER_NODE, supervisor_spec
 from gyre.runtime.node import Node, NodeConfig
 from gyre.runtime.topology import SUPERVISOR, Directory, Topology
 from gyre.runtime.virtual_loop import VirtualEventLoop
-from gyre.runtime.zmq_transport import ZmqConfig, ZmqTransport
+from gyre.runtime.zmq_transport import ZmqConfig, ZmqTransport, ipc_socket_folder
 
 __all__ = ["TRANSPORTS", "ActorsRun", "FaultRun", "Harness", "capture_logs", "gyre_cli", "run_actors",
            "run_with_faults"]
@@ -173,7 +172,7 @@ def run_actors(
     codecs = dict(codecs or {})
     if transport == "virtual":
         node_config = attrs.evolve(node_config, shuffle_seed=topology.seed, offload_inline=True)
-    run_dir = Path(tempfile.mkdtemp(prefix="gyre-test-")) if transport == "zmq" else None
+    run_dir = ipc_socket_folder("gyre-test-") if transport == "zmq" else None
     placement = {
         spec.name: (spec.process if transport == "zmq" else LAUNCHER_NODE) for spec in topology.specs
     }

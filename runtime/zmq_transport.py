@@ -35,7 +35,9 @@ import hashlib
 import hmac
 import itertools
 import os
+import tempfile
 import threading
+from pathlib import Path
 from typing import Awaitable, Callable, Iterable, Mapping
 
 import attrs
@@ -137,6 +139,27 @@ def derived_bus_keys(node: str, nodes: Iterable[str]) -> BusKeys:
 
     public_keys = {name: zmq.curve_public(secret_of(name)) for name in sorted(set(nodes) | {node})}
     return BusKeys(node, public_keys[node], secret_of(node), public_keys)
+
+
+#: The longest ipc:// path the OS takes (sockaddr_un.sun_path less its NUL: 107 on Linux); a longer one fails bind().
+IPC_PATH_MAX_CHARS = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+#: Room the run folder leaves for a socket file's name ("launcher.sock", "123.sock").
+_SOCKET_NAME_CHARS = 16
+#: Where a run folder goes when the temp folder's path is too long for sockets (a deep $TMPDIR, a test's tmp_path).
+_SHORT_TEMP_ROOT = "/tmp"
+
+
+def ipc_socket_folder(prefix: str) -> Path:
+    """A new 0700 folder for a run's ipc:// socket files, in the temp folder ($TMPDIR) when its path leaves room for
+    a socket name within IPC_PATH_MAX_CHARS, else in /tmp (a deep $TMPDIR would otherwise fail every bind with
+    "longer than 107 characters"). Raises ConfigError when neither fits."""
+    for root in (tempfile.gettempdir(), _SHORT_TEMP_ROOT):
+        # mkdtemp adds 8 characters and a separator to prefix; check before making anything.
+        if len(os.path.join(root, prefix)) + 9 + 1 + _SOCKET_NAME_CHARS <= IPC_PATH_MAX_CHARS and os.path.isdir(root):
+            return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    raise ConfigError(f"no temp folder leaves room for ipc:// socket paths of at most {IPC_PATH_MAX_CHARS} "
+                      f"characters (tried {tempfile.gettempdir()!r} and {_SHORT_TEMP_ROOT!r}); set TMPDIR to a "
+                      "short path or use --bus tcp")
 
 
 def _uses_curve(endpoint: str, config: ZmqConfig) -> bool:

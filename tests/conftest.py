@@ -18,6 +18,17 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import pytest
+import structlog
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config_restored() -> Iterator[None]:
+    """Every test leaves structlog as it found it. Tests run in xdist workers, each a string of modules; one that
+    configured logging (a CLI run in-process sets the level) once filtered the info lines a later module's
+    capture_logs expected."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")

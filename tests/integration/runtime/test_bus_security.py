@@ -9,8 +9,10 @@ import asyncio
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,8 +68,9 @@ def _forged_stop(codec: Codec) -> list[bytes]:
 
 
 def test_a_forged_stop_topology_from_outside_the_run_does_not_end_it(tmp_path) -> None:
-    run_tmp = tmp_path / "tmp"
-    run_tmp.mkdir()
+    # A short folder: under tmp_path (deep with xdist) the socket paths would not fit, and the launcher would put
+    # its run folder in /tmp instead (ipc_socket_folder), out of this test's sight.
+    run_tmp = Path(tempfile.mkdtemp(prefix="gyre-t-", dir="/tmp"))
     log = tmp_path / "run.glog"
     stderr_path = tmp_path / "stderr.txt"
     # TMPDIR: the launcher's run folder (and so its sockets) lands where this test can find it, as an attacker
@@ -111,6 +114,7 @@ def test_a_forged_stop_topology_from_outside_the_run_does_not_end_it(tmp_path) -
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+        shutil.rmtree(run_tmp, ignore_errors=True)
     text = stderr_path.read_text()
     assert "forged stop" not in text
     assert "Traceback" not in text

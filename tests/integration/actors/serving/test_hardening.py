@@ -23,13 +23,13 @@ from typing import Any, Iterator
 
 import aiohttp
 import pytest
-from structlog.testing import capture_logs
 
 from gyre.actors.serving.backends import BackendRequest, BackendResult
 from gyre.actors.serving.http_app import PROXY_SERVICE, ProxyHttpConfig, ServedApp, build_proxy_app
 from gyre.actors.serving.sessions import ProxySessions
 from gyre.engines.chat_template import ChatTemplate
 from gyre.engines.tokenizer import write_tokenizer_files
+from gyre.runtime.testing import capture_logs
 
 HELD_CHARS = 60_000
 """Texts at least this long are held inside `encode` while the test's gate is closed."""

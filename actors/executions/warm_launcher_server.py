@@ -405,11 +405,38 @@ class Server:
             os._exit(code)
 
 
+PRELOADED_FILE_PREFIX = "_gyre_preloaded_"
+"""A file preloaded by path is imported as the module named this plus its stem (not importable by that name by
+accident: it only has to sit in sys.modules, with whatever the file's own import did)."""
+
+
+def _import_file(path: str) -> None:
+    """Import the Python file at `path` as a module of its own. Why: an agent script's siblings are on no import
+    path, but importing the script itself runs its imports (its module body, not its `__main__` block), so every
+    fork finds those modules in sys.modules and runs only the script's own body (~4.5 of ~31 CPU-ms a toolbox
+    agent; BENCHMARKS.md, session 26)."""
+    name = PRELOADED_FILE_PREFIX + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
 def _preload(entries: list[str]) -> str | None:
-    """Import every module and call each "module:function" warm-up; the first failure as text, or None."""
+    """Import every module (or file, for an absolute path) and call each "module:function" warm-up; the first
+    failure as text, or None."""
     for entry in entries:
-        module_name, _, function_name = entry.partition(":")
         try:
+            if entry.startswith("/"):
+                _import_file(entry)
+                continue
+            module_name, _, function_name = entry.partition(":")
             module = importlib.import_module(module_name)
             if function_name:
                 getattr(module, function_name)()

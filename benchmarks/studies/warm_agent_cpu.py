@@ -1,9 +1,11 @@
 """CPU milliseconds one toolbox agent run costs when the executor's warm launcher forks it, as in the main job.
 
     python benchmarks/studies/warm_agent_cpu.py --agents 150
+    python benchmarks/studies/warm_agent_cpu.py --agents 150 \
+        --preload openai,structlog,gyre.actors.executions.sdk_warmup:openai_client    # without agent.py
 
-Starts a WarmLauncher with the main job's preload (examples/toolbox/evaluate.py: AGENT_PRELOAD) and launches
-`--agents` runs of examples/toolbox/agent.py, one after another, on a "write" task against a canned
+Starts a WarmLauncher with the main job's preload (examples/toolbox/evaluate.py: AGENT_PRELOAD, or `--preload`) and
+launches `--agents` runs of examples/toolbox/agent.py, one after another, on a "write" task against a canned
 OpenAI-compatible server on loopback (benchmarks/studies/agent_warmup_cost.py --serve, in a process of its own):
 a tool call, then a final answer, two model calls. An agent's CPU is what the launcher's server reaped for it
 (cutime + cstime from /proc: fork, the script, exit); the first run is not counted. Prints one JSON line. To compare
@@ -35,14 +37,11 @@ def _reaped_cpu_s(pid: int) -> float:
     return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(agents: int, port: int) -> float:
-    sys.path.insert(0, str(TOOLBOX))
-    from evaluate import AGENT_PRELOAD
-
+async def _measure(agents: int, port: int, preload: tuple[str, ...]) -> float:
     from gyre.actors.executions.warm_launcher import WarmLauncher
 
     launcher = WarmLauncher()
-    await launcher.start(AGENT_PRELOAD)
+    await launcher.start(preload)
     env = {**os.environ, "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1", "OPENAI_API_KEY": "k"}
     try:
         with tempfile.TemporaryDirectory() as root:
@@ -69,7 +68,12 @@ async def _measure(agents: int, port: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=150)
+    parser.add_argument("--preload", default="", help="comma-separated preload entries (default: AGENT_PRELOAD)")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(TOOLBOX))
+    from evaluate import AGENT_PRELOAD
+
+    preload = tuple(entry for entry in args.preload.split(",") if entry) or AGENT_PRELOAD
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -84,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     raise SystemExit("warm_agent_cpu: the canned server did not start")
                 time.sleep(0.05)
-        per_agent_s = asyncio.run(_measure(args.agents, port))
+        per_agent_s = asyncio.run(_measure(args.agents, port, preload))
     finally:
         server.kill()
         server.wait()
-    print(json.dumps({"agents": args.agents, "cpu_ms_per_agent": round(1000 * per_agent_s, 1)}))
+    print(json.dumps({"agents": args.agents, "preload": list(preload),
+                      "cpu_ms_per_agent": round(1000 * per_agent_s, 1)}))
     return 0
 
 

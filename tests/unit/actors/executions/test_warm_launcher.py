@@ -424,10 +424,50 @@ def test_a_preload_that_does_not_import_is_a_clear_error_at_start() -> None:
     assert preload_problem(["a"]) is not None and preload_problem(("",)) is not None
 
 
-def test_preload_entries_may_name_a_warm_up_function() -> None:
-    assert preload_problem(("gyre.actors.executions.sdk_warmup:openai_client", "json")) is None
-    for bad in ("a:b:c", "a:", ":f", "a.b:c.d", "a:1f"):
+def test_preload_entries_may_name_a_warm_up_function_or_a_file() -> None:
+    assert preload_problem(("gyre.actors.executions.sdk_warmup:openai_client", "json", "/x/agent.py")) is None
+    for bad in ("a:b:c", "a:", ":f", "a.b:c.d", "a:1f", "x/agent.py", "/x/agent.txt", "/x,y/agent.py",
+                "/x/agent.py:main"):
         assert preload_problem((bad,)) is not None, bad
+
+
+SIBLING_LOADER = """
+import importlib.util, json, os, pathlib, sys
+NAME = "_test_toolbox_helper"
+if NAME not in sys.modules:  # like examples/toolbox/agent.py's load_sibling
+    spec = importlib.util.spec_from_file_location(NAME, pathlib.Path(__file__).with_name("helper.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[NAME] = module
+    spec.loader.exec_module(module)
+if __name__ == "__main__":
+    json.dump({"helper_from": sys.modules[NAME].LOADED_BY, "me": os.getpid()}, open("seen.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("preloaded", [True, False], ids=["preloaded", "not preloaded"])
+def test_a_file_preloaded_by_path_brings_its_siblings_to_every_child(tmp_path: Path, preloaded: bool) -> None:
+    script(tmp_path, "import os\nLOADED_BY = os.getpid()\n", name="helper.py")
+    agent = script(tmp_path, SIBLING_LOADER)
+
+    async def test(launcher: WarmLauncher) -> int:
+        return await (await launch(launcher, tmp_path, [str(agent)])).wait()
+
+    assert with_launcher(test, preload=PRELOAD + ((str(agent),) if preloaded else ())) == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    # Preloaded, the helper was imported once, by the server; otherwise by the child itself.
+    assert (seen["helper_from"] != seen["me"]) is preloaded
+
+
+def test_a_preloaded_file_that_fails_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    broken = script(tmp_path, "raise RuntimeError('no luck')", name="broken.py")
+
+    async def main() -> None:
+        launcher = WarmLauncher()
+        with pytest.raises(LauncherStartFailed, match="broken.py.*RuntimeError: no luck"):
+            await launcher.start((str(broken),))
+        assert not launcher.alive
+
+    asyncio.run(main())
 
 
 def test_a_warm_up_runs_once_in_the_server_so_children_start_warm(tmp_path: Path) -> None:

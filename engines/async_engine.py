@@ -5,6 +5,11 @@ work, and hands results back to the loop with `call_soon_threadsafe`. Serialisin
 is what makes the engine's single-threaded state machine safe, and a control call (abort, pause, weight load) lands
 exactly at a token boundary.
 
+A request awaited whole (`generate`) gets only its finished event: the worker drops its per-token events, and a
+step whose events are all such is not handed to the loop at all. Waking the loop, a queue and the waiting coroutine
+for every token of every request cost the engine server's loop ~0.4 CPU-ms a request of 24 tokens, and the worker
+a write to the loop's wake-up pipe every step (BENCHMARKS.md, session 26). `stream` still sees every event.
+
 Failure model: a control call's exception goes back to its caller only. An exception inside `step()` breaks the
 engine: every pending request and queued call fails with `EngineFailed` naming the cause, and later calls fail at
 once. `close()` stops the thread; calls after it raise `EngineClosed`.
@@ -44,6 +49,9 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: list[tuple[Callable[[EmbeddedEngine], Any], asyncio.Future]] = []
         self._streams: dict[str, asyncio.Queue] = {}
+        self._whole: set[str] = set()
+        """Rids awaited whole (`generate`): the worker passes on only their finished events. Added before the
+        request is submitted and discarded after it ends, on the loop; the worker only tests membership."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -120,6 +128,9 @@ class AsyncEngine:
                     for _, future in late:
                         self._resolve(future, error=failure)
                     return
+                whole = self._whole
+                if whole:
+                    events = [event for event in events if event.finished is not None or event.rid not in whole]
                 if events:
                     self._post(self._dispatch, events)
 
@@ -164,7 +175,7 @@ class AsyncEngine:
             self._cond.notify()
         return await future
 
-    async def stream(
+    def stream(
         self,
         rid: str | None,
         input_ids: Sequence[int],
@@ -175,12 +186,20 @@ class AsyncEngine:
 
         Leaving the iteration early (break, cancellation, a client gone) aborts the request.
         """
+        return self._events(rid, input_ids, params, return_logprob, whole=False)
+
+    async def _events(
+        self, rid: str | None, input_ids: Sequence[int], params: SamplingParams, return_logprob: bool, whole: bool,
+    ) -> AsyncIterator[StepEvent]:
+        """`stream`; with `whole`, only the finished event comes (the module docstring)."""
         self._ensure_started()
         rid = rid or uuid.uuid4().hex
         if rid in self._streams:
             raise RequestError(f"request {rid!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
+        if whole:
+            self._whole.add(rid)
         finished = False
         try:
             ids = list(input_ids)
@@ -197,6 +216,7 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(rid, None)
+            self._whole.discard(rid)
             if not finished and self._failure is None and not self._closing:
                 self._abort_nowait(rid)
 
@@ -217,7 +237,7 @@ class AsyncEngine:
         return_logprob: bool = True,
     ) -> GenerateOutput:
         """Submit a request and wait for its result (cancelling the wait aborts the request)."""
-        async for event in self.stream(rid, input_ids, params, return_logprob):
+        async for event in self._events(rid, input_ids, params, return_logprob, whole=True):
             if event.finished is not None:
                 return event.finished
         raise AssertionError("stream ended without a finished event")

@@ -43,12 +43,22 @@ The shims:
    `maybe_move_tensor_to_cpu`, which leaves a CPU tensor as it is even where the caller asked for numpy; the split
    sizes then reach `all_to_all_single` as tensors, which it refuses. CPU: the dispatcher's copy of that function
    gives numpy for CPU tensors too, as the original does for CUDA ones.
+10. megatron's parallel state makes ~20 process groups (tensor, pipeline, data, context, expert, embedding, ... and
+   their gloo twins), and on the CPU every one is a gloo group. torch gives each gloo group a TCP device of its
+   own, and each device runs a loop thread that wakes every 10 ms whether or not anything is sent (gloo's
+   tcp/loop.cc), so a trainer of one process kept 21 such threads: 2,000 wake-ups and ~0.02 CPU-s a second while
+   idle, ~2% of a core per cell under load (BENCHMARKS.md, session 26). CPU: a group of one rank, which never
+   connects to anyone, gets one device shared by all such groups of the process (`_LoneRankGlooGroups`); a
+   group of several ranks keeps a device of its own, as before. Gloo multiplexes any number of contexts on a
+   device; the one shared here carries no traffic at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
+import threading
 
 import structlog
 import torch
@@ -102,6 +112,30 @@ def _cpu_device(device):
     if isinstance(device, int) or (isinstance(device, (str, torch.device)) and str(device).startswith("cuda")):
         return torch.device("cpu")
     return device
+
+
+def _lone_rank_gloo_groups(base: type) -> type:
+    """A subclass of torch's ProcessGroupGloo whose single-rank groups share one device (shim 10); c10d builds its
+    gloo groups from the name this replaces, and its type checks use the same name, so they still hold."""
+    devices: list = []
+    lock = threading.Lock()
+
+    class _LoneRankGlooGroups(base):
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)) -> None:
+            if size != 1:
+                super().__init__(store, rank, size, timeout=timeout)
+                return
+            with lock:
+                if not devices:
+                    devices.append(base.create_default_device())
+            options = base._Options()
+            options._timeout = timeout
+            options._devices = [devices[0]]
+            super().__init__(store, rank, size, options)
+
+    _LoneRankGlooGroups.__name__ = _LoneRankGlooGroups.__qualname__ = base.__name__
+    _LoneRankGlooGroups.__module__ = base.__module__
+    return _LoneRankGlooGroups
 
 
 class _CpuEvent:
@@ -243,8 +277,12 @@ def apply() -> bool:
     for module in (schedules, p2p_communication, tp_mappings, tp_layers, moe_router, moe_experts, moe_utils,
                    moe_dispatcher):
         module.torch = cpu_torch
+    from torch.distributed import distributed_c10d
+
+    if getattr(distributed_c10d, "ProcessGroupGloo", None) is not None:  # a torch built without gloo has none
+        distributed_c10d.ProcessGroupGloo = _lone_rank_gloo_groups(distributed_c10d.ProcessGroupGloo)
     _applied = True
-    log.info("megatron_cpu_shims_applied", shims=9)
+    log.info("megatron_cpu_shims_applied", shims=10)
     return True
 
 

@@ -58,6 +58,7 @@ import torch
 from gyre.actors.cells.weight_pull import pull_weight_shards, pull_weights, source_from_layout
 from gyre.actors.errors import ActorError
 from gyre.engines.grad_exchange import GradientExchangeError, ReductionBytes, ReductionMember, RendezvousServer
+from gyre.engines.host_memory import keep_freed_tensor_memory
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig
 from gyre.engines.trainer_group import ServedParams, TrainerGroup, build_trainer
 from gyre.engines.transfer import host_sha256
@@ -147,6 +148,10 @@ class TrainerHost:
         cls, model_dir: str, config: TrainerConfig, agent: Any, is_core: bool, fence_scratch: torch.Tensor,
         address: str = "127.0.0.1", reduce_timeout_s: float = 60.0,
     ) -> TrainerHost:
+        # Micro-steps allocate and free the same tensors over and over: let malloc keep them for reuse rather than
+        # map and fault them in afresh each time (~13% of the trainer's CPU; engines/host_memory.py).
+        if not keep_freed_tensor_memory():
+            log.info("malloc_left_as_it_was", reason="no glibc mallopt here")
         return cls(build_trainer(model_dir, config), agent, is_core, fence_scratch, address, reduce_timeout_s)
 
     @property

@@ -128,7 +128,8 @@ class ExecutorConfig:
     warm_launcher_preload: tuple[str, ...] = attrs.field(default=(), validator=_module_names)
     """Modules a fork server imports once, so that agents run as `<this python> <script> ...` start with them
     already imported; an entry "module:function" also calls that warm-up once (gyre.actors.executions.sdk_warmup has the SDK
-    clients'); () = off, every agent is a fresh process. Caveat: a preloaded module must not capture the
+    clients'), and an absolute path to a .py file imports that file (e.g. the agent script, whose siblings are on no
+    import path); () = off, every agent is a fresh process. Caveat: a preloaded module must not capture the
     environment or the working directory at import time (it would see the executor's, not the agent's)."""
 
 

@@ -54,6 +54,9 @@ STARTUP_FLAGS = frozenset({"-B", "-S", "-s"})
 """Interpreter flags that a warm launch drops (module docstring): they change only a fresh interpreter's start."""
 _PRELOAD_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?")
 """A dotted module name, optionally followed by ":function", a warm-up the server calls once after the import."""
+_PRELOAD_PATH = re.compile(r"/[^,:\0]*\.py")
+"""Or the absolute path of a Python file, which the server imports by path (an agent's own modules, which are on no
+import path: warm_launcher_server's `_preload`). No comma (the entries travel comma-separated) and no colon."""
 
 
 class LauncherDied(ActorError, OSError):
@@ -69,12 +72,14 @@ class LauncherStartFailed(ActorError, RuntimeError):
 
 
 def preload_problem(preload: object) -> str | None:
-    """Why `preload` is not a tuple of entries "package.module" or "package.module:function", or None."""
+    """Why `preload` is not a tuple of entries "package.module", "package.module:function" or "/absolute/file.py",
+    or None."""
     if not isinstance(preload, tuple):
         return f"preload must be a tuple of module names, got {preload!r}"
     for name in preload:
-        if not isinstance(name, str) or not _PRELOAD_ENTRY.fullmatch(name):
-            return f"preload entry {name!r} is not a dotted module name (optionally with ':function')"
+        if not isinstance(name, str) or not (_PRELOAD_ENTRY.fullmatch(name) or _PRELOAD_PATH.fullmatch(name)):
+            return (f"preload entry {name!r} is not a dotted module name (optionally with ':function') nor the "
+                    f"absolute path of a .py file (without ',' or ':')")
     return None
 
 

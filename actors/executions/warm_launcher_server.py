@@ -23,6 +23,11 @@ waitpid(WNOHANG), so an exit is reported as soon as it happens, not on the next 
 The protocol runs on private duplicates of fds 0 and 1; fd 0 becomes /dev/null and fd 1 a copy of stderr, so a
 preloaded module that prints cannot corrupt the protocol. Linux (POSIX fork) only.
 
+Each script is compiled once, in the server (`ScriptCache`: keyed by its path, invalidated when its size or
+modification time changes), and every child runs that code object: a fresh `python agent.py` compiles its script
+on every start, never caching the bytecode of `__main__` (~3 CPU-ms for the toolbox agent, thousands of runs a
+training run). A script that is not a plain `.py` file (a directory, a zip, compiled bytecode) is left to runpy.
+
 Differences from a fresh interpreter, by design: preloaded modules are imported once, with the server's environment
 and working directory (a module that captures either at import time sees the server's, not the agent's); the hash
 seed and interpreter flags are the server's; third-party RNG state (numpy, ...) imported by the preload is shared by
@@ -35,19 +40,25 @@ import argparse
 import atexit
 import errno
 import importlib
+import importlib.util
+import io
 import json
 import os
 import runpy
 import selectors
 import signal
+import stat
 import sys
 import threading
 import traceback
+import types
 from typing import Any
 
 #: A request line longer than this breaks the protocol (the client refuses to send one, like exec's E2BIG).
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 _READ_BYTES = 65536
+#: Compiled scripts the server keeps at most (a run launches one or two scripts thousands of times).
+MAX_CACHED_SCRIPTS = 64
 
 
 class _ClientGone(Exception):
@@ -82,8 +93,71 @@ def _pythonpath(env: dict[str, str]) -> list[str]:
     return [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
 
 
-def _run_script(argv: list[str], server_pythonpath: list[str]) -> tuple[int, bool]:
-    """Run argv[1] as __main__ the way `python script args` does; return (exit status, interrupted by Ctrl-C)."""
+class ScriptCache:
+    """Code objects of the scripts the server has run, compiled once: `code_for` compiles a script the first time
+    and again only once its file changed (size, modification time or inode), as a .pyc would be."""
+
+    def __init__(self, max_scripts: int = MAX_CACHED_SCRIPTS) -> None:
+        self.max_scripts = max_scripts
+        self._entries: dict[str, tuple[tuple[int, int, int, int], types.CodeType]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def code_for(self, path: str) -> types.CodeType | None:
+        """The code of the script at `path` (absolute), or None: not a plain .py file, unreadable, or it does not
+        compile. A None leaves the script to runpy in the child, which reports any problem as the interpreter
+        would."""
+        if not path.endswith(".py"):
+            return None
+        try:
+            found = os.stat(path)
+        except OSError:
+            return None
+        if not stat.S_ISREG(found.st_mode):
+            return None
+        key = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+        cached = self._entries.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            with io.open_code(path) as file:
+                source = file.read()
+            if source[:4] == importlib.util.MAGIC_NUMBER:
+                return None  # compiled bytecode under a .py name: runpy reads it as such
+            # dont_inherit: this module's `from __future__ import annotations` must not leak into the script.
+            code = compile(source, path, "exec", dont_inherit=True)
+        except (OSError, SyntaxError, ValueError):
+            return None
+        if len(self._entries) >= self.max_scripts:
+            self._entries.clear()
+        self._entries[path] = (key, code)
+        return code
+
+
+def _run_main_code(code: types.CodeType, script: str) -> None:
+    """Execute `code` (compiled from `script`) as __main__, with the globals runpy.run_path(script,
+    run_name="__main__") gives a plain .py file: a fresh module in sys.modules["__main__"], __file__ the script,
+    no loader or spec, sys.argv[0] the script while it runs."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__name__="__main__", __file__=script, __cached__=None, __doc__=None, __loader__=None,
+                           __package__="", __spec__=None)
+    saved_main, saved_argv0 = sys.modules.get("__main__"), sys.argv[0]
+    sys.modules["__main__"] = module
+    sys.argv[0] = script
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.argv[0] = saved_argv0
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+
+
+def _run_script(argv: list[str], server_pythonpath: list[str],
+                compiled: tuple[str, types.CodeType] | None = None) -> tuple[int, bool]:
+    """Run argv[1] as __main__ the way `python script args` does; return (exit status, interrupted by Ctrl-C).
+    `compiled` is (absolute path, code) of the script as the server compiled it before forking: run when it names
+    the path the child resolves (the cwd may hold a symlink the server did not resolve alike)."""
     script = os.path.abspath(argv[1])  # after chdir: relative to the agent's cwd, as the interpreter resolves it
     sys.argv = list(argv[1:])
     sys.path[0] = os.path.dirname(os.path.realpath(script))
@@ -100,7 +174,10 @@ def _run_script(argv: list[str], server_pythonpath: list[str]) -> tuple[int, boo
         return 2, False
     code, interrupted = 0, False
     try:
-        runpy.run_path(script, run_name="__main__")
+        if compiled is not None and compiled[0] == script:
+            _run_main_code(compiled[1], script)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:
         code = _exit_code(exit_.code)
     except KeyboardInterrupt:
@@ -130,6 +207,7 @@ class Server:
         self.proto_out = proto_out
         self.children: set[int] = set()
         self.server_pythonpath = _pythonpath(dict(os.environ))
+        self.scripts = ScriptCache()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
@@ -262,9 +340,13 @@ class Server:
             opened += [in_group_r, in_group_w]
             go_r, go_w = os.pipe2(os.O_CLOEXEC)
             opened += [go_r, go_w]
+            # Compiled here, once per script, so that every child runs the same code object (module docstring).
+            script = os.path.abspath(os.path.join(cwd, argv[1]))
+            code = self.scripts.code_for(script)
+            compiled = (script, code) if code is not None else None
             pid = os.fork()
             if pid == 0:
-                self._become_child(argv, env, *opened)  # never returns
+                self._become_child(argv, env, compiled, *opened)  # never returns
             os.close(in_group_w)
             opened.remove(in_group_w)
             os.read(in_group_r, 1)  # EOF once the child has called setsid() (or died)
@@ -274,8 +356,9 @@ class Server:
             for fd in opened:
                 os.close(fd)
 
-    def _become_child(self, argv: list[str], env: dict[str, str], cwd_fd: int, out_fd: int, err_fd: int,
-                      in_group_r: int, in_group_w: int, go_r: int, go_w: int) -> None:
+    def _become_child(self, argv: list[str], env: dict[str, str], compiled: tuple[str, types.CodeType] | None,
+                      cwd_fd: int, out_fd: int, err_fd: int, in_group_r: int, in_group_w: int, go_r: int,
+                      go_w: int) -> None:
         code, interrupted = 1, False
         try:
             os.close(go_w)
@@ -304,7 +387,7 @@ class Server:
                 os.close(fd)
             os.environ.clear()
             os.environ.update(env)
-            code, interrupted = _run_script(argv, self.server_pythonpath)
+            code, interrupted = _run_script(argv, self.server_pythonpath, compiled)
         except BaseException:
             try:
                 traceback.print_exc()
@@ -322,11 +405,38 @@ class Server:
             os._exit(code)
 
 
+PRELOADED_FILE_PREFIX = "_gyre_preloaded_"
+"""A file preloaded by path is imported as the module named this plus its stem (not importable by that name by
+accident: it only has to sit in sys.modules, with whatever the file's own import did)."""
+
+
+def _import_file(path: str) -> None:
+    """Import the Python file at `path` as a module of its own. Why: an agent script's siblings are on no import
+    path, but importing the script itself runs its imports (its module body, not its `__main__` block), so every
+    fork finds those modules in sys.modules and runs only the script's own body (~4.5 of ~31 CPU-ms a toolbox
+    agent; BENCHMARKS.md, session 26)."""
+    name = PRELOADED_FILE_PREFIX + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
 def _preload(entries: list[str]) -> str | None:
-    """Import every module and call each "module:function" warm-up; the first failure as text, or None."""
+    """Import every module (or file, for an absolute path) and call each "module:function" warm-up; the first
+    failure as text, or None."""
     for entry in entries:
-        module_name, _, function_name = entry.partition(":")
         try:
+            if entry.startswith("/"):
+                _import_file(entry)
+                continue
+            module_name, _, function_name = entry.partition(":")
             module = importlib.import_module(module_name)
             if function_name:
                 getattr(module, function_name)()

@@ -25,8 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent import agent_argv, load_sibling  # noqa: E402
 
 tasks_module = load_sibling("tasks")
-AGENT_PRELOAD = ("openai", "structlog", "gyre.actors.executions.sdk_warmup:openai_client")
-"""What the warm launcher imports (and warms up) once for every toolbox agent it forks."""
+AGENT_PRELOAD = ("openai", "structlog", "gyre.actors.executions.sdk_warmup:openai_client",
+                 str(Path(__file__).resolve().with_name("agent.py")))
+"""What the warm launcher imports (and warms up) once for every toolbox agent it forks: the SDK, and agent.py itself
+by path, whose import loads its siblings (prompts, tools) and argparse, so that each agent runs only its own
+module body (~4.5 CPU-ms less an agent; BENCHMARKS.md, session 26)."""
 SCORER_PRELOAD = tasks_module.SCORER_PRELOAD
 
 

@@ -77,6 +77,14 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
+def _comm(pid: int) -> str:
+    """A process's name (/proc/PID/comm), "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def _alive(pid: int) -> bool:
     stat = _proc_stat(pid)
     return stat is not None and stat[0] not in ("Z", "X")
@@ -151,6 +159,8 @@ def test_a_signal_to_the_launcher_shuts_everything_down_and_keeps_the_log(tmp_pa
         _wait_for(lambda: _balls_in(pong_segment) > 0, 120.0, "pong to record its first balls")
         family = _descendants(launcher.pid)
         assert len(family) >= 2  # ping's and pong's processes (and multiprocessing's resource tracker)
+        # Each group's process names itself, so that ps, top and benchmarks/studies/cpu_by_process.py tell them apart.
+        assert {"gyre:ping", "gyre:pong"} <= {_comm(pid) for pid in family}
         launcher.send_signal(signum)
         assert launcher.wait(timeout=60) == 128 + signum
         _wait_for(lambda: not any(_alive(pid) for pid in family), 15.0, "every child process to end")

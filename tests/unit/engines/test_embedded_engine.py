@@ -751,6 +751,32 @@ def test_async_engine_generates_concurrently_and_streams(model_dir: Path) -> Non
     asyncio.run(main())
 
 
+def test_a_request_awaited_whole_hands_the_loop_only_its_end(model_dir: Path) -> None:
+    # generate() needs the finished event only: the worker drops the others instead of waking the loop for each
+    # token; stream() still gets one event per token; both see the same tokens.
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+
+    async def main() -> tuple[list, list, tuple, list]:
+        engine = AsyncEngine(EmbeddedEngine(model_dir, CONFIG))
+        handed: list = []
+        dispatch = engine._dispatch
+        engine._dispatch = lambda events: (handed.extend(events), dispatch(events))  # type: ignore[method-assign]
+        try:
+            output = await engine.generate("whole", prompt(50, 10), params)
+            whole_events = list(handed)
+            handed.clear()
+            streamed = [event async for event in engine.stream("streamed", prompt(50, 10), params)]
+            return whole_events, list(handed), output.output_ids, streamed
+        finally:
+            await engine.close()
+
+    whole_events, stream_events, output_ids, streamed = asyncio.run(main())
+    assert len(output_ids) == 20
+    assert [(e.rid, e.finished is not None) for e in whole_events] == [("whole", True)]
+    assert len(stream_events) == len(streamed) == 20
+    assert tuple(t for e in streamed for t in e.token_ids) == output_ids
+
+
 def test_async_engine_failure_fails_pending_requests(model_dir: Path) -> None:
     async def main() -> None:
         inner = EmbeddedEngine(model_dir, CONFIG)

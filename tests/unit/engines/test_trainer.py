@@ -256,6 +256,33 @@ def test_cpu_shims_are_idempotent_and_cpu_only(trainers):
                                                             [False, False, False]]
 
 
+LONE_RANK_GROUPS = """
+import os, torch, torch.distributed as dist
+from megatron.core import parallel_state
+from gyre.engines.trainer import prepare_training_runtime
+
+prepare_training_runtime()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+x = torch.ones(3)
+dist.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group())
+dist.all_reduce(x, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+dist.all_reduce(x)
+print(threads.count("gloo_tcp_loop"), x.tolist())
+"""
+
+
+def test_the_parallel_state_s_groups_of_one_rank_share_one_gloo_device() -> None:
+    # Shim 10 (engines/megatron_cpu.py): each gloo device runs a loop thread that wakes every 10 ms; megatron's
+    # ~20 single-rank groups used to hold one each. In a process of its own: the test process has its groups.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LONE_RANK_GROUPS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loops, summed = done.stdout.strip().splitlines()[-1].split(maxsplit=1)  # after the log lines
+    assert loops == "1" and summed.strip() == "[1.0, 1.0, 1.0]"
+
+
 def test_config_validation():
     with pytest.raises(TrainerError):
         TrainerConfig(core_attention="flash")

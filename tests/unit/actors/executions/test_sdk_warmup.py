@@ -33,3 +33,29 @@ print("ok")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_the_openai_warm_up_teaches_the_sdk_every_message_kind_an_agent_sends() -> None:
+    # The SDK caches each TypedDict's type hints as it transforms a request; after the warm-up, an agent's
+    # conversation (system, user, assistant with a tool call, tool result; tools and sampling parameters) finds
+    # every one of them cached, so a forked agent computes none.
+    code = """
+from gyre.actors.executions import sdk_warmup
+sdk_warmup.openai_client()
+from openai._utils._transform import get_type_hints, maybe_transform
+from openai.types.chat import completion_create_params
+conversation = [
+    {"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c", "content": "o"},
+]
+tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+misses = get_type_hints.cache_info().misses
+maybe_transform({"messages": conversation, "model": "m", "tools": tools, "temperature": 0.7, "max_tokens": 5},
+                completion_create_params.CompletionCreateParamsNonStreaming)
+print(get_type_hints.cache_info().misses - misses)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"

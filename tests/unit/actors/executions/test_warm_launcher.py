@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 
 from gyre.actors.executions.process_groups import signal_process_group, stop_process_group
+from gyre.actors.executions.warm_launcher_server import ScriptCache
 from gyre.actors.executions.warm_launcher import (
     LaunchedProcess,
     LauncherClosed,
@@ -158,6 +159,81 @@ def test_a_missing_script_fails_like_the_interpreter(tmp_path: Path) -> None:
 
     assert with_launcher(test) == 2
     assert "can't open file" in (tmp_path / "err.log").read_text()
+
+
+MAIN_GLOBALS = """
+import json, sys
+def annotated() -> 1 + 1:
+    pass
+json.dump({
+    "dunders": {name: repr(globals()[name]) for name in
+                ("__name__", "__file__", "__cached__", "__doc__", "__loader__", "__package__", "__spec__")},
+    "argv0": sys.argv[0], "is_main_module": sys.modules["__main__"].__dict__ is globals(),
+    "annotation": repr(annotated.__annotations__["return"]),
+}, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_script_runs_with_the_globals_runpy_gives_it(tmp_path: Path) -> None:
+    # The server compiles a script once and runs its code object in every child (warm_launcher_server's
+    # ScriptCache): the child must see what runpy.run_path(script, run_name="__main__") gave it before, and the
+    # server's own `from __future__ import annotations` must not reach the script (its annotation is evaluated).
+    agent = script(tmp_path, MAIN_GLOBALS)
+
+    async def test(launcher: WarmLauncher) -> list[int]:
+        return [await (await launch(launcher, tmp_path, [str(agent), f"warm{n}.json"])).wait() for n in range(2)]
+
+    assert with_launcher(test) == [0, 0]
+    runpy_way = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", runpy_way, str(agent), "runpy.json"], cwd=tmp_path, check=True)
+    expected = json.loads((tmp_path / "runpy.json").read_text())
+    assert expected["annotation"] == "2" and expected["is_main_module"]
+    for n in range(2):
+        assert json.loads((tmp_path / f"warm{n}.json").read_text()) == expected
+
+
+def test_a_changed_script_is_compiled_again(tmp_path: Path) -> None:
+    agent = script(tmp_path, "print('first')")
+
+    async def test(launcher: WarmLauncher) -> list[str]:
+        outputs = []
+        for text in ("print('first')", "print('first')", "print('the second version')"):
+            agent.write_text(text)
+            assert await (await launch(launcher, tmp_path, [str(agent)])).wait() == 0
+            outputs.append((tmp_path / "out.log").read_text())
+        return outputs
+
+    assert with_launcher(test) == ["first\n", "first\n", "the second version\n"]
+
+
+def test_the_script_cache_compiles_once_per_version_and_only_plain_python_files(tmp_path: Path) -> None:
+    cache = ScriptCache(max_scripts=2)
+    agent = script(tmp_path, "x = 1")
+    first = cache.code_for(str(agent))
+    assert first is not None and cache.code_for(str(agent)) is first  # compiled once
+    agent.write_text("x = 22")  # another size: another version
+    second = cache.code_for(str(agent))
+    assert second is not None and second is not first and second.co_filename == str(agent)
+    assert cache.code_for(str(script(tmp_path, "x = (", name="broken.py"))) is None  # runpy reports it
+    assert cache.code_for(str(tmp_path / "missing.py")) is None
+    assert cache.code_for(str(script(tmp_path, "x = 1", name="tool"))) is None  # not a .py file
+    assert cache.code_for(str(tmp_path)) is None  # a directory
+    for n in range(3):  # bounded: a full cache starts over
+        assert cache.code_for(str(script(tmp_path, "y = 2", name=f"s{n}.py"))) is not None
+    assert len(cache) <= 2
+
+
+def test_a_script_that_does_not_compile_fails_like_the_interpreter(tmp_path: Path) -> None:
+    agent = script(tmp_path, "x = (")
+
+    async def test(launcher: WarmLauncher) -> int:
+        return await (await launch(launcher, tmp_path, [str(agent)])).wait()
+
+    assert with_launcher(test) == 1
+    assert "SyntaxError" in (tmp_path / "err.log").read_text()
 
 
 THREADS_AND_ATEXIT = """
@@ -348,10 +424,50 @@ def test_a_preload_that_does_not_import_is_a_clear_error_at_start() -> None:
     assert preload_problem(["a"]) is not None and preload_problem(("",)) is not None
 
 
-def test_preload_entries_may_name_a_warm_up_function() -> None:
-    assert preload_problem(("gyre.actors.executions.sdk_warmup:openai_client", "json")) is None
-    for bad in ("a:b:c", "a:", ":f", "a.b:c.d", "a:1f"):
+def test_preload_entries_may_name_a_warm_up_function_or_a_file() -> None:
+    assert preload_problem(("gyre.actors.executions.sdk_warmup:openai_client", "json", "/x/agent.py")) is None
+    for bad in ("a:b:c", "a:", ":f", "a.b:c.d", "a:1f", "x/agent.py", "/x/agent.txt", "/x,y/agent.py",
+                "/x/agent.py:main"):
         assert preload_problem((bad,)) is not None, bad
+
+
+SIBLING_LOADER = """
+import importlib.util, json, os, pathlib, sys
+NAME = "_test_toolbox_helper"
+if NAME not in sys.modules:  # like examples/toolbox/agent.py's load_sibling
+    spec = importlib.util.spec_from_file_location(NAME, pathlib.Path(__file__).with_name("helper.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[NAME] = module
+    spec.loader.exec_module(module)
+if __name__ == "__main__":
+    json.dump({"helper_from": sys.modules[NAME].LOADED_BY, "me": os.getpid()}, open("seen.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("preloaded", [True, False], ids=["preloaded", "not preloaded"])
+def test_a_file_preloaded_by_path_brings_its_siblings_to_every_child(tmp_path: Path, preloaded: bool) -> None:
+    script(tmp_path, "import os\nLOADED_BY = os.getpid()\n", name="helper.py")
+    agent = script(tmp_path, SIBLING_LOADER)
+
+    async def test(launcher: WarmLauncher) -> int:
+        return await (await launch(launcher, tmp_path, [str(agent)])).wait()
+
+    assert with_launcher(test, preload=PRELOAD + ((str(agent),) if preloaded else ())) == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    # Preloaded, the helper was imported once, by the server; otherwise by the child itself.
+    assert (seen["helper_from"] != seen["me"]) is preloaded
+
+
+def test_a_preloaded_file_that_fails_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    broken = script(tmp_path, "raise RuntimeError('no luck')", name="broken.py")
+
+    async def main() -> None:
+        launcher = WarmLauncher()
+        with pytest.raises(LauncherStartFailed, match="broken.py.*RuntimeError: no luck"):
+            await launcher.start((str(broken),))
+        assert not launcher.alive
+
+    asyncio.run(main())
 
 
 def test_a_warm_up_runs_once_in_the_server_so_children_start_warm(tmp_path: Path) -> None:

@@ -61,6 +61,14 @@ class SessionsOut:
 
 
 @attrs.frozen
+class HandOverSessions:
+    """Agents -> emulated cell: hand back up to `count` sessions between calls (their KV moves with them)."""
+
+    count: int
+    """Sessions wanted."""
+
+
+@attrs.frozen
 class CellTick:
     """The cell's own timer: advance the engine, report load."""
 
@@ -310,6 +318,16 @@ class EmulatedCell(Actor):
         self.engine.admit(msg.sessions)
         self._report(force=True)
         self._fast_ticks_now()
+
+    @handler(HandOverSessions)
+    def on_hand_over(self, msg: HandOverSessions) -> None:
+        if self.role != ROLLOUT or self.target_role:
+            return
+        self._advance()
+        sessions = self.engine.take_idle(msg.count)
+        if sessions:
+            self.tell(self.config.agents, SessionsOut(self.name, (), tuple(sessions)))
+            self._report(force=True)
 
     # ---- role switches --------------------------------------------------------------------------------------------
     @handler(SwitchRole)

@@ -162,6 +162,25 @@ class Engine:
         self._prefill_target_sum = self._decode_context = self._held_context = 0.0
         return out
 
+    def take_idle(self, count: int) -> list[Session]:
+        """Up to `count` sessions that are between calls (setup, a tool call or scoring), those with the longest
+        wait left first (their KV has the most time to move before they call again), out of the engine with their
+        KV (a migration); the sessions computing stay."""
+        if count <= 0:
+            return []
+        idle = sorted((entry for entry in self._timers), key=lambda e: (-e[0], e[1]))[:count]
+        if not idle:
+            return []
+        chosen = {id(entry[2]) for entry in idle}
+        self._timers = [entry for entry in self._timers if id(entry[2]) not in chosen]
+        heapq.heapify(self._timers)
+        out = [entry[2] for entry in idle]
+        for session in out:
+            self.sessions.discard(session)
+            self._held_context -= session.context_tokens
+            session.kv_cached = True
+        return out
+
     def pause(self, until_s: float) -> None:
         """No iteration runs before `until_s` (a weight update)."""
         self.paused_until_s = max(self.paused_until_s, until_s)

@@ -74,6 +74,8 @@ class Setup:
     """A micro-step's token budget per GPU of a cell (a cell's data-parallel ranks each take ~32k tokens)."""
     admit_up_to_capacity: bool = False
     """The emulated agents' admission bound (agents.py)."""
+    rebalance_on_join: bool = False
+    """The emulated agents' rebalancing onto a cell that joins rollout (agents.py)."""
     elastic_work_per_switch: float = 8.0
     """The "elastic" run's ElasticPolicy.work_per_switch (its cost-aware rules); "elastic-sessions" runs the
     policy's defaults (capacity and demand in sessions), as the main job does."""
@@ -199,7 +201,8 @@ def build_topology(setup: Setup, policy: Any, streaming: bool, roles: dict[str, 
     ), restart=stop)
     workload = _SharedPlans(setup.workload) if _shared_plans.get("workload") is setup.workload else setup.workload
     topology.add("agents", EmulatedAgents, EmulatedAgentsConfig(workload, setup.seed, record=record,
-                                                                admit_up_to_capacity=setup.admit_up_to_capacity),
+                                                                admit_up_to_capacity=setup.admit_up_to_capacity,
+                                                                rebalance_on_join=setup.rebalance_on_join),
                  restart=stop)
     for index, name in enumerate(names):
         topology.add(name, EmulatedCell, EmulatedCellConfig(

@@ -110,6 +110,7 @@ def _fresh_cells(scheduler: Scheduler, now: float) -> tuple[CellView, ...]:
             capacity_requests=load.capacity_requests if load else 0,
             role_since_s=state.switch_sent_s if state.switching_to else state.role_since_s,
             switching_to=state.switching_to, claims=claims, idle_since_s=idle_since,
+            free_kv_blocks=load.free_kv_blocks if load else 0, total_kv_blocks=load.total_kv_blocks if load else 0,
         ))
     return tuple(cells)
 

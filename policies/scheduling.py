@@ -30,9 +30,9 @@ the unfinished executions of the step being filled (the published rule: the tail
 may not) and, unless the proxy holds calls for lack of a cell (it admits up to capacity), have free room for the
 sessions it would migrate to them (`leave_into_free_capacity`: sessions of later steps are live too, and sessions
 stay on the cell they were moved to, so a move into full cells oversubscribes them while the cells that come back
-later sit empty). A train cell goes back once it has idled as long as a round trip
-costs (the ski-rental rule: waiting longer than a switch costs is the worst case twice over), never because demand
-exceeds capacity. The core lends itself to rollout after a round trip without training work, and returns when the
+later sit empty), and free KV blocks for the KV they hold (`leave_into_free_kv`). A train cell goes back once it
+has idled as long as a round trip costs (the ski-rental rule: waiting longer than a switch costs is the worst case
+twice over), never because demand exceeds capacity. The core lends itself to rollout after a round trip without training work, and returns when the
 step is fixed or when the work waiting for it is worth its round trip.
 
 Capacity and demand are counted in sessions: a cell's capacity is the concurrent generations it reports
@@ -77,6 +77,10 @@ class CellView:
     idle_since_s: float | None = None
     """A train cell holding no micro-step: since when (its entry into training or its last micro-step's end);
     None otherwise."""
+    free_kv_blocks: int = 0
+    """KV blocks free in its pool (its last LoadReport; the prefixes of sessions between calls count as used)."""
+    total_kv_blocks: int = 0
+    """KV blocks in its pool (0: not reported)."""
 
 
 @attrs.frozen
@@ -163,6 +167,15 @@ def _rollout_supply(view: SchedulerView) -> tuple[int, int]:
     return demand, capacity
 
 
+def _kv_room(leaving: CellView, rolling_out: list[CellView]) -> bool:
+    """Whether the rollout cells other than `leaving` have free KV blocks for every block `leaving` holds; True
+    when a cell does not report its pool (an engine that gives no block counts, such as SGLang's /get_load)."""
+    staying = [c for c in rolling_out if c.name != leaving.name]
+    if leaving.total_kv_blocks <= 0 or any(c.total_kv_blocks <= 0 for c in staying):
+        return True
+    return sum(c.free_kv_blocks for c in staying) >= leaving.total_kv_blocks - leaving.free_kv_blocks
+
+
 def _switch(cell: CellView, role: str, reason: str, migrate_sessions: bool = True) -> SwitchRole:
     return SwitchRole(cell=cell.name, role=role, reason=reason, migrate_sessions=migrate_sessions)
 
@@ -210,6 +223,15 @@ class ElasticPolicy:
     KV oversubscribed, calls queued), while the cells that come back later find nothing to take: sessions stay where
     they were placed. Calls waiting at the proxy mean it admits up to capacity and queues the rest: what a move
     cannot place waits there for whichever cell frees first, the returning one included, so the rule is off."""
+
+    leave_into_free_kv: bool = True
+    """Cost-aware rules only: a satellite leaves rollout only if the cells that stay also have free KV blocks for
+    every block it holds (the cells' LoadReports; a pool not reported does not hold it back). Counted in sessions,
+    room misleads both ways: a count at the mean context underestimates what live sessions hold (the longest
+    executions live longest), and a burst of new sessions holds little KV now and much later. The two rules
+    together ask for room now (blocks) and later (sessions). Without it, satellites left during the burst of new
+    sessions each applied step starts, and the cells that stayed held more context than their KV, prefilling the
+    evicted prefixes again on every call (BENCHMARKS.md, gyre simulate, session 26: the time accounts)."""
 
     def __attrs_post_init__(self) -> None:
         if self.min_dwell_s < 0 or self.dry_grace_s < 0:
@@ -364,6 +386,8 @@ class ElasticPolicy:
             if not rollout_idle and self.leave_into_free_capacity and view.calls_waiting_for_cell == 0 and sum(
                     max(0, c.capacity_requests - c.live_sessions) for c in rolling_out if c.name != cell.name
             ) < cell.live_sessions:
+                continue
+            if not rollout_idle and self.leave_into_free_kv and not _kv_room(cell, rolling_out):
                 continue
             if rollout_idle or unfinished <= self.capacity_headroom * staying:
                 others = any(c.name != cell.name for c in rolling_out)

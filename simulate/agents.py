@@ -23,7 +23,7 @@ from gyre.messages.executions import GroupDone, StartGroup
 from gyre.messages.proxy import CallsWaitingForCell
 from gyre.messages.samples import SamplesLanded, TrainingSample
 from gyre.runtime import Actor, handler
-from gyre.simulate.cells import AdmitSessions, SessionsOut
+from gyre.simulate.cells import AdmitSessions, HandOverSessions, SessionsOut
 from gyre.simulate.engine import Session
 from gyre.simulate.record import RunRecord
 from gyre.simulate.workloads import Workload
@@ -46,6 +46,9 @@ class EmulatedAgentsConfig:
     admit_up_to_capacity: bool = False
     """Place a session only on a cell with free capacity (capacity_requests minus the sessions placed there); the
     rest wait, counted as CallsWaitingForCell. False: always place (sticky routing with no admission bound)."""
+    rebalance_on_join: bool = False
+    """A cell that joins rollout takes over live sessions between calls from the cells holding more than their
+    share (their KV moved, as the KV migrator moves a draining cell's), instead of waiting for new sessions."""
     max_concurrent: int = 0
     """Executions running at once, as the executor's `max_concurrent` bounds agent processes: the rest wait, in
     the order their groups started, before their setup begins. A slot is held until the agent's last tool time ends
@@ -87,10 +90,14 @@ class EmulatedAgents(Actor):
     @handler(RoleChanged)
     def on_role_changed(self, msg: RoleChanged) -> None:
         if msg.role == ROLLOUT:
+            joined = msg.cell not in self.rollout_cells
             self.rollout_cells.setdefault(msg.cell, 1)
         else:
+            joined = False
             self.rollout_cells.pop(msg.cell, None)
         self._place(self.unplaced)
+        if joined and self.config.rebalance_on_join:
+            self._rebalance(msg.cell)
 
     @handler(LoadReport)
     def on_load(self, msg: LoadReport) -> None:
@@ -118,6 +125,19 @@ class EmulatedAgents(Actor):
         if len(waiting) != self.waiting_published:
             self.waiting_published = len(waiting)
             self.publish(CallsWaitingForCell(calls=len(waiting), time_s=self.clock.now()))
+
+    def _rebalance(self, joined: str) -> None:
+        total = sum(self.placed.get(c, 0) for c in self.rollout_cells)
+        share = total // max(1, len(self.rollout_cells))
+        want = share - self.placed.get(joined, 0)
+        for cell in sorted(self.rollout_cells, key=lambda c: (-self.placed.get(c, 0), c)):
+            if want <= 0 or cell == joined:
+                continue
+            surplus = self.placed.get(cell, 0) - share
+            if surplus > 0:
+                n = min(surplus, want)
+                want -= n
+                self.tell(cell, HandOverSessions(n))
 
     # ---- executions -----------------------------------------------------------------------------------------------
     @handler(StartGroup)

@@ -32,7 +32,12 @@ from gyre.simulate.engine import Engine, Session
 from gyre.simulate.hardware import CellModel
 from gyre.simulate.record import RunRecord
 
-__all__ = ["EmulatedCell", "EmulatedCellConfig", "AdmitSessions", "SessionsOut", "CellTick"]
+__all__ = ["EmulatedCell", "EmulatedCellConfig", "AdmitSessions", "SessionsOut", "CellTick", "ENGINE_COUNTERS"]
+
+ENGINE_COUNTERS = ("decode_s", "prefill_s", "paused_s", "tools_s", "empty_s", "decoding_s", "decoding_sequence_s",
+                   "decoding_kv_token_s", "prefill_started_tokens", "evicted_prefill_tokens", "moved_prefill_tokens",
+                   "output_tokens")
+"""The engine's cumulative counters (engine.py) a cell books as "rollout.<name>" for its time in the rollout role."""
 
 
 @attrs.frozen
@@ -53,6 +58,14 @@ class SessionsOut:
     """Executions whose reward is in."""
     returned: tuple[Session, ...] = ()
     """Live sessions to place elsewhere."""
+
+
+@attrs.frozen
+class HandOverSessions:
+    """Agents -> emulated cell: hand back up to `count` sessions between calls (their KV moves with them)."""
+
+    count: int
+    """Sessions wanted."""
 
 
 @attrs.frozen
@@ -167,6 +180,11 @@ class EmulatedCell(Actor):
         self.tick_token = 0
         self.tick = CellTick(0)  # the current chain's tick, sent again and again (messages are immutable)
         self.fast_ticks = False
+        # Where the time goes (RunRecord.seconds; simulate/accounting.py): the engine's counters when the cell last
+        # entered rollout, and in the train role what the cell has been doing since when.
+        self.engine_seen: tuple[float, ...] = ()
+        self.train_kind = ""
+        self.train_since_s = 0.0
         if cfg.boot_s > 0:
             self.target_role = cfg.initial_role  # not serving nor training until it has booted
             self._note_role(SWITCHING)
@@ -183,6 +201,7 @@ class EmulatedCell(Actor):
     def _announce(self) -> None:
         cfg = self.config
         self._note_role(self.role)
+        self._entered_role()
         self.publish(RoleChanged(self.name, self.role, "", "", self.version, cfg.boot_s, 0, cfg.is_core))
         self._report(force=True)
         self._schedule_tick()
@@ -193,6 +212,51 @@ class EmulatedCell(Actor):
     def _note_role(self, role: str) -> None:
         if self.record is not None:
             self.record.role(self.name, self.clock.now(), role)
+
+    def _entered_role(self) -> None:
+        """Start counting the role the cell has just settled in."""
+        if self.record is None:
+            return
+        if self.role == ROLLOUT:
+            self.engine_seen = tuple(getattr(self.engine, name) for name in ENGINE_COUNTERS)
+        self._book_train()
+
+    def _leaving_role(self) -> None:
+        """Book the role the cell is leaving (its engine advanced to now, or the run ending)."""
+        if self.record is None:
+            return
+        if self.role == ROLLOUT and self.engine_seen:
+            for name, seen in zip(ENGINE_COUNTERS, self.engine_seen):
+                self.record.account("rollout." + name, getattr(self.engine, name) - seen)
+            self.engine_seen = ()
+        self._book_train(leaving=True)
+
+    def _book_train(self, leaving: bool = False) -> None:
+        """In the train role: book the time since the last mark under what the cell was doing, and mark now with
+        what it does from now on. Called wherever that can change (a claim, the optimizer step, a weight load, a
+        step fixed or applied, a role change)."""
+        if self.record is None:
+            return
+        now = self.clock.now()
+        if self.train_kind:
+            self.record.account(self.train_kind, now - self.train_since_s)
+        self.train_since_s = now
+        if leaving or self.role != TRAIN or self.target_role:
+            self.train_kind = ""
+        elif self.claim is not None:
+            self.train_kind = "train.compute"
+        elif self.config.is_core and self.applying > self.applied_step:
+            self.train_kind = "train.optimizer"
+        elif now < self.loading_until_s:
+            self.train_kind = "train.weight_sync"
+        elif self.applied_step + 1 in self.step_ready:
+            self.train_kind = "train.idle_step_fixed"
+        else:
+            self.train_kind = "train.idle_step_filling"
+
+    async def on_stop(self) -> None:
+        if not self.target_role:  # a switch under way was booked when it began; the harness counts switching
+            self._leaving_role()
 
     def _report(self, force: bool = False) -> None:
         now = self.clock.now()
@@ -255,6 +319,16 @@ class EmulatedCell(Actor):
         self._report(force=True)
         self._fast_ticks_now()
 
+    @handler(HandOverSessions)
+    def on_hand_over(self, msg: HandOverSessions) -> None:
+        if self.role != ROLLOUT or self.target_role:
+            return
+        self._advance()
+        sessions = self.engine.take_idle(msg.count)
+        if sessions:
+            self.tell(self.config.agents, SessionsOut(self.name, (), tuple(sessions)))
+            self._report(force=True)
+
     # ---- role switches --------------------------------------------------------------------------------------------
     @handler(SwitchRole)
     def on_switch(self, msg: SwitchRole) -> None:
@@ -262,6 +336,7 @@ class EmulatedCell(Actor):
             self.log.warning("switch_ignored", role=msg.role, current=self.role, target=self.target_role)
             return
         self._advance()
+        self._leaving_role()
         now = self.clock.now()
         self.generation += 1
         self.target_role = msg.role
@@ -293,6 +368,7 @@ class EmulatedCell(Actor):
         self.engine.now_s = now
         self.engine.pause(self.loading_until_s)
         self._note_role(self.role)
+        self._entered_role()
         self.publish(RoleChanged(self.name, self.role, previous, "", self.version, now - msg.started_s, msg.migrated,
                                  self.config.is_core))
         self._report(force=True)
@@ -343,6 +419,7 @@ class EmulatedCell(Actor):
         tokens = sum(len(sample.token_ids) for sample in granted.samples)
         seconds = self.model.train_s(tokens)
         self.claim = (granted.step_id, granted.microstep_index)
+        self._book_train()
         if self.record is not None:
             self.record.busy(self.name, seconds)
             self.record.trained(tokens)
@@ -353,6 +430,7 @@ class EmulatedCell(Actor):
         if msg.generation != self.generation or self.claim != (msg.step_id, msg.microstep_index):
             return  # released when the cell switched away; the claimer re-queued it
         self.claim = None
+        self._book_train()
         done = MicroStepDone(self.name, msg.step_id, msg.microstep_index, "", 0, 0, msg.num_tokens, 0.0)
         self.tell(self.config.claimer, done)
         if self.config.is_core:
@@ -377,6 +455,7 @@ class EmulatedCell(Actor):
     @handler(StepReady)
     def on_step_ready(self, msg: StepReady) -> None:
         self.step_ready[msg.step_id] = msg.num_microsteps
+        self._book_train()
         if self.config.is_core:
             self._maybe_apply()
         if self.role == TRAIN and not self.target_role:
@@ -392,6 +471,7 @@ class EmulatedCell(Actor):
         if len(self.done_microsteps.get(step, ())) < self.step_ready[step]:
             return
         self.applying = step
+        self._book_train()
         seconds = self.model.optimizer_step_s
         if step in self.satellite_contributed:
             seconds += self.model.gradient_reduce_s
@@ -404,6 +484,7 @@ class EmulatedCell(Actor):
         self.applied_step = msg.step_id
         self.done_microsteps.pop(msg.step_id, None)
         self.step_ready.pop(msg.step_id, None)
+        self._book_train()
         now = self.clock.now()
         self.log.info("step_applied", step=msg.step_id, version=self.version)
         if self.record is not None:
@@ -426,6 +507,7 @@ class EmulatedCell(Actor):
         self.step_ready.pop(msg.step_id, None)
         until = self.clock.now() + self.model.weight_sync_s
         self.loading_until_s = until
+        self._book_train()
         self.engine.pause(until)
         self.send_later(self.model.weight_sync_s, _WeightsLoaded(msg.version))
 
@@ -434,5 +516,6 @@ class EmulatedCell(Actor):
         self._advance()
         self.version = max(self.version, msg.version)
         self.engine.weight_version = self.version
+        self._book_train()
         if self.role == TRAIN and not self.target_role:
             self._claim_soon(0.0)

@@ -3,9 +3,11 @@
     gyre simulate --workload terminalbench --hardware h200 --cells 8 --gpus-per-cell 8 \\
         --model-active-params 22e9 --groups 64 --group-size 16 --staleness 1 --steps 20 --json --out sim/
 
-prints one line per policy (or, with --json, one object with elastic_hours, colocate_hours, async_best_hours and
-async_best_split (no streaming), async_streaming_best_hours and async_streaming_best_split, lower_bound_hours and
-wall_s), and with --out writes result.json and one role picture per policy (roles.png).
+prints one line per policy and one line of cell-hours by account per policy (where the time went, accounting.py),
+or, with --json, one object with elastic_hours, colocate_hours, async_best_hours and async_best_split (no
+streaming), async_streaming_best_hours and async_streaming_best_split, lower_bound_hours, wall_s, each policy's
+`time_accounts` and the `accounting` summary; with --out it writes result.json and one role picture per policy
+(roles.png).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--admit-up-to-capacity", action="store_true",
                    help="the emulated proxy places a session only on a cell with free capacity; the rest wait")
+    p.add_argument("--rebalance-on-join", action="store_true",
+                   help="a cell that joins rollout takes over live sessions between calls from the fullest cells (their "
+                   "KV moved); the real proxy does not do this yet (sessions stay where they were placed)")
     p.add_argument("--elastic-work-per-switch", type=float, default=8.0,
                    help="the elastic run's ElasticPolicy(work_per_switch=...): a satellite leaves rollout only for "
                    "waiting training work worth this many measured switch round trips (0: the session-counting "
@@ -89,7 +94,7 @@ def setup_from_args(args: argparse.Namespace) -> Setup:
         return Setup(workload=workload, hardware=args.hardware, cells=args.cells,
                      gpus_per_cell=args.gpus_per_cell, model=ModelProfile(**model_kwargs), groups=args.groups,
                      group_size=args.group_size, staleness=args.staleness, steps=args.steps, seed=args.seed,
-                     admit_up_to_capacity=args.admit_up_to_capacity,
+                     admit_up_to_capacity=args.admit_up_to_capacity, rebalance_on_join=args.rebalance_on_join,
                      elastic_work_per_switch=args.elastic_work_per_switch)
     except ValueError as error:
         raise SystemExit(f"gyre simulate: {error}") from None
@@ -119,10 +124,35 @@ def _handle(args: argparse.Namespace) -> int:
     for run in runs:
         print(f"{run.name:<28}{run.hours:>8.2f}{run.seconds_per_step:>9.0f}{run.rollout_share:>9.2f}"
               f"{run.busy_cell_hours:>9.1f}{run.idle_cell_hours:>9.1f}{run.switches:>9d}")
+    print(f"\ncell-hours by account (simulate/accounting.py); packed: the run's own decode, prefill, training and "
+          f"optimizer work spread perfectly over {result['setup']['cells']} cells, in hours")
+    print(f"{'policy':<28}" + "".join(f"{title:>8}" for title, _ in ACCOUNT_COLUMNS) + f"{'batch':>7}{'KV':>6}{'packed':>8}")
+    for run in runs:
+        accounts = run.time_accounts
+        hours, decode = accounts["cell_hours"], accounts["decode"]
+        print(f"{run.name:<28}" + "".join(f"{sum(hours[k] for k in keys):>8.1f}" for _, keys in ACCOUNT_COLUMNS)
+              + f"{decode['mean_sequences']:>7.0f}{decode['mean_kv_occupancy']:>6.2f}{accounts['packed_hours']:>8.2f}")
     print(f"lower bound {result['lower_bound_hours']:.2f} h; elastic vs colocate "
           f"{_ratio(result['elastic_vs_colocate'])}, vs the best streaming async ({result['async_streaming_best_split']}) "
           f"{_ratio(result['elastic_vs_async_streaming_best'])}; {result['wall_s']:.0f} s", file=sys.stdout)
+    accounting = result["accounting"]
+    if "target_hours" in accounting and "async_streaming_best_packed_hours" in accounting:
+        print(f"{accounting['target_vs_async_streaming_best']:.2f}x the strongest async is {accounting['target_hours']:.2f}"
+              f" h; its own work packed perfectly takes {accounting['async_streaming_best_packed_hours']:.2f} h"
+              + (f", elastic's {accounting['elastic_packed_hours']:.2f} h" if "elastic_packed_hours" in accounting
+                 else ""))
     return 0
+
+
+ACCOUNT_COLUMNS = (
+    ("decode", ("rollout.decode",)), ("prefill", ("rollout.prefill",)),
+    ("again", ("rollout.prefill_evicted", "rollout.prefill_moved")), ("tools", ("rollout.tools",)),
+    ("empty", ("rollout.empty",)), ("train", ("train.compute", "train.optimizer")),
+    ("t-idle", ("train.idle_step_filling", "train.idle_step_fixed")),
+    ("sync", ("rollout.weight_sync", "train.weight_sync")), ("switch", ("switching",)),
+)
+"""The text output's account columns: (title, accounts summed); "again" is prefill repeated (evicted prefixes, and
+sessions that moved without their KV)."""
 
 
 def _ratio(value: float | None) -> str:

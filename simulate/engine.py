@@ -81,6 +81,17 @@ class Engine:
         self.output_tokens = 0
         self.prefill_tokens = 0.0
         self.calls = 0
+        # Where the engine's time went (simulate/accounting.py reads these; nothing here decides anything by them).
+        # Every second advanced is in exactly one of decode_s (iteration time less the prefill chunk mixed into it),
+        # prefill_s (the chunk's share; the whole iteration when nothing decodes), paused_s (a weight update),
+        # tools_s (sessions held, every one in setup, a tool call or scoring) and empty_s (no session); busy_s is
+        # decode_s + prefill_s. While something decodes (decoding_s), the integrals of the sequences decoding and of
+        # the KV tokens they hold give the mean batch and KV occupancy. Prefill tokens started, and of them evicted
+        # prefixes prefilled again and whole contexts of sessions that moved here without their KV.
+        self.decode_s = self.prefill_s = self.paused_s = self.tools_s = self.empty_s = 0.0
+        self.decoding_s = self.decoding_sequence_s = self.decoding_kv_token_s = 0.0
+        self.prefill_started_tokens = self.evicted_prefill_tokens = self.moved_prefill_tokens = 0.0
+        self._prefill_rate = model.prefill_tokens_per_s
         # CellModel.mixed_iteration_s, unfolded into constants: the event loop evaluates it at every event, and the
         # attrs properties behind it (bandwidth, prefill rate) were a third of a run's time.
         # Other models (simulate/calibrated.py) are asked through mixed_iteration_s itself.
@@ -124,6 +135,7 @@ class Engine:
                     self._start_prefill(session, session.remaining_tokens, session.decode_after_prefill)
                 else:
                     tokens = session.context_tokens if not session.kv_cached else 0
+                    self.moved_prefill_tokens += tokens
                     self._start_prefill(session, max(1, tokens), remaining_decode)
             session.kv_cached = True
 
@@ -148,6 +160,25 @@ class Engine:
         self.sessions = set()
         self._timers, self._prefill, self._decode, self._waiting = [], [], [], []
         self._prefill_target_sum = self._decode_context = self._held_context = 0.0
+        return out
+
+    def take_idle(self, count: int) -> list[Session]:
+        """Up to `count` sessions that are between calls (setup, a tool call or scoring), those with the longest
+        wait left first (their KV has the most time to move before they call again), out of the engine with their
+        KV (a migration); the sessions computing stay."""
+        if count <= 0:
+            return []
+        idle = sorted((entry for entry in self._timers), key=lambda e: (-e[0], e[1]))[:count]
+        if not idle:
+            return []
+        chosen = {id(entry[2]) for entry in idle}
+        self._timers = [entry for entry in self._timers if id(entry[2]) not in chosen]
+        heapq.heapify(self._timers)
+        out = [entry[2] for entry in idle]
+        for session in out:
+            self.sessions.discard(session)
+            self._held_context -= session.context_tokens
+            session.kv_cached = True
         return out
 
     def pause(self, until_s: float) -> None:
@@ -175,10 +206,14 @@ class Engine:
         now = self.now_s
         prefill_service, decode_service = self._prefill_service, self._decode_service
         busy_s, prefill_tokens = self.busy_s, self.prefill_tokens
+        prefill_rate_any = self._prefill_rate
+        decode_s = prefill_s = paused_s = tools_s = empty_s = 0.0
+        decoding_s = decoding_sequence_s = decoding_kv_token_s = 0.0
         while True:
             paused = now < paused_until_s
             n_p, n_d = len(prefill), len(decode)
             rate_p = rate_d = 0.0
+            prefill_share = 0.0
             next_s = to_s
             if paused:
                 next_s = min(next_s, paused_until_s)
@@ -195,6 +230,7 @@ class Engine:
                     iteration_s += chunk / prefill_rate
                 else:
                     iteration_s = overhead_s + chunk / prefill_rate
+                prefill_share = chunk / prefill_rate_any / iteration_s if n_d else 1.0
                 if n_p:
                     rate_p = chunk / iteration_s / n_p
                     if rate_p > 0:
@@ -217,6 +253,19 @@ class Engine:
                 prefill_service += rate_p * step
                 decode_service += rate_d * step
                 prefill_tokens += rate_p * step * n_p
+            if paused:
+                paused_s += step
+            elif n_p or n_d:
+                prefill_s += step * prefill_share
+                decode_s += step * (1.0 - prefill_share)
+                if n_d:
+                    decoding_s += step
+                    decoding_sequence_s += step * n_d
+                    decoding_kv_token_s += step * self._decode_context
+            elif self.sessions:
+                tools_s += step
+            else:
+                empty_s += step
             now = next_s
             # _pop_due moves something exactly when one of these heads is due (it only pushes what it popped).
             if ((timers and timers[0][0] <= now + 1e-9) or (prefill and prefill[0][0] <= prefill_service + 1e-6)
@@ -227,6 +276,14 @@ class Engine:
                 break
         self.now_s, self._prefill_service, self._decode_service = now, prefill_service, decode_service
         self.busy_s, self.prefill_tokens = busy_s, prefill_tokens
+        self.decode_s += decode_s
+        self.prefill_s += prefill_s
+        self.paused_s += paused_s
+        self.tools_s += tools_s
+        self.empty_s += empty_s
+        self.decoding_s += decoding_s
+        self.decoding_sequence_s += decoding_sequence_s
+        self.decoding_kv_token_s += decoding_kv_token_s
         return finished
 
     def _pop_due(self, finished: list[Session]) -> bool:
@@ -271,6 +328,7 @@ class Engine:
         evicted = 0.0
         if self._held_context > self.kv_capacity:
             evicted = session.context_tokens * (1.0 - self.kv_capacity / self._held_context)
+        self.evicted_prefill_tokens += evicted
         session.context_tokens += observation
         self._held_context += observation
         self._start_prefill(session, observation + evicted, plan.output_tokens[session.turn])
@@ -279,6 +337,7 @@ class Engine:
         session.phase = PREFILL
         session.remaining_tokens = tokens
         session.decode_after_prefill = then_decode
+        self.prefill_started_tokens += tokens
         target = self._prefill_service + tokens
         self._prefill_target_sum += target
         self._seq += 1

@@ -30,6 +30,7 @@ from gyre.policies.staleness import MaxVersionLag
 from gyre.runtime.errors import GyreError
 from gyre.runtime.launch import RunOptions, VirtualLauncher
 from gyre.runtime.topology import RestartPolicy, Topology
+from gyre.simulate.accounting import account, best_decode_tokens_per_s, packed_hours
 from gyre.simulate.agents import EmulatedAgents, EmulatedAgentsConfig
 from gyre.simulate.cells import EmulatedCell, EmulatedCellConfig
 from gyre.simulate.hardware import HARDWARE, CellModel, ModelProfile
@@ -73,6 +74,8 @@ class Setup:
     """A micro-step's token budget per GPU of a cell (a cell's data-parallel ranks each take ~32k tokens)."""
     admit_up_to_capacity: bool = False
     """The emulated agents' admission bound (agents.py)."""
+    rebalance_on_join: bool = False
+    """The emulated agents' rebalancing onto a cell that joins rollout (agents.py)."""
     elastic_work_per_switch: float = 8.0
     """The "elastic" run's ElasticPolicy.work_per_switch (its cost-aware rules); "elastic-sessions" runs the
     policy's defaults (capacity and demand in sessions), as the main job does."""
@@ -111,6 +114,8 @@ class PolicyRun:
     trained_tokens: int
     wall_s: float
     intervals: tuple[tuple[str, str, float, float], ...] = ()
+    time_accounts: dict[str, Any] = attrs.field(factory=dict)
+    """Where the cell-hours went and the run's own work packed perfectly (accounting.py)."""
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in attrs.asdict(self).items() if k != "intervals"}
@@ -196,7 +201,8 @@ def build_topology(setup: Setup, policy: Any, streaming: bool, roles: dict[str, 
     ), restart=stop)
     workload = _SharedPlans(setup.workload) if _shared_plans.get("workload") is setup.workload else setup.workload
     topology.add("agents", EmulatedAgents, EmulatedAgentsConfig(workload, setup.seed, record=record,
-                                                                admit_up_to_capacity=setup.admit_up_to_capacity),
+                                                                admit_up_to_capacity=setup.admit_up_to_capacity,
+                                                                rebalance_on_join=setup.rebalance_on_join),
                  restart=stop)
     for index, name in enumerate(names):
         topology.add(name, EmulatedCell, EmulatedCellConfig(
@@ -225,12 +231,15 @@ def run_policy(setup: Setup, name: str, policy: Any, streaming: bool, roles: dic
         by_role[role] = by_role.get(role, 0.0) + end - start
     busy = min(total, sum(record.busy_s.values()))
     switches = sum(1 for _, _, role in record.role_changes if role == "switching")
+    accounts = account(record.seconds, setup.cells, end_s, by_role["switching"], setup.cell_model(),
+                       setup.mean_context_tokens())
+    accounts.update(packed_hours(accounts, setup.cells))
     return PolicyRun(
         name=name, finished=finished, hours=end_s / 3600, seconds_per_step=end_s / max(1, len(record.step_times_s)),
         rollout_share=by_role[ROLLOUT] / total if total else 0.0, busy_cell_hours=busy / 3600,
         idle_cell_hours=(total - busy - by_role["switching"]) / 3600, switching_cell_hours=by_role["switching"] / 3600,
         switches=switches, executions=record.executions_finished, model_calls=record.model_calls,
-        trained_tokens=record.trained_tokens, wall_s=wall_s, intervals=tuple(intervals),
+        trained_tokens=record.trained_tokens, wall_s=wall_s, intervals=tuple(intervals), time_accounts=accounts,
     )
 
 
@@ -238,8 +247,7 @@ def lower_bound(setup: Setup) -> dict[str, float]:
     """Hours no schedule beats (module docstring), with its two terms."""
     model = setup.cell_model()
     context = setup.mean_context_tokens()
-    sequences = max(1, min(model.max_running_requests, int(model.kv_capacity_tokens // context)))
-    decode_rate = model.decode_tokens_per_s(sequences, sequences * context)
+    decode_rate = best_decode_tokens_per_s(model, context)
     rollout_s = train_s = 0.0
     step_train_s: list[float] = []
     shortest_first_step = float("inf")
@@ -307,10 +315,28 @@ def compare(setup: Setup, only: tuple[str, ...] = (), jobs: int = 1) -> dict[str
     elastic, colocate, strongest = result["elastic_hours"], result["colocate_hours"], result["async_streaming_best_hours"]
     result["elastic_vs_colocate"] = colocate / elastic if elastic and colocate else None
     result["elastic_vs_async_streaming_best"] = strongest / elastic if elastic and strongest else None
+    result["accounting"] = _accounting_summary(result, by_name.get("elastic"), best("async-streaming"))
     result["policies"] = [run.summary() for run in runs]
     result["wall_s"] = time.perf_counter() - started
     result["_runs"] = runs
     return result
+
+
+TARGET_VS_ASYNC = 1.15
+"""Issue 30's bar for elastic against the strongest async (its best streaming split)."""
+
+
+def _accounting_summary(result: dict[str, Any], elastic: PolicyRun | None, strongest: PolicyRun | None
+                        ) -> dict[str, Any]:
+    """How far the bar is from what a perfect packing of the runs' own work reaches (accounting.py)."""
+    summary: dict[str, Any] = {"target_vs_async_streaming_best": TARGET_VS_ASYNC}
+    if strongest is not None and strongest.finished:
+        summary["target_hours"] = strongest.hours / TARGET_VS_ASYNC
+    for key, run in (("elastic", elastic), ("async_streaming_best", strongest)):
+        if run is not None and run.time_accounts:
+            summary[f"{key}_packed_hours"] = run.time_accounts["packed_hours"]
+            summary[f"{key}_packed_best_decode_hours"] = run.time_accounts["packed_best_decode_hours"]
+    return summary
 
 
 def _expected_cost(variant: tuple[str, Any, bool, dict[str, str]]) -> tuple[int, int]:
@@ -330,7 +356,8 @@ def _setup_summary(setup: Setup) -> dict[str, Any]:
         "workload": setup.workload.name, "hardware": setup.hardware, "cells": setup.cells,
         "gpus_per_cell": setup.gpus_per_cell, "active_params": setup.model.active_params,
         "total_params": setup.model.total_params, "groups": setup.groups, "group_size": setup.group_size,
-        "staleness": setup.staleness, "steps": setup.steps, "kv_capacity_tokens_per_cell": model.kv_capacity_tokens,
+        "staleness": setup.staleness, "steps": setup.steps, "admit_up_to_capacity": setup.admit_up_to_capacity,
+        "rebalance_on_join": setup.rebalance_on_join, "kv_capacity_tokens_per_cell": model.kv_capacity_tokens,
         "capacity_sessions_per_cell": model.capacity_sessions(setup.mean_context_tokens()),
         "weight_sync_s": round(model.weight_sync_s, 2), "prefill_tokens_per_s_per_cell": round(model.prefill_tokens_per_s),
         **({"recorded_workload": setup.workload.summary()} if hasattr(setup.workload, "summary") else {}),

@@ -1,4 +1,5 @@
-"""What an emulated run leaves behind for the harness: each cell's roles over time, busy time, step times.
+"""What an emulated run leaves behind for the harness: each cell's roles over time, busy time, step times, and where
+each cell's time went (`seconds`, by the keys of simulate/accounting.py).
 
 Actors of one emulated topology write here (it rides in their configs, in process); the harness reads it after the
 run. It is an output channel like gyre.testing's log capture, not state any actor reads back.
@@ -21,12 +22,17 @@ class RunRecord:
         self.trained_tokens = 0
         self.executions_finished = 0
         self.model_calls = 0
+        self.seconds: collections.Counter[str] = collections.Counter()
+        """Cell-seconds by what the cells did (accounting.py names the keys), summed over cells."""
 
     def role(self, cell: str, time_s: float, role: str) -> None:
         self.role_changes.append((cell, time_s, role))
 
     def busy(self, cell: str, seconds: float) -> None:
         self.busy_s[cell] += seconds
+
+    def account(self, key: str, seconds: float) -> None:
+        self.seconds[key] += seconds
 
     def step(self, step_id: int, time_s: float) -> None:
         self.step_times_s[step_id] = time_s

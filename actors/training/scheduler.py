@@ -259,6 +259,7 @@ class Scheduler(Actor):
                 load.live_sessions if load else 0, load.running_requests if load else 0,
                 load.waiting_requests if load else 0, load.capacity_requests if load else 0,
                 state.switch_sent_s if switching_to else state.role_since_s, switching_to, claims, idle_since,
+                load.free_kv_blocks if load else 0, load.total_kv_blocks if load else 0,
             )
             # A cell's view is rebuilt only when one of its fields changed: an evaluation follows every cell's load
             # report, which changes that cell alone, and building the frozen CellViews was most of an evaluation.

@@ -12,6 +12,7 @@ from gyre.messages.cells import SWITCHING, TRAIN
 from gyre.policies.scheduling import CellView, SchedulerView
 from gyre.runtime.cli import main as gyre_main
 from gyre.simulate import harness
+from gyre.simulate.accounting import KEYS
 from gyre.simulate.harness import Setup, compare, lower_bound, policy_variants, run_policy
 from gyre.simulate.workloads import WORKLOADS
 
@@ -110,6 +111,7 @@ def _fresh_cells(scheduler: Scheduler, now: float) -> tuple[CellView, ...]:
             capacity_requests=load.capacity_requests if load else 0,
             role_since_s=state.switch_sent_s if state.switching_to else state.role_since_s,
             switching_to=state.switching_to, claims=claims, idle_since_s=idle_since,
+            free_kv_blocks=load.free_kv_blocks if load else 0, total_kv_blocks=load.total_kv_blocks if load else 0,
         ))
     return tuple(cells)
 
@@ -155,6 +157,55 @@ def test_no_policy_beats_the_lower_bound(result: dict) -> None:
         assert run.hours >= result["lower_bound_hours"], run.name
 
 
+def test_every_cell_hour_is_in_one_account(result: dict) -> None:
+    """The cells' bookings (accounting.py) cover every cell-hour of a run, each role's hours in its own accounts:
+    at most the time since each cell last advanced its engine (a report interval) is left over."""
+    slack_h = SMALL.cells * 10.0 / 3600
+    for run in result["_runs"]:
+        accounts = run.time_accounts
+        hours = accounts["cell_hours"]
+        assert accounts["total_cell_hours"] == pytest.approx(SMALL.cells * run.hours, rel=1e-12)
+        assert abs(hours["unaccounted"]) <= slack_h, run.name
+        assert all(value >= 0 for key, value in hours.items() if key != "unaccounted"), run.name
+        by_role: dict[str, float] = {}
+        for _, role, start, end in run.intervals:
+            by_role[role] = by_role.get(role, 0.0) + (end - start) / 3600
+        rollout = sum(value for key, value in hours.items() if key.startswith("rollout."))
+        train = sum(value for key, value in hours.items() if key.startswith("train."))
+        assert rollout == pytest.approx(by_role.get("rollout", 0.0), abs=slack_h), run.name
+        assert train == pytest.approx(by_role.get("train", 0.0), abs=slack_h), run.name
+        assert hours["switching"] == pytest.approx(by_role.get("switching", 0.0), abs=1e-12), run.name
+        # what a run trains is what its cells computed; its own work packed perfectly is never slower than it
+        assert hours["train.compute"] > 0 and accounts["decode"]["output_tokens"] > 0
+        assert accounts["packed_best_decode_hours"] <= accounts["packed_hours"] <= run.hours, run.name
+    accounting = result["accounting"]
+    strongest = result["async_streaming_best_hours"]
+    assert accounting["target_hours"] == pytest.approx(strongest / 1.15)
+    assert accounting["elastic_packed_hours"] == result["_runs"][0].time_accounts["packed_hours"]
+
+
+def test_a_cell_that_joins_rollout_takes_over_sessions_when_rebalancing() -> None:
+    """With rebalancing (Setup.rebalance_on_join), a cell that comes back to rollout takes live sessions between
+    calls from the fullest cells instead of idling until new ones start: elastic's and colocate's empty rollout time
+    mostly goes (colocate's returning cells no longer pile every session on the first one back, so it also prefills
+    far less again); a fixed split, where no cell ever joins, runs exactly as without."""
+    setup = Setup(groups=8, group_size=16, steps=3, cells=3, gpus_per_cell=8)
+    for name, policy, streaming, roles in policy_variants(setup):
+        if name not in ("elastic", "colocate", "async-streaming[1t/2r]"):
+            continue
+        sticky = run_policy(setup, name, policy, streaming, roles)
+        rebalanced = run_policy(attrs.evolve(setup, rebalance_on_join=True), name, policy, streaming, roles)
+        assert rebalanced.finished and rebalanced.executions >= setup.steps * setup.groups * setup.group_size
+        before, after = sticky.time_accounts["cell_hours"], rebalanced.time_accounts["cell_hours"]
+        if name.startswith("async"):
+            assert attrs.evolve(rebalanced, wall_s=0.0) == attrs.evolve(sticky, wall_s=0.0)
+            continue
+        assert after["rollout.empty"] < 0.1 * before["rollout.empty"], name
+        assert rebalanced.hours < 0.95 * sticky.hours, name
+        if name == "colocate":
+            assert after["rollout.prefill_evicted"] < 0.1 * before["rollout.prefill_evicted"]
+
+
 def test_headline_keys(result: dict) -> None:
     for key in ("elastic_hours", "colocate_hours", "async_best_hours", "async_best_split", "async_streaming_best_hours",
                 "async_streaming_best_split", "lower_bound_hours", "wall_s"):
@@ -193,7 +244,23 @@ def test_cli_json_and_pictures(tmp_path, capsys) -> None:
     assert printed["elastic_hours"] > 0 and printed["colocate_hours"] is None  # colocate was not asked for
     assert printed["async_best_split"] in ("1t/2r", "2t/1r")
     assert (tmp_path / "roles.png").stat().st_size > 1000
-    assert json.loads((tmp_path / "result.json").read_text())["lower_bound_hours"] == printed["lower_bound_hours"]
+    written = json.loads((tmp_path / "result.json").read_text())
+    assert written["lower_bound_hours"] == printed["lower_bound_hours"]
+    assert written["accounting"] == printed["accounting"] and "target_hours" in printed["accounting"]
+    for run in printed["policies"]:
+        assert set(run["time_accounts"]["cell_hours"]) == set(KEYS), run["name"]
+        assert run["time_accounts"]["packed_hours"] <= run["hours"], run["name"]
+    assert printed["setup"]["rebalance_on_join"] is False and printed["setup"]["admit_up_to_capacity"] is False
+
+
+def test_cli_text_shows_the_accounts_and_takes_rebalancing(capsys) -> None:
+    code = gyre_main(["simulate", "--groups", "2", "--group-size", "4", "--steps", "2", "--cells", "3",
+                      "--rebalance-on-join", "--only", "elastic"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "cell-hours by account" in out and "packed" in out and "again" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith("elastic")]
+    assert rows == ["elastic", "elastic-sessions"] * 2  # a row each in the runs' table and in the accounts' table
 
 
 def test_cli_refuses_a_model_that_does_not_fit(capsys) -> None:

@@ -21,10 +21,11 @@ from gyre.policies.scheduling import (
 )
 
 
-def cell(name, role="rollout", core=False, sessions=0, cap=4, since=0.0, claims=0, to="", idle=None) -> CellView:
+def cell(name, role="rollout", core=False, sessions=0, cap=4, since=0.0, claims=0, to="", idle=None,
+         kv=(0, 0)) -> CellView:
     return CellView(name=name, role=role, is_core=core, live_sessions=sessions, running_requests=min(sessions, cap),
                     waiting_requests=max(0, sessions - cap), capacity_requests=cap, role_since_s=since,
-                    switching_to=to, claims=claims, idle_since_s=idle)
+                    switching_to=to, claims=claims, idle_since_s=idle, free_kv_blocks=kv[0], total_kv_blocks=kv[1])
 
 
 def view(*cells, t=100.0, round_trip=None, **backlog) -> SchedulerView:
@@ -206,6 +207,34 @@ def test_by_work_a_satellite_leaves_only_into_free_room_on_the_cells_that_stay()
         view(CORE_BUSY, *crowded, **work)) != ()
 
 
+def test_by_work_a_satellite_leaves_only_into_free_kv_on_the_cells_that_stay():
+    work = dict(claimable_microsteps=4, executions_per_step=100, executions_in_step=90, microstep_s=16.0,
+                round_trip=12.0)
+    # room in sessions (20 + 20 >= 30), but s3's 30 sessions hold 600 blocks and s1, s2 have 250 free each: nobody
+    # goes (their contexts are longer than the mean the session count assumes)
+    tight = (cell("s1", sessions=80, cap=100, kv=(250, 1000)), cell("s2", sessions=80, cap=100, kv=(250, 1000)),
+             cell("s3", sessions=30, cap=100, kv=(400, 1000)))
+    assert BY_WORK.decide(view(CORE_BUSY, *tight, **work)) == ()
+    # 300 free each: 600 >= 600, it goes
+    roomy = (cell("s1", sessions=80, cap=100, kv=(300, 1000)), cell("s2", sessions=80, cap=100, kv=(300, 1000)),
+             tight[2])
+    assert moves(BY_WORK.decide(view(CORE_BUSY, *roomy, **work))) == [("s3", "train")]
+    # a cell that reports no pool (SGLang's /get_load gives no block counts) holds nobody back
+    unreported = (cell("s1", sessions=80, cap=100), *tight[1:])
+    assert moves(BY_WORK.decide(view(CORE_BUSY, *unreported, **work))) == [("s3", "train")]
+    # the rule off, or the session-counting rules: the blocks are not looked at
+    assert moves(attrs.evolve(BY_WORK, leave_into_free_kv=False).decide(view(CORE_BUSY, *tight, **work))) == [
+        ("s3", "train")]
+    few = (cell("s1", sessions=10, cap=100, kv=(250, 1000)), cell("s2", sessions=10, cap=100, kv=(250, 1000)),
+           cell("s3", sessions=5, cap=100, kv=(400, 1000)))
+    assert BY_WORK.decide(view(CORE_BUSY, *few, **work)) == ()
+    assert moves(ELASTIC.decide(view(CORE_BUSY, *few, **work))) == [("s3", "train")]
+    # free blocks alone are not room either: a burst of new sessions holds little KV now and much later
+    fresh = (cell("s1", sessions=100, cap=100, kv=(900, 1000)), cell("s2", sessions=100, cap=100, kv=(900, 1000)),
+             cell("s3", sessions=30, cap=100, kv=(900, 1000)))
+    assert BY_WORK.decide(view(CORE_BUSY, *fresh, **work)) == ()
+
+
 def test_by_work_a_train_cell_goes_back_after_idling_one_round_trip():
     rollout = cell("s1", sessions=10, cap=100)
     measured = dict(microstep_s=16.0, dry_since_s=50.0, round_trip=12.0)
@@ -312,6 +341,7 @@ def random_views(seed: int, count: int = 300) -> tuple[SchedulerView, ...]:
                 "core" if i == 0 else f"s{i}", role, core=i == 0, sessions=rng.randint(0, 12), cap=rng.randint(1, 8),
                 since=rng.uniform(0, 100), claims=rng.randint(0, 2) if role == "train" else 0,
                 to=rng.choice(["rollout", "train"]) if role == "switching" else "",
+                kv=rng.choice([(0, 0), (rng.randint(0, 100), 100)]),
             ))
         views.append(view(
             *cells, t=100.0, step_id=rng.randint(0, 5), step_fixed=rng.random() < 0.5,

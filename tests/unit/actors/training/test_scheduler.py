@@ -742,6 +742,46 @@ def test_the_scheduler_leaves_a_silent_cell_out_of_its_view(tmp_path):
 
 
 @attrs.frozen
+class TrainsTheFreestPool:
+    """Once every rollout cell has reported its KV pool, sends the one with the most free blocks to training (one
+    switch at a time)."""
+
+    def decide(self, view):
+        rollout = [c for c in view.cells if c.role == ROLLOUT]
+        if any(c.role == SWITCHING for c in view.cells) or not rollout or not all(c.total_kv_blocks for c in rollout):
+            return ()
+        freest = max(rollout, key=lambda c: (c.free_kv_blocks, c.name))
+        return (SwitchRole(freest.name, TRAIN, f"{freest.free_kv_blocks}/{freest.total_kv_blocks} blocks free"),)
+
+
+class KvDriver(Actor):
+    """Speaks for four cells, the rollout cells reporting their KV pools (s2: 70 of 100 blocks free, s3: 30)."""
+
+    async def on_start(self) -> None:
+        for name in ("core", "s1", "s2", "s3"):
+            role = TRAIN if name in ("core", "s1") else ROLLOUT
+            self.publish(RoleChanged(name, role, "", "", 0, 0.0, 0, name == "core"))
+            free = {"s2": 70, "s3": 30}.get(name, 0)
+            self.publish(LoadReport(name, role, "", 0, 0, 0, free, 100 if free else 0, 4, 0, self.clock.now()))
+        self.send_later(5.0, DriverTick(1))
+
+    @handler(DriverTick)
+    def on_tick(self, msg: DriverTick) -> None:
+        self.stop_topology("done")
+
+
+def test_the_schedulers_view_carries_each_cells_kv_pool(tmp_path):
+    topo = Topology("scheduler", seed=0)
+    topo.add("scheduler", Scheduler, SchedulerConfig(policy=TrainsTheFreestPool(), tick_s=1.0,
+                                                     expected_cells=("core", "s1", "s2", "s3")))
+    for name in ("core", "s1", "s2", "s3"):
+        topo.add(name, Quiet)
+    topo.add("driver", KvDriver)
+    outcome = run(topo, tmp_path / "kv.glog", until_s=100.0)
+    assert outcome.switches == [(0.0, "s2", TRAIN)]
+
+
+@attrs.frozen
 class SwitchesAStranger:
     """Breaks the contract: decides about a cell that does not exist."""
 

@@ -70,12 +70,22 @@ def run_layout(trainer, rank: int, data: int) -> dict:
             grads = parallel.gather_state(local, trainer.spec)
         trainer.optimizer_step()
     weights = trainer.hf_state_dict()
+    # The optimizer: elements whose moments this rank keeps (a data-parallel share with the sharded optimizer), the
+    # whole moments a checkpoint holds (gathered: a collective), and that loading them back gives the same state.
+    from gyre.engines.trainer import checkpoint_state_digest
+
+    kept = sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"])
+    state = trainer.checkpoint_state()
+    moments = torch.cat([state["optimizer"]["state"][i][key] for key in ("exp_avg", "exp_avg_sq") for i in (0, 1)])
+    trainer.load_checkpoint_state(state)
+    roundtrip = checkpoint_state_digest(trainer.checkpoint_state()) == checkpoint_state_digest(state)
     buckets = list(trainer.iter_hf_buckets(bucket_bytes=BUCKET_BYTES))  # a collective: every rank iterates it
     if not trainer.is_publisher:
         assert all(not bucket for bucket in buckets), "only the publishing rank gets the weights"
     sizes = [sum(t.numel() * t.element_size() for t in bucket.values()) for bucket in buckets]
     union = {name: tensor for bucket in buckets for name, tensor in bucket.items()}
     return {"losses": losses, "grads": grads, "logprobs": logprobs, "weights": weights,
+            "optimizer": {"kept": kept, "total": trainer.param_buffer().numel(), "moments": moments, "roundtrip": roundtrip},
             "buckets": {"publisher": trainer.is_publisher, "sizes": sizes, "union": union}}
 
 

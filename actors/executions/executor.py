@@ -71,17 +71,21 @@ from gyre.messages.executions import (
 )
 from gyre.messages.groups import GroupStarted
 from gyre.messages.samples import ExecutionDropped
-from gyre.runtime import Actor, handler
+from gyre.runtime import Actor, ActorDead, handler
 from gyre.runtime.validators import count, positive
 
 __all__ = [
     "ExecutorConfig",
     "Executor",
+    "PROXY_STOPPED",
     "execution_id_for",
     "task_problem",
     "safe_path_component",
     "sandbox_env",
 ]
+
+PROXY_STOPPED = "no API key: the proxy is stopped"
+"""LaunchFailed's reason when the proxy is stopped (ActorDead): the run is ending, or the proxy failed for good."""
 
 AGENT_STDOUT = "agent.stdout.log"
 AGENT_STDERR = "agent.stderr.log"
@@ -301,6 +305,9 @@ class Executor(Actor):
             )
             if not isinstance(reply, KeyIssued):
                 raise TypeError(f"the proxy answered {type(reply).__qualname__}, not KeyIssued")
+        except ActorDead:  # the proxy stopped (the run is ending): every execution still queued goes the same way
+            await self.send(self.name, LaunchFailed(execution.execution_id, PROXY_STOPPED, False))
+            return
         except Exception as error:  # any failure to get a key drops this execution, not the executor
             await self.send(self.name, LaunchFailed(execution.execution_id, f"no API key: {error!r}", False))
             return
@@ -443,7 +450,15 @@ class Executor(Actor):
             self._unknown(msg)
             return
         self.counts["executions_failed"] += 1
-        self.log.error("execution_not_started", execution_id=msg.execution_id, reason=msg.reason)
+        if msg.reason == PROXY_STOPPED:
+            # Expected while a topology stops (the proxy may stop before this executor's queue is empty): counted,
+            # logged at the 1st, 2nd, 4th... instead of one error line per queued execution.
+            self.counts["not_started_proxy_stopped"] += 1
+            n = self.counts["not_started_proxy_stopped"]
+            if n & (n - 1) == 0:
+                self.log.warning("executions_not_started_proxy_stopped", execution_id=msg.execution_id, count=n)
+        else:
+            self.log.error("execution_not_started", execution_id=msg.execution_id, reason=msg.reason)
         if msg.key_issued:
             self.tell(self.config.proxy, RevokeKey(msg.execution_id))
             self.publish(ExecutionEnded(msg.execution_id, execution.group_id))

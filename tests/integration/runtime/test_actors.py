@@ -453,6 +453,24 @@ def test_stop_actor_policy_fails_later_and_queued_asks_with_actor_dead(transport
     assert result.value == ("dead", ["stopped"], True)
 
 
+def test_tells_to_a_stopped_actor_are_all_counted_and_logged_at_powers_of_two(transport: str) -> None:
+    # While a topology stops, cells that stopped first kept receiving a published message per model call, one
+    # warning each (a hundred lines at the end of every main-job run).
+    async def driver(h: Harness) -> tuple:
+        h.tell("worker", Crash("boom"))
+        await _wait_failures(h, 1)
+        with capture_logs() as logs:
+            for amount in range(9):
+                h.tell("worker", Add(amount))
+            await h.wait_until(lambda: h.statistics()["refused"] >= 9, 10.0, "nine refusals")
+            await asyncio.sleep(0.2)  # room for a tenth that should not come
+        lines = [entry["refused"] for entry in logs if entry["event"] == "message_for_a_dead_actor"]
+        return h.statistics()["refused"], lines
+
+    result = run_actors(_topology(worker=RestartPolicy("stop_actor")), driver, transport=transport)
+    assert result.value == (9, [1, 2, 4, 8])
+
+
 def test_ask_being_handled_when_the_actor_dies_fails_with_actor_dead(transport: str) -> None:
     async def driver(h: Harness) -> str:
         with pytest.raises(ActorDead):

@@ -20,6 +20,7 @@ from gyre.actors.executions.executor import (
     AGENT_STDOUT,
     Executor,
     ExecutorConfig,
+    PROXY_STOPPED,
     safe_path_component,
     task_problem,
 )
@@ -37,7 +38,10 @@ from gyre.messages.executions import (
 )
 from gyre.messages.groups import GroupStarted
 from gyre.messages.samples import ExecutionDropped
-from gyre.runtime import Actor, Codec, InProcessLauncher, RunOptions, Topology, handler, read_log
+from gyre.runtime import (
+    Actor, ActorDead, Codec, InProcessLauncher, RestartPolicy, RunOptions, Topology, handler, read_log,
+)
+from gyre.runtime.testing import capture_logs
 
 ENV_KEYS = (
     "OPENAI_BASE_URL", "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "GYRE_EXECUTION_ID",
@@ -276,6 +280,47 @@ def test_no_key_drops_the_executions_without_running_anything(tmp_path: Path) ->
     assert "ExecutionEnded" not in got  # no key, no session anywhere
     assert not list(root.rglob("ran"))
     assert got["ExecutorStatistics"][0].executions_failed == 2
+
+
+class StoppedProxy(Actor):
+    """A proxy that stops as it starts: every IssueKey it is asked fails with ActorDead, as at a run's end."""
+
+    async def on_start(self) -> None:
+        raise RuntimeError("stopped before any key")
+
+
+class DriverAfterTheProxy(Driver):
+    async def on_start(self) -> None:
+        try:  # queued behind the proxy's failing start: by the time this returns the proxy is dead
+            await self.ask("proxy", IssueKey("probe", "probe"))
+        except ActorDead:
+            pass
+        await super().on_start()
+
+
+def test_a_stopped_proxy_drops_the_executions_with_a_line_at_powers_of_two(tmp_path: Path) -> None:
+    # At the end of a main-job run the proxy stops before the executor's queue is empty; each queued execution
+    # then failed to get a key and logged an error line (166 at the end of one run).
+    spec = task("import pathlib; pathlib.Path('ran').write_text('')")
+    root = tmp_path / "executions"
+    topology = Topology("executor-test", seed=0)
+    topology.add("executor", Executor, ExecutorConfig(workspace_root=str(root), proxy="proxy", evaluator="driver",
+                                                       builder="driver"))
+    topology.add("proxy", StoppedProxy, restart=RestartPolicy("stop_actor"))
+    topology.add("driver", DriverAfterTheProxy, DriverConfig((StartGroup("g", spec, 5, 0),), expected_outcomes=5))
+    log_path = tmp_path / "run.glog"
+    with capture_logs() as logs:
+        result = InProcessLauncher().run(topology, RunOptions(log_path=str(log_path), until_s=60.0))
+    assert result.reason == "done", result
+    codec = Codec()
+    dropped = [r.decode(codec) for r in read_log(log_path) if r.type_name.endswith("ExecutionDropped")]
+    assert sorted(m.execution_id for m in dropped) == [f"g.{i}" for i in range(5)]
+    assert {m.reason for m in dropped} == {PROXY_STOPPED}
+    events = [e for e in logs if e["event"].startswith("execution")]
+    assert [(e["event"], e["count"]) for e in events] == [("executions_not_started_proxy_stopped", n) for n in (1, 2, 4)]
+    assert not list(root.rglob("ran"))
+    stats = [r.decode(codec) for r in read_log(log_path) if r.type_name.endswith("ExecutorStatistics")]
+    assert stats[-1].executions_failed == 5
 
 
 def test_agent_that_cannot_start_is_dropped_and_its_key_revoked(tmp_path: Path) -> None:

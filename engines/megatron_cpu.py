@@ -68,6 +68,10 @@ __all__ = ["apply", "is_applied"]
 log = structlog.get_logger(__name__)
 
 _applied = False
+_apply_lock = threading.Lock()
+"""apply() runs once even when two threads call it at once (a cell prepares its training runtime in one thread while
+a trainer is built in another): twice, shim 10 wrapped its own subclass, and a group made between the two swaps
+failed c10d's isinstance check ("Expected ProcessGroupGloo, got <class '...ProcessGroupGloo'>")."""
 
 
 def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
@@ -122,17 +126,22 @@ def _lone_rank_gloo_groups(base: type) -> type:
 
     class _LoneRankGlooGroups(base):
         def __init__(self, store, rank, size, timeout=datetime.timedelta(seconds=1800)) -> None:
+            # `timeout`: a timedelta (how c10d calls it) or the backend's options (the constructor's other form).
             if size != 1:
-                super().__init__(store, rank, size, timeout=timeout)
+                super().__init__(store, rank, size, timeout)
                 return
             with lock:
                 if not devices:
                     devices.append(base.create_default_device())
-            options = base._Options()
-            options._timeout = timeout
+            if isinstance(timeout, datetime.timedelta):
+                options = base._Options()
+                options._timeout = timeout
+            else:
+                options = timeout
             options._devices = [devices[0]]
             super().__init__(store, rank, size, options)
 
+    _LoneRankGlooGroups._gyre_lone_rank_groups = True
     _LoneRankGlooGroups.__name__ = _LoneRankGlooGroups.__qualname__ = base.__name__
     _LoneRankGlooGroups.__module__ = base.__module__
     return _LoneRankGlooGroups
@@ -232,9 +241,14 @@ def _cpu_setup_embeddings(original):
 
 def apply() -> bool:
     """Install the CPU shims if there is no CUDA device. Returns True when they are (or already were) installed."""
-    global _applied
     if torch.cuda.is_available():
         return False
+    with _apply_lock:
+        return _apply_once()
+
+
+def _apply_once() -> bool:
+    global _applied
     if _applied:
         return True
     from megatron.core import utils as core_utils
@@ -280,7 +294,8 @@ def apply() -> bool:
     from torch.distributed import distributed_c10d
 
     if getattr(distributed_c10d, "ProcessGroupGloo", None) is not None:  # a torch built without gloo has none
-        distributed_c10d.ProcessGroupGloo = _lone_rank_gloo_groups(distributed_c10d.ProcessGroupGloo)
+        if not getattr(distributed_c10d.ProcessGroupGloo, "_gyre_lone_rank_groups", False):  # never wrapped twice
+            distributed_c10d.ProcessGroupGloo = _lone_rank_gloo_groups(distributed_c10d.ProcessGroupGloo)
     _applied = True
     log.info("megatron_cpu_shims_applied", shims=10)
     return True

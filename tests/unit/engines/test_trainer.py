@@ -283,6 +283,49 @@ def test_the_parallel_state_s_groups_of_one_rank_share_one_gloo_device() -> None
     assert loops == "1" and summed.strip() == "[1.0, 1.0, 1.0]"
 
 
+CONCURRENT_PREPARE = """
+import datetime, threading
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from gyre.engines import megatron_cpu
+from gyre.engines.trainer import prepare_training_runtime
+
+start = threading.Barrier(4)
+errors = []
+
+def prepare():
+    start.wait()
+    try:
+        prepare_training_runtime()
+    except Exception as error:
+        errors.append(repr(error))
+
+threads = [threading.Thread(target=prepare) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+wrapped = distributed_c10d.ProcessGroupGloo
+# Wrapped once: its base is torch's own class. A group of one made by options (the constructor's other form) too.
+options = wrapped.__mro__[1]._Options()
+options._timeout = datetime.timedelta(seconds=5)
+wrapped(dist.HashStore(), 0, 1, options)
+print(errors, wrapped.__mro__[1] is dist.ProcessGroupGloo)
+"""
+
+
+def test_training_runtime_prepared_from_several_threads_at_once_wraps_gloo_once() -> None:
+    # A cell prepares its training runtime in one thread while a trainer is built in another; the shims were applied
+    # twice and a group made between the two swaps failed c10d's type check (an async run with a training satellite
+    # failed every switch with it).
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_PREPARE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[] True"
+
+
 def test_config_validation():
     with pytest.raises(TrainerError):
         TrainerConfig(core_attention="flash")

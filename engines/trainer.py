@@ -15,8 +15,8 @@ On a machine without CUDA, megatron-core runs on the CPU through the shims of `g
 gloo process group; plain `torch.optim.AdamW` replaces Megatron's optimizer (which hard-codes CUDA) and gives the
 same updates. With data parallelism it is sharded as megatron's distributed optimizer is (ZeRO stage 1,
 `TrainerConfig.shard_optimizer`): each data-parallel rank keeps the moments of its share of the flat buffer, steps
-it, and broadcasts it to the other ranks. Any number of trainers may live in one process: the process group and megatron's parallel state are
-set up once (a group of one unless the caller set up another) and shared.
+it, and broadcasts it to the other ranks. Any number of trainers may live in one process: the process group and
+megatron's parallel state are set up once (a group of one unless the caller set up another) and shared.
 
 Several processes can make one trainer: each calls `gyre.engines.parallel.init_parallel` and then builds a
 MegatronTrainer as above. The trainer reads the tensor, pipeline, data and expert sizes from megatron's parallel state

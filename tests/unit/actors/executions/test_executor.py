@@ -317,7 +317,8 @@ def test_a_stopped_proxy_drops_the_executions_with_a_line_at_powers_of_two(tmp_p
     assert sorted(m.execution_id for m in dropped) == [f"g.{i}" for i in range(5)]
     assert {m.reason for m in dropped} == {PROXY_STOPPED}
     events = [e for e in logs if e["event"].startswith("execution")]
-    assert [(e["event"], e["count"]) for e in events] == [("executions_not_started_proxy_stopped", n) for n in (1, 2, 4)]
+    thinned = [("executions_not_started_proxy_stopped", n) for n in (1, 2, 4)]
+    assert [(e["event"], e["count"]) for e in events] == thinned
     assert not list(root.rglob("ran"))
     stats = [r.decode(codec) for r in read_log(log_path) if r.type_name.endswith("ExecutorStatistics")]
     assert stats[-1].executions_failed == 5

@@ -129,21 +129,15 @@ def _timed(device: str, fn: Callable[[], Any], repeats: int | None = None) -> tu
 def _model_dir(workdir: Path, preset: str) -> Path:
     """A model directory of `preset` with weights spread wider than init and random norm weights (as the CPU parity
     tests make them), so that a wrong mapping or a dropped tie shows far above the tolerance."""
-    import torch
-
     from gyre.engines.model_format import PRESETS as SPECS
-    from gyre.engines.model_format import init_model_dir, init_state_dict, save_hf_state_dict
+    from gyre.engines.model_format import init_model_dir, save_hf_state_dict
+    from gyre.engines.testing import spread_state_dict
 
     path = workdir / preset
     if (path / "model.safetensors").is_file():
         return path
     init_model_dir(path, preset, seed=0)
-    state = init_state_dict(SPECS[preset], seed=21, std=0.08)
-    g = torch.Generator().manual_seed(22)
-    for name, tensor in state.items():
-        if tensor.dim() == 1:
-            state[name] = torch.rand(tensor.shape, generator=g) + 0.5
-    save_hf_state_dict(path, state)
+    save_hf_state_dict(path, spread_state_dict(SPECS[preset], seed=21))
     return path
 
 

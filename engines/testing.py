@@ -41,7 +41,8 @@ from gyre.engines.embedded_engine import EmbeddedEngine, EngineConfig, GenerateO
 from gyre.engines.engine_server import API_KEY_ENV, sampling_params_from_json
 from gyre.engines.errors import BadRequest, EngineClosed, EngineFailed, EngineOverloaded, RequestError
 
-__all__ = ["FAKE_SGLANG_ROUTES", "SGLANG_GENERATE_FIELDS", "SGLANG_SAMPLING_DEFAULTS", "build_fake_sglang_app"]
+__all__ = ["FAKE_SGLANG_ROUTES", "SGLANG_GENERATE_FIELDS", "SGLANG_SAMPLING_DEFAULTS", "build_fake_sglang_app",
+           "spread_state_dict"]
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +68,22 @@ HONOURED_SAMPLING = frozenset({"max_new_tokens", "stop", "stop_token_ids", "temp
                                "ignore_eos", "skip_special_tokens", "no_stop_trim", "sampling_seed"})
 """The keys the embedded engine really applies; the rest must stay at SGLang's default."""
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
+
+
+def spread_state_dict(spec: Any, seed: int, std: float = 0.08) -> dict[str, Any]:
+    """HF weights for parity checks: matrices drawn wider than init (`std`, from `seed`) and every norm weight random
+    in [0.5, 1.5) (from seed + 1), so a wrong mapping, a dropped tie or a misrouted expert shows far above a parity
+    tolerance, where init's unit norms would hide a swapped norm."""
+    import torch
+
+    from gyre.engines.model_format import init_state_dict
+
+    state = init_state_dict(spec, seed=seed, std=std)
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, tensor in state.items():
+        if tensor.dim() == 1:
+            state[name] = torch.rand(tensor.shape, generator=g) + 0.5
+    return state
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -15,6 +15,7 @@ prints one JSON line with each way's median over all its runs and each repeat's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import runpy
@@ -26,6 +27,7 @@ import tempfile
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Iterator
 
 AGENT = Path(__file__).resolve().parents[2] / "examples" / "toolbox" / "agent.py"
 TASK = "Write the words amber bird to answer.txt."
@@ -121,6 +123,29 @@ def _measure(way: str, runs: int, base_url: str) -> list[float]:
     return costs
 
 
+@contextlib.contextmanager
+def canned_server() -> Iterator[int]:
+    """This file's canned OpenAI server (`--serve PORT`) in a child process, up and answering; yields its port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the canned server did not start")
+                time.sleep(0.05)
+        yield port
+    finally:
+        server.kill()
+        server.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30, help="agent runs a way per repeat")
@@ -135,20 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.way:
         print(json.dumps(_measure(args.way, args.runs, args.base_url)))
         return 0
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("agent_warmup_cost: the canned server did not start")
-                time.sleep(0.05)
+    with canned_server() as port:
         rounds: dict[str, list[list[float]]] = {"request": [], "reply": []}
         for _ in range(args.repeats):
             for way in rounds:
@@ -156,9 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                                        "--base-url", f"http://127.0.0.1:{port}/v1"],
                                       capture_output=True, text=True, check=True)
                 rounds[way].append(json.loads(done.stdout))
-    finally:
-        server.kill()
-        server.wait()
     medians = {way: statistics.median(c for one in costs for c in one) for way, costs in rounds.items()}
     print(json.dumps({
         "runs_per_repeat": args.runs, "repeats": args.repeats,

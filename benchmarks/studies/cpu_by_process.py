@@ -34,38 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+from gyre.benchmarks.studies.process_cpu import _sample, _tree  # the /proc reading both studies share
+
 CELL_PREFIXES = ("core", "sat")
 LAUNCHER_GROUPS = {"control": "control", "proxy": "proxy", "runs": "runs"}
 """gyre:NAME -> kind, for the launcher's children that are not cells."""
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _tree(pid: int) -> list[int]:
-    pids, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        pids.append(current)
-        todo.extend(_children(current))
-    return pids
-
-
-def _sample(pid: int) -> dict | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state is field 3 of proc(5)
-    utime, stime, cutime, cstime = (int(x) / CLOCK_TICKS_PER_S for x in fields[11:15])
-    return {"ppid": int(fields[1]), "comm": stat[stat.index("(") + 1:stat.rindex(")")], "cmdline": cmdline[:300],
-            "self_cpu_s": utime + stime, "system_cpu_s": stime, "reaped_cpu_s": cutime + cstime}
 
 
 def kind_of(sample: dict, parent: dict | None, root: bool) -> str:
@@ -130,10 +103,10 @@ def measure(command: list[str], interval_s: float) -> dict:
             if old.get("gone") or pid in current:
                 continue
             old["gone"] = True
-            vanished[old["ppid"]] = vanished.get(old["ppid"], 0.0) + old["self_cpu_s"] + old["reaped_cpu_s"]
+            vanished[old["ppid"]] = vanished.get(old["ppid"], 0.0) + old["self_cpu_s"] + old["reaped_children_cpu_s"]
         for pid, sample in current.items():
             old = seen.get(pid)
-            reaped_delta = sample["reaped_cpu_s"] - (old["reaped_cpu_s"] if old is not None else 0.0)
+            reaped_delta = sample["reaped_children_cpu_s"] - (old["reaped_children_cpu_s"] if old is not None else 0.0)
             unexplained = reaped_delta - vanished.get(pid, 0.0)
             if unexplained > 0:
                 kind = child_kind_of(sample)

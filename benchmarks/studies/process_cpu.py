@@ -50,8 +50,8 @@ def _sample(pid: int) -> dict | None:
         return None
     fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)": state is field 3 of proc(5)
     utime, stime, cutime, cstime = (int(x) / CLOCK_TICKS_PER_S for x in fields[11:15])
-    return {"ppid": int(fields[1]), "comm": stat[stat.index("(") + 1:stat.rindex(")")], "cmdline": cmdline[:200],
-            "self_cpu_s": utime + stime, "reaped_children_cpu_s": cutime + cstime,
+    return {"ppid": int(fields[1]), "comm": stat[stat.index("(") + 1:stat.rindex(")")], "cmdline": cmdline[:300],
+            "self_cpu_s": utime + stime, "system_cpu_s": stime, "reaped_children_cpu_s": cutime + cstime,
             "rss_mib": int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20}
 
 

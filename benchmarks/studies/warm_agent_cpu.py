@@ -18,17 +18,15 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from gyre.benchmarks.studies.agent_warmup_cost import canned_server
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLBOX = ROOT / "examples" / "toolbox"
 AGENT = TOOLBOX / "agent.py"
-CANNED = Path(__file__).resolve().with_name("agent_warmup_cost.py")
 TASK = "Write the words amber bird to answer.txt."
 
 
@@ -74,24 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from evaluate import AGENT_PRELOAD
 
     preload = tuple(entry for entry in args.preload.split(",") if entry) or AGENT_PRELOAD
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(CANNED), "--serve", str(port)])
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("warm_agent_cpu: the canned server did not start")
-                time.sleep(0.05)
+    with canned_server() as port:
         per_agent_s = asyncio.run(_measure(args.agents, port, preload))
-    finally:
-        server.kill()
-        server.wait()
     print(json.dumps({"agents": args.agents, "preload": list(preload),
                       "cpu_ms_per_agent": round(1000 * per_agent_s, 1)}))
     return 0

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.engines.model_format import PRESETS, ModelSpec, init_model_dir, init_state_dict, save_hf_state_dict
+from gyre.engines.model_format import PRESETS, ModelSpec, init_model_dir, save_hf_state_dict
+from gyre.engines.testing import spread_state_dict
 from gyre.engines.trainer import token_logprobs
 
 ATOL = 1e-4
@@ -30,11 +31,7 @@ def moe_dir(request, tmp_path_factory):
     torch.set_num_threads(2)
     spec = SPECS[request.param]
     path = init_model_dir(tmp_path_factory.mktemp("moe-model"), spec, seed=0)
-    state = init_state_dict(spec, seed=41, std=0.08)
-    g = torch.Generator().manual_seed(42)
-    for name, tensor in state.items():
-        if tensor.dim() == 1:
-            state[name] = torch.rand(tensor.shape, generator=g) + 0.5
+    state = spread_state_dict(spec, seed=41)
     save_hf_state_dict(path, state)
     return path
 

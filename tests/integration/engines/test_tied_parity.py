@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre.engines.model_format import PRESETS, ModelSpec, init_model_dir, init_state_dict, save_hf_state_dict
+from gyre.engines.model_format import PRESETS, ModelSpec, init_model_dir, save_hf_state_dict
+from gyre.engines.testing import spread_state_dict
 from gyre.engines.trainer import MegatronTrainer, TrainerConfig, token_logprobs
 
 ATOL = 1e-4
@@ -23,11 +24,7 @@ def tied_dir(tmp_path_factory):
     torch.set_num_threads(2)
     path = init_model_dir(tmp_path_factory.mktemp("tied-model"), "tiny-tied", seed=0)
     # A wider spread than init and random norm weights, so a dropped tie or a wrong mapping shows far above 1e-4.
-    state = init_state_dict(PRESETS["tiny-tied"], seed=21, std=0.08)
-    g = torch.Generator().manual_seed(22)
-    for name, tensor in state.items():
-        if tensor.dim() == 1:
-            state[name] = torch.rand(tensor.shape, generator=g) + 0.5
+    state = spread_state_dict(PRESETS["tiny-tied"], seed=21)
     save_hf_state_dict(path, state)
     return path
 
